@@ -1,0 +1,1 @@
+"""The collector: ingest, store, efficiency breakdowns, failure scoring, alerts, queries, metrics."""

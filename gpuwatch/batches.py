@@ -1,0 +1,190 @@
+"""Building and checking columnar telemetry batches (gpuwatch.v1.TelemetryBatch).
+
+The agent, the replay tool and the benchmarks build batches with :class:`BatchBuilder`; the collector
+checks every batch it receives with :func:`validate` before storing it, so both sides agree on one
+definition of a well-formed batch.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+from gpuwatch import fields
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+SCHEMA_VERSION = pb.SCHEMA_VERSION_1
+# A batch larger than this is refused by the collector (gRPC max receive size), so builders split before it.
+MAX_BATCH_BYTES = 16 * 1024 * 1024
+
+NAN = math.nan
+
+
+class BatchError(ValueError):
+    """A batch that breaks the wire contract; the message names the part that is wrong."""
+
+
+class BatchBuilder:
+    """Accumulates rows per GPU and host, then emits one columnar batch.
+
+    Values missing at a tick (a slow-tier field between slow samples, an unsupported field) are NaN.
+    """
+
+    def __init__(self, node: pb.NodeIdentity, agent_id: str, gpus: Sequence[pb.GpuInfo] = ()) -> None:
+        self.node = node
+        self.agent_id = agent_id
+        self.gpus = list(gpus)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._gpu_rows: dict[int, dict[str, list]] = {}
+        self._host: dict[str, list] = {"ts_ms": []}
+        self._host_cols: dict[str, list[float]] = {}
+        self._events: list[pb.Event] = []
+        self._spans: pb.SpanTable | None = None
+
+    def __len__(self) -> int:
+        """Number of rows (GPU and host) and events held."""
+        return sum(len(r["ts_ms"]) for r in self._gpu_rows.values()) + len(self._host["ts_ms"]) + len(self._events)
+
+    def add_gpu_row(
+        self,
+        gpu_index: int,
+        ts_ms: int,
+        values: Mapping[str, float],
+        job_id: str = "",
+        rank: int = -1,
+        local_rank: int = -1,
+    ) -> None:
+        rows = self._gpu_rows.setdefault(
+            gpu_index, {"ts_ms": [], "job_id": [], "rank": [], "local_rank": [], "cols": {}}
+        )
+        n = len(rows["ts_ms"])
+        rows["ts_ms"].append(int(ts_ms))
+        rows["job_id"].append(job_id)
+        rows["rank"].append(int(rank))
+        rows["local_rank"].append(int(local_rank))
+        _append_values(rows["cols"], n, values)
+
+    def add_host_row(self, ts_ms: int, values: Mapping[str, float]) -> None:
+        n = len(self._host["ts_ms"])
+        self._host["ts_ms"].append(int(ts_ms))
+        _append_values(self._host_cols, n, values)
+
+    def add_event(
+        self,
+        kind: str,
+        ts_ms: int,
+        gpu_index: int = -1,
+        code: int = 0,
+        message: str = "",
+        attrs: Mapping[str, str] | None = None,
+    ) -> None:
+        self._events.append(
+            pb.Event(ts_ms=int(ts_ms), gpu_index=gpu_index, kind=kind, code=code, message=message, attrs=attrs or {})
+        )
+
+    def add_spans(self, spans: pb.SpanTable) -> None:
+        if self._spans is None:
+            self._spans = pb.SpanTable()
+        self._spans.MergeFrom(spans)
+
+    def build(self, sequence: int, created_ms: int | None = None) -> pb.TelemetryBatch:
+        """Emit the batch and reset the builder."""
+        batch = pb.TelemetryBatch(
+            schema_version=SCHEMA_VERSION,
+            agent_id=self.agent_id,
+            sequence=sequence,
+            node=self.node,
+            gpus=self.gpus,
+            created_ms=created_ms if created_ms is not None else int(time.time() * 1000),
+        )
+        for gpu_index in sorted(self._gpu_rows):
+            rows = self._gpu_rows[gpu_index]
+            n = len(rows["ts_ms"])
+            batch.samples.append(
+                pb.GpuSamples(
+                    gpu_index=gpu_index,
+                    ts_ms=rows["ts_ms"],
+                    job_id=rows["job_id"],
+                    rank=rows["rank"],
+                    local_rank=rows["local_rank"],
+                    columns=[pb.Column(field=k, values=_padded(v, n)) for k, v in rows["cols"].items()],
+                )
+            )
+        n_host = len(self._host["ts_ms"])
+        if n_host:
+            batch.host.ts_ms.extend(self._host["ts_ms"])
+            batch.host.columns.extend(
+                pb.Column(field=k, values=_padded(v, n_host)) for k, v in self._host_cols.items()
+            )
+        batch.events.extend(self._events)
+        if self._spans is not None:
+            batch.spans.CopyFrom(self._spans)
+        self._reset()
+        return batch
+
+
+def _append_values(cols: dict[str, list[float]], row: int, values: Mapping[str, float]) -> None:
+    for name, value in values.items():
+        col = cols.get(name)
+        if col is None:
+            col = cols[name] = [NAN] * row
+        elif len(col) < row:
+            col.extend([NAN] * (row - len(col)))
+        col.append(float(value))
+
+
+def _padded(col: list[float], n: int) -> list[float]:
+    return col + [NAN] * (n - len(col)) if len(col) < n else col
+
+
+_SPAN_COLUMNS = ("job_id", "rank", "step", "kind", "name", "start_us", "dur_us",
+                 "process_group", "seq", "bytes", "world_size", "node", "peer")
+
+
+def validate(batch: pb.TelemetryBatch) -> None:
+    """Raise :class:`BatchError` naming the first thing wrong with ``batch``; return None if well-formed."""
+    if batch.schema_version != SCHEMA_VERSION:
+        raise BatchError(f"schema_version {batch.schema_version} is not supported (this collector reads {SCHEMA_VERSION})")
+    if not batch.agent_id:
+        raise BatchError("agent_id is empty")
+    if batch.sequence < 1:
+        raise BatchError("sequence must be >= 1")
+    if not batch.node.node:
+        raise BatchError("node.node (the node name) is empty")
+    known_gpus = {g.index for g in batch.gpus}
+    seen: set[int] = set()
+    for s in batch.samples:
+        where = f"samples for GPU {s.gpu_index}"
+        if known_gpus and s.gpu_index not in known_gpus:
+            raise BatchError(f"{where}: GPU index not in the batch's gpus inventory")
+        if s.gpu_index in seen:
+            raise BatchError(f"{where}: GPU appears twice")
+        seen.add(s.gpu_index)
+        n = len(s.ts_ms)
+        for name, col in (("job_id", s.job_id), ("rank", s.rank), ("local_rank", s.local_rank)):
+            if len(col) not in (0, n):
+                raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
+        _check_columns(where, s.columns, n, fields.GPU_FIELD_NAMES)
+    _check_columns("host samples", batch.host.columns, len(batch.host.ts_ms), fields.HOST_FIELD_NAMES)
+    for e in batch.events:
+        if not e.kind:
+            raise BatchError("an event has an empty kind")
+    lengths = {name: len(getattr(batch.spans, name)) for name in _SPAN_COLUMNS}
+    n_spans = lengths["start_us"]
+    bad = [name for name, n in lengths.items() if n not in (0, n_spans)]
+    if bad:
+        raise BatchError(f"spans: columns {', '.join(bad)} do not have {n_spans} entries like start_us")
+
+
+def _check_columns(where: str, columns, n: int, allowed: tuple[str, ...]) -> None:
+    names = set()
+    for col in columns:
+        if col.field not in allowed:
+            raise BatchError(f"{where}: unknown field {col.field!r}")
+        if col.field in names:
+            raise BatchError(f"{where}: field {col.field!r} appears twice")
+        names.add(col.field)
+        if len(col.values) != n:
+            raise BatchError(f"{where}: field {col.field!r} has {len(col.values)} values for {n} timestamps")

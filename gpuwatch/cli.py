@@ -1,0 +1,61 @@
+"""The `gpuwatch` command: a thin dispatcher over the subcommands' modules.
+
+Each module named in COMMANDS provides ``add_arguments(command, parser)`` and ``run(command, args) -> int``.
+Only the module of the command being run is imported, so `gpuwatch --help` and the agent start fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from gpuwatch import __version__
+from gpuwatch.errors import UserError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "agent": ("gpuwatch.agent.cli", "run the node agent: sample GPUs and stream them to a collector"),
+    "collector": ("gpuwatch.collector.cli", "run the collector: receive, store, analyse, alert"),
+    "nodes": ("gpuwatch.collector.query_cli", "list the nodes a collector has seen"),
+    "gpus": ("gpuwatch.collector.query_cli", "list GPUs with their latest job"),
+    "latest": ("gpuwatch.collector.query_cli", "latest values of every field, per GPU"),
+    "series": ("gpuwatch.collector.query_cli", "one field's time series for one GPU"),
+    "events": ("gpuwatch.collector.query_cli", "events (XIDs, GPU lost, agent start/stop, ...)"),
+    "demo": ("gpuwatch.demo", "run a simulated fleet into a local collector and show it live"),
+    "analyze": ("gpuwatch.collector.efficiency.cli", "efficiency breakdown of profiler traces or span tables"),
+    "submit-trace": ("gpuwatch.collector.query_cli", "send traces of a job to the collector for analysis"),
+    "breakdown": ("gpuwatch.collector.query_cli", "a job's efficiency breakdown from the collector"),
+    "jobs": ("gpuwatch.collector.query_cli", "jobs the collector knows, with ranks, nodes, step rate, lost time"),
+    "alerts": ("gpuwatch.collector.query_cli", "active (and resolved) early-failure and slow-rank alerts"),
+    "simulate": ("gpuwatch.models.cli", "write a recording of a simulated fleet with failures"),
+    "train": ("gpuwatch.models.cli", "train the failure classifier on a recording or a store"),
+    "evaluate": ("gpuwatch.models.cli", "time-split evaluation of a model against the rule baseline"),
+    "replay": ("gpuwatch.replay", "run a recording through the pipeline"),
+    "import": ("gpuwatch.replay", "turn CSV/Parquet telemetry into a recording"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="gpuwatch",
+        description="Where GPU time goes in training clusters, and which GPU is about to fail.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpuwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:
+            importlib.import_module(module).add_arguments(name, p)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args.command, args) or 0)
+    except UserError as exc:
+        print(f"gpuwatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,1 @@
+"""Failure prediction: fault taxonomy, rule baseline, simulated failures, features, training, evaluation."""
