@@ -1,0 +1,183 @@
+"""Prometheus exposition: rendered from a constructed snapshot, checked by promtool, scraped over real HTTP."""
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuwatch import fields
+from gpuwatch.collector import exporter
+from gpuwatch.collector.exporter import EXPORTED_METRICS, LatencyHistogram, build_registry, start_metrics_server
+from gpuwatch.errors import UserError
+
+PROMTOOL = shutil.which("promtool")
+TOKEN = "scrape-token"
+
+
+def _gpu(node: str, index: int, missing: tuple[str, ...] = (), **extra) -> dict:
+    values = {f.name: math.nan if f.name in missing else float(index + 1) for f in fields.GPU_FIELDS}
+    return {"node": node, "gpu": index, "gpu_uuid": f"GPU-{node}-{index}", "model": "NVIDIA H100 80GB HBM3",
+            "values": values, **extra}
+
+
+def _snapshot(n_jobs: int = 2) -> dict:
+    latency = LatencyHistogram()
+    for seconds in (0.002, 0.004, 0.3):
+        latency.observe(seconds)
+    jobs = [
+        {"job_id": f"job-{j}", "breakdown": {"compute": 0.55, "comm_wait": 0.25, "host_stall": 0.2, "bogus": 1.0},
+         "lost_gpu_seconds_total": 100.0 * j, "rank_lost_ratio": {0: 0.4, 1: 0.5}, "stragglers": {1: 0.012} if j else {}}
+        for j in range(n_jobs)
+    ]
+    return {
+        "gpus": [_gpu("n1", 0, xid_counts={79: 1, 13: 2}, failure_risk=0.91, health="fail", job_id="job-1", rank=1),
+                 _gpu("n1", 1, ("gpu_power_watts",), failure_risk=0.05, health="ok"), _gpu("n2", 0, health="melting")],
+        "hosts": [{"node": "n1", "values": {f.name: 1.0 for f in fields.HOST_FIELDS}}],
+        "jobs": jobs,
+        "ingest": {"batches_total": 10, "samples_total": 800, "duplicates_total": 1, "rejected_total": 2,
+                   "write_queue_depth": 3, "commit_seconds": latency.snapshot(), "not_a_metric": 5},
+        "agents": [{"node": "n1", "spool_bytes": 4096, "spool_dropped_total": 0, "last_seen_timestamp_seconds": 1.7e9}],
+    }
+
+
+def _render(snapshot: dict, **kw) -> str:
+    return generate_latest(build_registry(lambda: snapshot, **kw)).decode()
+
+
+def _samples(text: str) -> list:
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def _value(text: str, name: str, **labels) -> float:
+    matches = [s.value for s in _samples(text) if s.name == name and labels.items() <= s.labels.items()]
+    assert len(matches) == 1, (name, labels, matches)
+    return matches[0]
+
+
+def test_render_values_and_types():
+    text = _render(_snapshot())
+    assert _value(text, "gpu_utilization_ratio", node="n1", gpu="1") == 2.0
+    assert _value(text, "gpu_energy_joules_total", node="n2", gpu="0") == 1.0
+    assert "# TYPE gpu_energy_joules_total counter" in text and "# TYPE gpu_temperature_celsius gauge" in text
+    assert {s.labels["gpu"] for s in _samples(text) if s.name == "gpu_power_watts" and s.labels["node"] == "n1"} == {"0"}
+    assert _value(text, "gpu_xid_errors_total", gpu="0", node="n1", xid="13") == 2.0
+    assert _value(text, "gpuwatch_gpu_failure_risk_ratio", node="n1", gpu="0") == 0.91
+    assert _value(text, "gpuwatch_gpu_health_state", node="n1", gpu="0", state="fail") == 1.0
+    assert _value(text, "gpuwatch_gpu_health_state", node="n1", gpu="0", state="ok") == 0.0
+    assert not [s for s in _samples(text) if s.name == "gpuwatch_gpu_health_state" and s.labels["node"] == "n2"]
+    assert _value(text, "gpuwatch_gpu_job_info", node="n1", gpu="0") == 1.0
+    assert _value(text, "gpuwatch_job_breakdown_ratio", job_id="job-1", category="comm_wait") == 0.25
+    assert _value(text, "gpuwatch_job_lost_gpu_seconds_total", job_id="job-1") == 100.0
+    assert _value(text, "gpuwatch_job_stragglers", job_id="job-0") == 0.0
+    assert _value(text, "gpuwatch_job_straggler_lateness_seconds", job_id="job-1", rank="1") == 0.012
+    assert _value(text, "gpuwatch_ingest_write_queue_depth") == 3.0
+    assert _value(text, "gpuwatch_ingest_commit_seconds_bucket", le="0.005") == 2.0
+    assert _value(text, "gpuwatch_ingest_commit_seconds_count") == 3.0
+    assert _value(text, "gpuwatch_agent_spool_bytes", node="n1") == 4096.0
+    assert _value(text, "gpuwatch_build_info") == 1.0
+
+
+def test_every_exported_name_is_in_the_catalogue_with_its_type():
+    families = list(text_string_to_metric_families(_render(_snapshot())))
+    for family in families:
+        full = family.name + "_total" if family.type == "counter" else family.name
+        assert EXPORTED_METRICS.get(full) == family.type, full
+    assert len(families) == len(EXPORTED_METRICS)  # a full snapshot fills every family
+    assert all(name.endswith("_total") for name, kind in EXPORTED_METRICS.items() if kind == "counter")
+
+
+def test_label_cardinality_is_bounded():
+    text = _render(_snapshot())
+    allowed = {spec.name: set(spec.labels) for spec in exporter.METRICS}
+    for sample in _samples(text):
+        base = sample.name.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
+        labels = set(sample.labels) - {"le"}
+        assert labels == allowed.get(base, allowed.get(sample.name)), sample
+    categories = {s.labels["category"] for s in _samples(text) if "category" in s.labels}
+    assert categories <= set(exporter.BREAKDOWN_CATEGORIES) and "bogus" not in categories
+    forbidden = {"step", "seq", "pid", "sequence"}
+    assert not forbidden & {label for spec in exporter.METRICS for label in spec.labels}
+
+
+def test_job_limit_keeps_the_costliest_jobs():
+    text = _render(_snapshot(n_jobs=5), max_jobs=2)
+    kept = {s.labels["job_id"] for s in _samples(text) if s.name == "gpuwatch_job_stragglers"}
+    assert kept == {"job-4", "job-3"}
+    assert _value(text, "gpuwatch_exporter_jobs_omitted") == 3.0
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package 'prometheus')")
+def test_promtool_accepts_the_exposition():
+    result = subprocess.run([PROMTOOL, "check", "metrics"], input=_render(_snapshot()), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+def _get(url: str, token: str | None = None, accept: str | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    if accept:
+        request.add_header("Accept", accept)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_scrape_over_http_with_token():
+    scrapes = []
+
+    def provider():
+        scrapes.append(1)
+        return _snapshot()
+
+    with start_metrics_server("127.0.0.1:0", provider, token=TOKEN) as server:
+        assert _get(server.url)[0] == 401
+        assert _get(server.url, token="wrong")[0] == 401
+        assert not scrapes  # refused requests never reach the provider
+        status, body = _get(server.url, token=TOKEN)
+        assert status == 200 and _value(body, "gpuwatch_ingest_batches_total") == 10.0
+        status, body = _get(server.url, token=TOKEN, accept="application/openmetrics-text; version=1.0.0")
+        assert status == 200 and body.rstrip().endswith("# EOF")
+        assert _get(server.url.replace("/metrics", "/other"), token=TOKEN)[0] == 404
+    assert len(scrapes) == 2
+
+
+def test_scrape_without_token_on_loopback_reflects_each_snapshot():
+    state = {"batches_total": 1}
+    with start_metrics_server("127.0.0.1:0", lambda: {"ingest": dict(state)}) as server:
+        assert _value(_get(server.url)[1], "gpuwatch_ingest_batches_total") == 1.0
+        state["batches_total"] = 7
+        assert _value(_get(server.url)[1], "gpuwatch_ingest_batches_total") == 7.0
+
+
+def test_refuses_public_bind_without_token():
+    with pytest.raises(UserError, match="refusing serving metrics on 0.0.0.0:0 without a bearer token"):
+        start_metrics_server("0.0.0.0:0", dict)
+    with start_metrics_server("0.0.0.0:0", dict, insecure=True) as server:
+        assert _get(f"http://127.0.0.1:{server.port}/metrics")[0] == 200
+
+
+def test_bad_listen_address_and_port_in_use():
+    with pytest.raises(UserError, match="metrics listen address 'nowhere' is not HOST:PORT"):
+        start_metrics_server("nowhere", dict)
+    with start_metrics_server("127.0.0.1:0", dict) as server:
+        with pytest.raises(UserError, match=f"cannot serve metrics on 127.0.0.1:{server.port}"):
+            start_metrics_server(f"127.0.0.1:{server.port}", dict)
+
+
+def test_latency_histogram_is_cumulative():
+    hist = LatencyHistogram(buckets=(0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 3.0):
+        hist.observe(seconds)
+    snap = hist.snapshot()
+    assert snap["buckets"] == [(0.1, 2), (1.0, 3), (math.inf, 4)]
+    assert snap["sum"] == pytest.approx(3.65)
