@@ -1,0 +1,274 @@
+"""The collector's gRPC server: Ingest (agents stream batches, acked after commit) and Query (read API).
+
+Ingest takes the raw bytes of each batch and decodes them itself, so a malformed, oversized or wrong-version
+batch is answered with a precise status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION) and a
+log line naming the agent and peer, while every other client keeps being served. Query methods are plain
+functions ``handler(request, store) -> response`` looked up by method name, so other features plug theirs in
+through ``serve(..., query_handlers={"Breakdown": fn})``; a method without a handler answers UNIMPLEMENTED.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from gpuwatch.batches import MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, validate
+from gpuwatch.collector.store.duckdb import DuckDBStore, StoreClosed, WriteResult
+from gpuwatch.errors import UserError
+from gpuwatch.v1 import query_pb2 as q
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 7700
+# gRPC refuses messages above this outright (memory guard); batches between MAX_BATCH_BYTES and this
+# reach decode_batch, which answers with a message that says what to do.
+_HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
+
+QueryHandler = Callable[[Message, DuckDBStore], Message]
+
+
+class BatchRejected(Exception):
+    """A batch the collector will not store: the gRPC status to answer and why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, agent: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.agent = agent
+
+
+def decode_batch(raw: bytes) -> pb.TelemetryBatch:
+    """Parse and validate one batch's bytes; raise :class:`BatchRejected` with the status to answer."""
+    if len(raw) > MAX_BATCH_BYTES:
+        raise BatchRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
+    try:
+        batch = pb.TelemetryBatch.FromString(raw)
+    except DecodeError as exc:
+        raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{len(raw)} bytes are not a gpuwatch.v1.TelemetryBatch ({exc})") from None
+    try:
+        validate(batch)
+    except BatchError as exc:
+        code = (grpc.StatusCode.FAILED_PRECONDITION if batch.schema_version != SCHEMA_VERSION
+                else grpc.StatusCode.INVALID_ARGUMENT)
+        raise BatchRejected(code, f"batch {batch.sequence} of agent {batch.agent_id or '?'}: {exc}",
+                            batch.agent_id) from None
+    return batch
+
+
+def _ack(result: WriteResult) -> pb.BatchAck:
+    return pb.BatchAck(agent_id=result.agent_id, sequence=result.sequence, duplicate=result.duplicate)
+
+
+class IngestService:
+    """Stores every well-formed batch once and acknowledges it only after the store committed it."""
+
+    def __init__(self, store: DuckDBStore) -> None:
+        self.store = store
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        ack = pb.BatchAck.SerializeToString
+        return grpc.method_handlers_generic_handler("gpuwatch.v1.Ingest", {
+            # No request deserializer: the handlers get raw bytes and decode them in decode_batch.
+            "Stream": grpc.stream_stream_rpc_method_handler(self.stream, response_serializer=ack),
+            "Push": grpc.unary_unary_rpc_method_handler(self.push, response_serializer=ack),
+        })
+
+    def push(self, raw: bytes, context: grpc.ServicerContext) -> pb.BatchAck:
+        batch = self._decode_or_abort(raw, context)
+        return _ack(self._submit_or_abort(batch, context).result())
+
+    def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[pb.BatchAck]:
+        """Read batches on a helper thread so many are in flight; yield their acks in order as they commit."""
+        pending: queue.Queue = queue.Queue()
+        done = object()
+
+        def read() -> None:
+            try:
+                for raw in requests:
+                    try:
+                        pending.put(self.store.submit(decode_batch(raw)))
+                    except (BatchRejected, StoreClosed) as exc:
+                        pending.put(exc)
+                        return
+            except grpc.RpcError:  # the client went away; what was submitted is still stored
+                pass
+            finally:
+                pending.put(done)
+
+        threading.Thread(target=read, name="ingest-stream-reader", daemon=True).start()
+        while (item := pending.get()) is not done:
+            if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
+                self._abort(item, context)
+            try:
+                result = item.result()
+            except Exception as exc:
+                log.error("store failed for a batch from %s: %s", context.peer(), exc)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"the collector could not store the batch: {exc}")
+            yield _ack(result)
+
+    def _decode_or_abort(self, raw: bytes, context: grpc.ServicerContext) -> pb.TelemetryBatch:
+        try:
+            return decode_batch(raw)
+        except BatchRejected as exc:
+            self._abort(exc, context)
+
+    def _submit_or_abort(self, batch: pb.TelemetryBatch, context: grpc.ServicerContext):
+        try:
+            return self.store.submit(batch)
+        except StoreClosed as exc:
+            self._abort(exc, context)
+
+    @staticmethod
+    def _abort(exc: BaseException, context: grpc.ServicerContext) -> None:
+        if isinstance(exc, BatchRejected):
+            log.warning("rejected a batch from agent %s (peer %s): %s", exc.agent or "?", context.peer(), exc.message)
+            context.abort(exc.code, exc.message)
+        else:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
+
+
+# ------------------------------------------------------------------------------------- query side
+def list_nodes(request: q.ListNodesRequest, store: DuckDBStore) -> q.ListNodesResponse:
+    return q.ListNodesResponse(nodes=[
+        q.NodeSummary(node=r["node"], gpus=r["gpus"], samples=r["samples"], last_seen_ms=r["last_seen_ms"],
+                      agent_id=r["agent_id"], last_sequence=r["last_sequence"])
+        for r in store.nodes()])
+
+
+def list_gpus(request: q.ListGpusRequest, store: DuckDBStore) -> q.ListGpusResponse:
+    info_fields = pb.GpuInfo.DESCRIPTOR.fields_by_name
+    return q.ListGpusResponse(gpus=[
+        q.GpuSummary(node=r["node"], info=pb.GpuInfo(**{k: v for k, v in r.items() if k in info_fields}),
+                     samples=r["samples"], last_seen_ms=r["last_sample_ms"] or 0, job_id=r["job_id"] or "",
+                     rank=-1 if r["rank"] is None else r["rank"])
+        for r in store.gpus(request.node or None)])
+
+
+def latest(request: q.LatestRequest, store: DuckDBStore) -> q.LatestResponse:
+    rows = store.latest(request.node or None, None if request.gpu_index < 0 else request.gpu_index)
+    identity = {"node", "gpu_index", "ts_ms"}
+    return q.LatestResponse(rows=[
+        q.LatestRow(node=r["node"], gpu_index=r["gpu_index"], ts_ms=r["ts_ms"],
+                    values={k: v for k, v in r.items() if k not in identity and v is not None})
+        for r in rows])
+
+
+def series(request: q.SeriesRequest, store: DuckDBStore) -> q.SeriesResponse:
+    if not request.node or not request.field:
+        raise UserError("a series needs node and field")
+    df = store.series(request.node, request.gpu_index, request.field, since_ms=request.since_ms or None,
+                      until_ms=request.until_ms or None, limit=request.limit or None)
+    return q.SeriesResponse(ts_ms=df["ts_ms"].tolist(), values=df["value"].tolist())
+
+
+def events(request: q.EventsRequest, store: DuckDBStore) -> q.EventsResponse:
+    rows = store.events(request.node or None, request.kind or None, request.since_ms or None, request.limit or None)
+    return q.EventsResponse(events=[
+        q.EventsResponse.Row(node=r["node"], event=pb.Event(
+            ts_ms=r["ts_ms"], gpu_index=r["gpu_index"], kind=r["kind"], code=r["code"], message=r["message"] or "",
+            attrs=r["attrs"]))
+        for r in rows])
+
+
+DEFAULT_QUERY_HANDLERS: dict[str, QueryHandler] = {
+    "ListNodes": list_nodes, "ListGpus": list_gpus, "Latest": latest, "Series": series, "Events": events,
+}
+
+
+def query_handler(store: DuckDBStore, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
+    """The Query service over ``handlers``; UserError becomes INVALID_ARGUMENT, no handler UNIMPLEMENTED."""
+    service = q.DESCRIPTOR.services_by_name["Query"]
+
+    def method(name: str) -> Callable[[Message, grpc.ServicerContext], Message]:
+        def call(request: Message, context: grpc.ServicerContext) -> Message:
+            fn = handlers.get(name)
+            if fn is None:
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not available in this collector yet")
+            try:
+                return fn(request, store)
+            except UserError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return call
+
+    return grpc.method_handlers_generic_handler(service.full_name, {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            method(m.name),
+            request_deserializer=getattr(q, m.input_type.name).FromString,
+            response_serializer=getattr(q, m.output_type.name).SerializeToString)
+        for m in service.methods})
+
+
+# ----------------------------------------------------------------------------------------- serving
+class CollectorServer:
+    """A running collector: its gRPC server and store. ``stop`` commits what was received, then closes."""
+
+    def __init__(self, server: grpc.Server, store: DuckDBStore, host: str, port: int) -> None:
+        self._server = server
+        self.store = store
+        self.host = host
+        self.port = port
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop taking RPCs (open streams get ``grace`` seconds), flush the write queue, close the store."""
+        if self._stopped.is_set():
+            return
+        self._server.stop(grace).wait()
+        self.store.close()
+        self._stopped.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`stop` has finished; return whether it has."""
+        return self._stopped.wait(timeout)
+
+
+def serve(
+    listen: str,
+    db_path: str,
+    *,
+    retention_days: float | None = None,
+    max_workers: int = 256,
+    query_handlers: Mapping[str, QueryHandler] | None = None,
+    **store_options: Any,
+) -> CollectorServer:
+    """Open the store and start serving on ``listen`` ("host:port", port 0 picks a free one).
+
+    ``max_workers`` bounds concurrent RPCs; every connected agent's stream holds one worker.
+    Raises UserError when the store is locked by another process or the address cannot be bound.
+    """
+    host, _, port_text = listen.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise UserError(f"--listen {listen!r} is not HOST:PORT")
+    store = DuckDBStore(db_path, retention_days=retention_days, **store_options)
+    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"), options=[
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
+        ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
+    ])
+    server.add_generic_rpc_handlers((
+        IngestService(store).handler(),
+        query_handler(store, {**DEFAULT_QUERY_HANDLERS, **(query_handlers or {})}),
+    ))
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if not port:
+        store.close()
+        raise UserError(f"cannot listen on {listen}: the address is in use or not local")
+    server.start()
+    log.info("collector listening on %s:%d, store %s", host, port, db_path)
+    return CollectorServer(server, store, host, port)

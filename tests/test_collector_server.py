@@ -1,0 +1,151 @@
+"""The collector over real gRPC on loopback: ingest, dedup, rejections, queries, plug-in handlers, query CLI."""
+import json
+import socket
+
+import grpc
+import pytest
+
+from gpuwatch import cli
+from gpuwatch.batches import MAX_BATCH_BYTES
+from gpuwatch.collector import client
+from gpuwatch.collector.server import serve
+from gpuwatch.errors import UserError
+from gpuwatch.v1 import query_pb2 as q
+from gpuwatch.v1 import telemetry_pb2 as pb
+from test_collector_support import ROWS_PER_BATCH, TICKS, make_batch
+
+
+@pytest.fixture
+def collector(tmp_path):
+    server = serve("127.0.0.1:0", str(tmp_path / "c.duckdb"),
+                   query_handlers={"Jobs": lambda request, store: q.JsonResponse(json=json.dumps(store.jobs_seen()))})
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def channel(collector):
+    ch = client.channel(collector.address)
+    yield ch
+    ch.close()
+
+
+def test_streamed_batches_are_stored_once_and_queryable(collector, channel):
+    acks = list(client.stream_batches(channel, [make_batch(seq) for seq in (1, 2, 3)]))
+    assert [(a.sequence, a.duplicate) for a in acks] == [(1, False), (2, False), (3, False)]
+    stub = client.connect(collector.address)
+    (node,) = stub.ListNodes(q.ListNodesRequest()).nodes
+    assert (node.node, node.gpus, node.samples, node.agent_id, node.last_sequence) == (
+        "node-1", 2, 3 * ROWS_PER_BATCH, "agent-1", 3)
+    gpus = stub.ListGpus(q.ListGpusRequest(node="node-1")).gpus
+    assert [(g.info.index, g.info.uuid, g.job_id, g.rank) for g in gpus] == [
+        (0, "GPU-node-1-0", "", -1), (1, "GPU-node-1-1", "job-7", 1)]
+    rows = stub.Latest(q.LatestRequest(gpu_index=-1)).rows
+    assert [r.gpu_index for r in rows] == [0, 1] and rows[1].values["gpu_power_watts"] == pytest.approx(103.2)
+    assert "gpu_sm_active_ratio" not in rows[0].values
+    series = stub.Series(q.SeriesRequest(node="node-1", gpu_index=1, field="gpu_power_watts"))
+    assert len(series.ts_ms) == 3 * TICKS and list(series.ts_ms) == sorted(series.ts_ms)
+    events = stub.Events(q.EventsRequest(kind="xid", limit=2)).events
+    assert [e.event.attrs["seq"] for e in events] == ["3", "2"]
+
+
+def test_resent_batches_are_acked_as_duplicates_not_stored_twice(collector, channel):
+    assert not client.push(channel, make_batch(1)).duplicate
+    # 1 again, then 2 twice in one burst: the second 2 may land in the same write group as the first
+    acks = list(client.stream_batches(channel, [make_batch(s) for s in (1, 2, 2, 3, 3)], window=8))
+    assert [(a.sequence, a.duplicate) for a in acks] == [(1, True), (2, False), (2, True), (3, False), (3, True)]
+    assert collector.store.count("gpu_samples") == 3 * ROWS_PER_BATCH
+
+
+def _oversized() -> bytes:
+    batch = make_batch(1)
+    batch.samples[0].columns[0].values.extend([0.0] * (MAX_BATCH_BYTES // 8))
+    return batch.SerializeToString()
+
+
+def _wrong_version() -> pb.TelemetryBatch:
+    batch = make_batch(1)
+    batch.schema_version = 7
+    return batch
+
+
+def _unknown_field() -> pb.TelemetryBatch:
+    batch = make_batch(1)
+    batch.samples[0].columns[0].field = "gpu_flux_capacitance"
+    return batch
+
+
+@pytest.mark.parametrize("make_bad, code, message", [
+    (lambda: b"\x0a\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "not a gpuwatch.v1.TelemetryBatch"),
+    (_wrong_version, grpc.StatusCode.FAILED_PRECONDITION, "schema_version 7 is not supported"),
+    (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED, "over the 16777216-byte limit"),
+    (_unknown_field, grpc.StatusCode.INVALID_ARGUMENT, "unknown field 'gpu_flux_capacitance'"),
+], ids=["undecodable", "wrong-version", "oversized", "unknown-field"])
+@pytest.mark.parametrize("rpc", ["push", "stream"])
+def test_bad_batches_get_a_clear_status_and_others_are_still_served(collector, channel, make_bad, code, message, rpc):
+    bad = make_bad()
+    with pytest.raises(grpc.RpcError) as err:
+        if rpc == "push":
+            client.push(channel, bad)
+        else:  # a good batch first: it is acked before the stream is refused
+            acks = client.stream_batches(channel, [make_batch(5, agent="agent-9"), bad])
+            assert next(acks).sequence == 5
+            list(acks)
+    assert err.value.code() == code and message in err.value.details()
+    other = client.channel(collector.address)
+    assert not client.push(other, make_batch(1, agent="agent-2", node="node-2")).duplicate
+    assert collector.store.count("gpu_samples") == ROWS_PER_BATCH * (2 if rpc == "stream" else 1)
+    other.close()
+
+
+def test_query_methods_without_a_handler_are_unimplemented_and_handlers_plug_in(collector, channel):
+    client.push(channel, make_batch(1))
+    stub = client.connect(collector.address)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Breakdown(q.BreakdownRequest(job_id="job-7"))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "Breakdown" in err.value.details()
+    jobs = json.loads(stub.Jobs(q.JobsRequest()).json)
+    assert [j["job_id"] for j in jobs] == ["job-7"]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Series(q.SeriesRequest(node="node-1", field="gpu_bogus"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gpu_bogus" in err.value.details()
+
+
+def test_refuses_to_start_on_a_locked_store_or_a_taken_address(collector, tmp_path):
+    with pytest.raises(UserError, match="address is in use"):
+        serve(collector.address, str(tmp_path / "other.duckdb"))
+    # the store is opened and locked by this process; a second process cannot take it
+    import subprocess, sys
+    result = subprocess.run([sys.executable, "-m", "gpuwatch", "collector", "--listen", "127.0.0.1:0",
+                             "--db", collector.store.path], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Could not set lock" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_query_cli_prints_json_with_the_documented_keys(collector, channel, capsys):
+    list(client.stream_batches(channel, [make_batch(1), make_batch(2)]))
+    assert cli.main(["nodes", "--collector", collector.address, "--json"]) == 0
+    (node,) = json.loads(capsys.readouterr().out)
+    assert {"node", "gpus", "samples", "last_seen"} <= node.keys()
+    assert (node["node"], node["gpus"], node["samples"]) == ("node-1", 2, 2 * ROWS_PER_BATCH)
+    assert node["last_seen"].endswith("Z") and "T" in node["last_seen"]
+    for argv, check in [
+        (["gpus"], lambda rows: [r["job_id"] for r in rows] == [None, "job-7"]),
+        (["latest", "--gpu", "1"], lambda rows: rows[0]["gpu_index"] == 1 and "gpu_power_watts" in rows[0]),
+        (["series", "--node", "node-1", "--gpu", "0", "--field", "gpu_power_watts", "--limit", "2"],
+         lambda rows: len(rows) == 2 and rows[0]["ts_ms"] < rows[1]["ts_ms"]),
+        (["events", "--kind", "xid"], lambda rows: [r["code"] for r in rows] == [79, 79]),
+    ]:
+        assert cli.main([*argv, "--collector", collector.address, "--json"]) == 0
+        assert check(json.loads(capsys.readouterr().out)), argv
+    assert cli.main(["nodes", "--collector", collector.address]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["node", "gpus", "samples"] and table[1].split()[0] == "node-1"
+
+
+def test_query_cli_reports_an_unreachable_collector_in_one_line(capsys):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    assert cli.main(["nodes", "--collector", address]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach the collector at {address}" in err and len(err.strip().splitlines()) == 1

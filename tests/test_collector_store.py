@@ -1,0 +1,106 @@
+"""The DuckDB store on its own: grouped writes, dedup, NULL for NaN, reads, retention, reopening."""
+import pytest
+
+from gpuwatch import fields
+from gpuwatch.collector.store.duckdb import DDL, DuckDBStore
+from gpuwatch.errors import UserError
+from test_collector_support import ROWS_PER_BATCH, T0_MS, TICKS, make_batch
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = DuckDBStore(str(tmp_path / "store.duckdb"), retention_days=1)
+    yield s
+    s.close()
+
+
+def test_wide_tables_have_one_column_per_catalogue_field(store):
+    gpu_columns = store.query_df("SELECT * FROM gpu_samples LIMIT 0").columns.tolist()
+    host_columns = store.query_df("SELECT * FROM host_samples LIMIT 0").columns.tolist()
+    assert gpu_columns == ["node", "gpu_index", "ts", "job_id", "rank", "local_rank", *fields.GPU_FIELD_NAMES]
+    assert host_columns == ["node", "ts", *fields.HOST_FIELD_NAMES]
+    assert len(DDL) == 7
+
+
+def test_group_with_duplicates_stores_each_batch_once(store):
+    store.write(make_batch(1))
+    futures = [store.submit(make_batch(seq)) for seq in (1, 2, 3, 2, 3)]
+    results = [f.result(30) for f in futures]
+    assert [r.duplicate for r in results] == [True, False, False, True, True]
+    assert store.count("gpu_samples") == 3 * ROWS_PER_BATCH
+    assert store.count("ingested") == 3 and store.count("events") == 3
+    assert store.nodes()[0]["last_sequence"] == 3
+
+
+def test_nan_is_null_and_job_columns_are_null_without_a_job(store):
+    store.write(make_batch(1))
+    df = store.query_df("SELECT * FROM gpu_samples WHERE gpu_index = 0 ORDER BY ts")
+    assert df["gpu_memory_temperature_celsius"].isna().tolist() == [False] + [True] * (TICKS - 1)
+    assert df["gpu_sm_active_ratio"].isna().all()
+    assert df["job_id"].isna().all() and df["rank"].isna().all()
+    owned = store.query_df("SELECT job_id, rank FROM gpu_samples WHERE gpu_index = 1")
+    assert set(owned["job_id"]) == {"job-7"} and set(owned["rank"]) == {1}
+
+
+def test_reads_return_what_was_written(store):
+    for seq in (1, 2):
+        store.write(make_batch(seq))
+    store.write(make_batch(1, agent="agent-2", node="node-2"))
+    assert [(n["node"], n["gpus"], n["samples"]) for n in store.nodes()] == [
+        ("node-1", 2, 2 * ROWS_PER_BATCH), ("node-2", 2, ROWS_PER_BATCH)]
+    gpu1 = store.gpus("node-1")[1]
+    assert (gpu1["uuid"], gpu1["job_id"], gpu1["rank"], gpu1["samples"]) == ("GPU-node-1-1", "job-7", 1, 2 * TICKS)
+    latest = store.latest("node-1", 0)
+    assert len(latest) == 1
+    # the memory temperature was only sampled on the first tick; latest keeps its last non-NULL value
+    assert latest[0]["gpu_memory_temperature_celsius"] == 62.0
+    assert latest[0]["gpu_power_watts"] == pytest.approx(2.2)
+    assert latest[0]["ts_ms"] == T0_MS + 1000 * (2 * TICKS + TICKS - 1)
+    assert latest[0]["gpu_sm_active_ratio"] is None  # never sampled
+    series = store.series("node-1", 0, "gpu_power_watts", limit=4)
+    assert series["ts_ms"].is_monotonic_increasing and len(series) == 4
+    assert series["value"].iloc[-1] == pytest.approx(2.2)
+    events = store.events(kind="xid", limit=2)
+    assert len(events) == 2 and events[0]["attrs"]["seq"] in {"2", "1"} and events[0]["code"] == 79
+    wide = store.gpu_samples(nodes=["node-2"], columns=["gpu_power_watts"])
+    assert len(wide) == ROWS_PER_BATCH and wide.columns[-1] == "gpu_power_watts"
+    jobs = store.jobs_seen()
+    assert [(j["job_id"], j["nodes"], j["ranks"]) for j in jobs] == [("job-7", 2, 1)]
+    with pytest.raises(UserError, match="unknown GPU field"):
+        store.series("node-1", 0, "gpu_nonsense")
+
+
+def test_retention_deletes_only_rows_older_than_the_window(store):
+    store.write(make_batch(1))
+    store.write(make_batch(1000))
+    last_old_ms = T0_MS + 1000 * (1 * TICKS + TICKS - 1)
+    deleted = store.apply_retention(now_ms=last_old_ms + 86_400_000 + 1)
+    assert deleted["gpu_samples"] == ROWS_PER_BATCH and deleted["events"] == 1 and deleted["host_samples"] == 1
+    assert store.count("gpu_samples") == ROWS_PER_BATCH
+    assert store.query_df("SELECT min(epoch_ms(ts)) AS t FROM gpu_samples")["t"][0] > last_old_ms
+
+
+def test_reopened_store_keeps_rows_and_dedup_state(tmp_path):
+    path = str(tmp_path / "reopen.duckdb")
+    first = DuckDBStore(path)
+    first.write(make_batch(1))
+    first.write(make_batch(2))
+    first.close()
+    second = DuckDBStore(path)
+    try:
+        assert second.write(make_batch(1)).duplicate  # below last_sequence: found in `ingested`
+        assert not second.write(make_batch(3)).duplicate
+        assert second.count("gpu_samples") == 3 * ROWS_PER_BATCH
+    finally:
+        second.close()
+
+
+def test_spans_are_stored_columnar(store):
+    from gpuwatch.v1 import telemetry_pb2 as pb
+    batch = make_batch(1)
+    batch.spans.CopyFrom(pb.SpanTable(job_id=["j", "j"], rank=[0, 1], start_us=[1.0, 2.0], dur_us=[5.0, 6.0],
+                                      kind=["collective"] * 2, name=["all_reduce"] * 2))
+    store.write(batch)
+    spans = store.spans(job_id="j")
+    assert spans["rank"].tolist() == [0, 1] and spans["dur_us"].tolist() == [5.0, 6.0]
+    assert spans["seq"].tolist() == [-1, -1]  # columns the batch left empty get their "unknown" value
