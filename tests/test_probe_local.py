@@ -1,0 +1,176 @@
+"""The probe in one process: lightness, no agent, wire format, the agent-side listener, Flight Recorder rows."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpuwatch.agent.probe_socket import ProbeListener
+from gpuwatch.probe.endpoint import default_endpoint
+from gpuwatch.probe.flight_recorder import FlightRecorderHarvester, entry_to_row, flight_recorder_enabled
+from gpuwatch.probe.identity import identity_from_environment
+from gpuwatch.probe.sender import DatagramSender
+from gpuwatch.probe.wire import SpanRow, decode_datagram, encode_datagrams
+
+HEADER = {"job": "j1", "rank": 3, "ws": 8, "node": "n1"}
+
+
+def _row(i: int) -> SpanRow:
+    return SpanRow(i, "collective", "all_reduce", 1.7e15 + i, 12.5, "0", i, 4096, -1)
+
+
+def _wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        time.sleep(0.01)  # poll interval of the deadline loop
+
+
+def test_importing_the_probe_pulls_in_nothing_heavy():
+    code = ("import sys, gpuwatch.probe; heavy = ('grpc', 'duckdb', 'pandas', 'sklearn', 'torch', 'numpy');"
+            "print([m for m in sys.modules if m.split('.')[0] in heavy or m.startswith('gpuwatch.collector')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_identity_and_endpoint_come_from_the_environment():
+    ident = identity_from_environment(env={"TORCHELASTIC_RUN_ID": "te-1", "RANK": "5", "LOCAL_RANK": "1",
+                                           "WORLD_SIZE": "16", "GPUWATCH_NODE": "gpu-007"})
+    assert (ident.job_id, ident.rank, ident.local_rank, ident.world_size, ident.node) == ("te-1", 5, 1, 16, "gpu-007")
+    slurm = identity_from_environment(job="override", env={"SLURM_JOB_ID": "99", "SLURM_PROCID": "2", "SLURM_NTASKS": "4"})
+    assert (slurm.job_id, slurm.rank, slurm.world_size) == ("override", 2, 4)
+    assert identity_from_environment(env={"SLURM_JOB_ID": "99"}).job_id == "99"
+    assert default_endpoint({"GPUWATCH_PROBE_SOCKET": "/x/y.sock"}) == "/x/y.sock"
+    assert default_endpoint({"XDG_RUNTIME_DIR": "/run/user/7"}) in ("/run/user/7/gpuwatch-probe.sock", "/run/gpuwatch/probe.sock")
+
+
+def test_wire_round_trip_and_datagram_size_limit():
+    rows = [_row(i) for i in range(2000)]
+    datagrams = encode_datagrams(HEADER, rows, max_bytes=8192)
+    assert len(datagrams) > 1 and all(len(d) <= 8192 for d, _ in datagrams)
+    decoded = []
+    for data, count in datagrams:
+        header, got = decode_datagram(data)
+        assert header == HEADER and len(got) == count
+        decoded += got
+    assert decoded == rows
+
+
+@pytest.mark.parametrize("data, problem", [
+    (b"\xff\xfe", "not JSON"),
+    (b'{"v": 2}', "version-1"),
+    (b'{"v": 1, "job": "j", "rank": "0", "ws": 1, "node": "n", "rows": []}', "header"),
+    (b'{"v": 1, "job": "j", "rank": 0, "ws": 1, "node": "n", "rows": [[1, "step"]]}', "row 0"),
+])
+def test_malformed_datagrams_are_rejected_with_the_problem(data, problem):
+    with pytest.raises(ValueError, match=problem):
+        decode_datagram(data)
+
+
+def test_listener_survives_garbage_and_drains_a_span_table(tmp_path):
+    path = str(tmp_path / "sub" / "probe.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    os.makedirs(os.path.dirname(path))
+    stale.bind(path)
+    stale.close()  # leaves a stale socket file behind, as a crashed agent would
+    listener = ProbeListener(path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        sender = DatagramSender(path)
+        assert sender.send(b"garbage")
+        for data, _ in encode_datagrams(HEADER, [_row(i) for i in range(5)]):
+            assert sender.send(data)
+        _wait_for(lambda: listener.pending() == 5 and listener.malformed == 1)
+        table = listener.drain()
+        assert list(table.step) == list(range(5)) and set(table.job_id) == {"j1"} and set(table.rank) == {3}
+        assert set(table.node) == {"n1"} and set(table.world_size) == {8} and list(table.bytes) == [4096] * 5
+        assert len(listener.drain().step) == 0
+        assert "not JSON" in listener.last_error
+    finally:
+        listener.close()
+    assert not os.path.exists(path)
+
+
+def test_listener_refuses_to_replace_a_regular_file(tmp_path):
+    path = tmp_path / "probe.sock"
+    path.write_text("not a socket")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        ProbeListener(str(path))
+
+
+def test_without_an_agent_the_job_runs_on_and_drops_are_counted(tmp_path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    import gpuwatch.probe
+
+    original = dist.all_reduce
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        probe = gpuwatch.probe.start(job="lonely", endpoint=str(tmp_path / "nobody.sock"))
+        assert dist.all_reduce is not original
+        total = torch.zeros(1)
+        for _ in range(20):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            total += t
+            probe.step()
+        probe.close()
+    finally:
+        dist.destroy_process_group()
+    stats = probe.stats()
+    assert total.item() == 20 and stats["steps"] == 20 and stats["errors"] == 0
+    assert stats["sent"] == 0 and stats["dropped"] == stats["records"] == 20 + 20 + 1  # steps, ops, end marker
+    assert dist.all_reduce is original
+
+
+def test_probe_start_is_idempotent_and_step_scope_times_the_body(tmp_path):
+    import gpuwatch.probe
+
+    listener = ProbeListener(str(tmp_path / "p.sock"))
+    try:
+        probe = gpuwatch.probe.start(job="scoped", endpoint=listener.path)
+        assert gpuwatch.probe.start() is probe
+        for _ in range(3):
+            with probe.step_scope():
+                time.sleep(0.01)  # the "training step" being timed
+        probe.close()
+        _wait_for(lambda: listener.pending() == 4)
+        table = listener.drain()
+    finally:
+        listener.close()
+    steps = [d for k, d in zip(table.kind, table.dur_us) if k == "step"]
+    assert len(steps) == 3 and all(10_000 <= d < 200_000 for d in steps)
+    assert list(table.kind).count("end") == 1
+    assert gpuwatch.probe.start(endpoint=listener.path) is not probe
+    gpuwatch.probe.start().close()
+
+
+FR_ENTRY = {
+    "record_id": 7, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 12, "p2p_seq_id": 0,
+    "op_id": 12, "profiling_name": "nccl:all_reduce", "time_created_ns": 1_700_000_000_000_000_000,
+    "time_discovered_started_ns": 1_700_000_000_000_100_000, "time_discovered_completed_ns": 1_700_000_000_002_100_000,
+    "input_sizes": [[1024, 1024]], "input_dtypes": ["BFloat16"], "state": "completed", "duration_ms": 1.5,
+    "is_p2p": False,
+}
+
+
+def test_flight_recorder_entries_become_rows_once():
+    assert flight_recorder_enabled({"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})
+    assert not flight_recorder_enabled({"TORCH_FR_BUFFER_SIZE": "0"})
+    row = entry_to_row(FR_ENTRY, step=4)
+    assert row == SpanRow(4, "collective", "all_reduce", 1_700_000_000_000_100.0, 1500.0, "0", 12, 2 * 1024 * 1024, -1)
+    untimed = dict(FR_ENTRY, duration_ms=None)
+    assert entry_to_row(untimed, 0).dur_us == 2000.0
+    send = dict(FR_ENTRY, record_id=8, profiling_name="nccl:send 1->2", is_p2p=True, p2p_seq_id=3)
+    assert entry_to_row(send, 0)[1:] == ("p2p", "send", 1_700_000_000_000_100.0, 1500.0, "0", 3, 2 * 1024 * 1024, 2)
+    running = dict(FR_ENTRY, record_id=9, state="started")
+    assert entry_to_row(running, 0) is None
+    harvester = FlightRecorderHarvester(lambda *_: json.dumps({"entries": [FR_ENTRY, send, running]}))
+    assert [r.name for r in harvester.harvest(lambda _: 0)] == ["all_reduce", "send"]
+    assert harvester.harvest(lambda _: 0) == []
