@@ -1,0 +1,156 @@
+"""`analyze()`: timelines of one job's ranks -> the efficiency document (spec efficiency.md v1).
+
+A pure function of its inputs, so the offline `gpuwatch analyze`, the collector and replay share it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gpuwatch.collector.efficiency.matching import match_collectives
+from gpuwatch.collector.efficiency.partition import (
+    CATEGORIES, COMPUTE_C, MEMCPY_C, Partition, StepSlice, partition,
+)
+from gpuwatch.collector.efficiency.stragglers import find_stragglers
+from gpuwatch.collector.efficiency.timeline import RankTimeline
+from gpuwatch.errors import UserError
+
+US_PER_HOUR = 3.6e9
+SPEC = "efficiency v1"
+
+
+def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_step: float | None = None,
+            peak_tflops: float | None = None, gpu_hour_price: float | None = None,
+            keep_segments: bool = False) -> dict:
+    """The breakdown document: per rank, per job, stragglers, matching (and per step when asked).
+
+    With `keep_segments`, the classified segments are kept in the private key `_partitions` (for
+    rendering timelines); drop it before serialising."""
+    _check_one_job(timelines)
+    timelines = sorted(timelines, key=lambda tl: tl.rank)
+    origin = math.floor(min(float(tl.start_us.min()) for tl in timelines))
+    matching = match_collectives(timelines)
+    parts = [partition(tl, wait, origin, keep_segments=keep_segments)
+             for tl, wait in zip(timelines, matching.waits)]
+    mfu_of = _mfu_function(flops_per_step, peak_tflops)
+    ranks = [
+        _rank_entry(tl, part, matched, per_step, mfu_of)
+        for tl, part, matched in zip(timelines, parts, matching.matched_per_rank)
+    ]
+    busy = {entry["rank"]: entry["busy_per_step_us"] for entry in ranks}
+    stragglers, delayed = find_stragglers(matching, busy)
+    doc = {
+        "spec": SPEC,
+        "categories": list(CATEGORIES),
+        "ranks": ranks,
+        "job": _job_entry(timelines, parts, ranks, gpu_hour_price),
+        "stragglers": stragglers,
+        "delayed": delayed,
+        "matched_collectives": matching.matched,
+    }
+    if keep_segments:
+        doc["_partitions"] = parts
+    return doc
+
+
+def _check_one_job(timelines: list[RankTimeline]) -> None:
+    if not timelines:
+        raise UserError("nothing to analyse: no rank timelines")
+    seen: dict[int, str] = {}
+    for tl in timelines:
+        if len(tl) == 0:
+            raise UserError(f"{tl.source or f'rank {tl.rank}'}: no GPU activity")
+        if tl.rank in seen:
+            raise UserError(f"rank {tl.rank} given twice: {seen[tl.rank]} and {tl.source}")
+        seen[tl.rank] = tl.source
+    jobs = {tl.job_id for tl in timelines if tl.job_id}
+    worlds = {tl.world_size for tl in timelines if tl.world_size}
+    if len(jobs) > 1 or len(worlds) > 1:
+        sources = ", ".join(f"{tl.source or tl.rank} (job {tl.job_id}, world {tl.world_size})" for tl in timelines)
+        raise UserError(f"inputs come from different jobs: {sources}")
+
+
+def _us(ns) -> float:
+    return float(ns) / 1000.0
+
+
+def _breakdown(totals_ns: np.ndarray) -> dict[str, float]:
+    return {name: _us(v) for name, v in zip(CATEGORIES, totals_ns)}
+
+
+def _fractions(totals_ns: np.ndarray, window_ns: int) -> dict[str, float]:
+    return {name: (float(v) / window_ns if window_ns else 0.0) for name, v in zip(CATEGORIES, totals_ns)}
+
+
+def _mfu_function(flops_per_step: float | None, peak_tflops: float | None):
+    if not flops_per_step or not peak_tflops:
+        return lambda steps, window_ns: None
+    return lambda steps, window_ns: flops_per_step * steps / (window_ns * 1e-9 * peak_tflops * 1e12)
+
+
+def _known_steps(part: Partition) -> list[StepSlice]:
+    return [s for s in part.steps if s.step is not None]
+
+
+def _rank_entry(tl: RankTimeline, part: Partition, matched: int, per_step: bool, mfu_of) -> dict:
+    steps = _known_steps(part)
+    busy_ns = int(part.totals_ns[COMPUTE_C] + part.totals_ns[MEMCPY_C])
+    entry = {
+        "rank": tl.rank,
+        "source": tl.source,
+        "window_start_us": part.origin_us + _us(part.start_ns),
+        "window_us": _us(part.window_ns),
+        "breakdown_us": _breakdown(part.totals_ns),
+        "breakdown_fraction": _fractions(part.totals_ns, part.window_ns),
+        "lost_us": _us(part.window_ns - part.totals_ns[COMPUTE_C]),
+        "comm_total_us": _us(part.comm_total_ns),
+        "comm_overlapped_us": _us(part.comm_overlapped_ns),
+        "overlap_ratio": part.comm_overlapped_ns / part.comm_total_ns if part.comm_total_ns else None,
+        "short_kernels": {"count": part.short_kernel_count, "time_us": _us(part.short_kernel_ns)},
+        "matched_collectives": matched,
+        "steps": len(steps),
+        "busy_per_step_us": _us(busy_ns) / max(len(steps), 1),
+        "mfu": mfu_of(len(steps), sum(s.window_ns for s in steps)) if steps else None,
+    }
+    if per_step:
+        entry["per_step"] = [
+            {
+                "step": s.step,
+                "start_us": part.origin_us + _us(s.start_ns),
+                "window_us": _us(s.window_ns),
+                "breakdown_us": _breakdown(s.totals_ns),
+                "lost_fraction": float(s.window_ns - s.totals_ns[COMPUTE_C]) / s.window_ns,
+                "mfu": mfu_of(1, s.window_ns) if s.step is not None else None,
+            }
+            for s in part.steps
+        ]
+    return entry
+
+
+def _job_entry(timelines: list[RankTimeline], parts: list[Partition], ranks: list[dict],
+               gpu_hour_price: float | None) -> dict:
+    totals = np.sum([p.totals_ns for p in parts], axis=0)
+    window = int(sum(p.window_ns for p in parts))
+    comm_total = sum(p.comm_total_ns for p in parts)
+    overlapped = sum(p.comm_overlapped_ns for p in parts)
+    lost_hours = _us(window - totals[COMPUTE_C]) / US_PER_HOUR
+    mfus = [r["mfu"] for r in ranks if r["mfu"] is not None]
+    return {
+        "ranks": len(timelines),
+        "world_size": next((tl.world_size for tl in timelines if tl.world_size), None),
+        "job_id": next((tl.job_id for tl in timelines if tl.job_id), None),
+        "window_us": _us(window),
+        "breakdown_us": _breakdown(totals),
+        "breakdown_fraction": _fractions(totals, window),
+        "lost_us": _us(window - totals[COMPUTE_C]),
+        "lost_gpu_hours": lost_hours,
+        "lost_cost": lost_hours * gpu_hour_price if gpu_hour_price is not None else None,
+        "comm_overlapped_us": _us(overlapped),
+        "overlap_ratio": overlapped / comm_total if comm_total else None,
+        "short_kernels": {
+            "count": sum(p.short_kernel_count for p in parts),
+            "time_us": _us(sum(p.short_kernel_ns for p in parts)),
+        },
+        "mfu": float(np.mean(mfus)) if mfus else None,
+    }
