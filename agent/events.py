@@ -1,0 +1,29 @@
+"""Agent events: the kinds the agent emits and the record that carries one until it is put in a batch.
+
+Samplers and threads produce :class:`Event` records; the daemon copies them into the next batch. The kind
+strings are part of the wire contract (gpuwatch.v1.Event.kind): the collector and alert rules match on them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+AGENT_START = "agent_start"
+AGENT_STOP = "agent_stop"
+XID = "xid"  # code = XID number
+GPU_LOST = "gpu_lost"
+FIELD_UNSUPPORTED = "field_unsupported"  # attrs["field"] = NVML call or field id, reported once per GPU
+SPOOL_DROPPED = "spool_dropped"  # code = batches dropped, attrs["bytes"]
+ECC_DBE = "ecc_dbe"
+ECC_SBE = "ecc_sbe"
+NVML_EVENT = "nvml_event"  # any other NVML event type, attrs["event_type"]
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    ts_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    gpu_index: int = -1
+    code: int = 0
+    message: str = ""
+    attrs: dict[str, str] = field(default_factory=dict)
