@@ -1,0 +1,226 @@
+"""The agent's gRPC uplink: streams spooled batches to the collector in order and deletes them on ack.
+
+One long-lived bidi ``Ingest.Stream`` carries the spooled bytes as they are (no re-encoding) with at most
+``window`` batches unacknowledged. When the collector is away the uplink reconnects with capped, jittered
+exponential backoff and resends everything not yet acknowledged (the collector deduplicates by agent id and
+sequence). When the collector refuses the stream with INVALID_ARGUMENT or FAILED_PRECONDITION, the batches
+that were in flight are retried one by one with ``Ingest.Push`` to find the refused one, which is moved to
+``<spool>/rejected/`` so it can never block the rest.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from gpuwatch.agent.spool import Spool
+from gpuwatch.batches import MAX_BATCH_BYTES
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_STREAM = "/gpuwatch.v1.Ingest/Stream"
+_PUSH = "/gpuwatch.v1.Ingest/Push"
+_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+_MESSAGE_LIMIT = MAX_BATCH_BYTES + 64 * 1024  # a full batch plus the envelope
+
+
+def make_channel(address: str, *, reconnect_max_s: float = 10.0, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """The one place that builds the agent's channel (add TLS credentials and tokens here)."""
+    base = [
+        ("grpc.max_send_message_length", _MESSAGE_LIMIT),
+        ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
+        ("grpc.keepalive_time_ms", 60_000),  # collectors must allow pings every >= 60 s
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", int(reconnect_max_s * 1000)),
+    ]
+    return grpc.insecure_channel(address, options=base + list(options))
+
+
+@dataclass
+class UplinkStats:
+    sent: int = 0
+    acked: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    reconnects: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class _Stream:
+    """What one stream attempt has sent and not yet seen acknowledged."""
+
+    in_flight: list[int] = field(default_factory=list)
+    last_sent: int = 0
+    closed: bool = False
+
+
+class Uplink:
+    """Background sender over a :class:`Spool`; call :meth:`notify` after appending a batch."""
+
+    def __init__(
+        self,
+        spool: Spool,
+        address: str,
+        window: int = 32,
+        backoff_initial_s: float = 0.2,
+        backoff_max_s: float = 10.0,
+        channel_factory: Callable[[str], grpc.Channel] | None = None,
+    ) -> None:
+        self.spool = spool
+        self.address = address
+        self.window = window
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.stats = UplinkStats()
+        self._channel = (channel_factory or (lambda a: make_channel(a, reconnect_max_s=backoff_max_s)))(address)
+        self._stream_call = self._channel.stream_stream(
+            _STREAM, request_serializer=_raw, response_deserializer=pb.BatchAck.FromString)
+        self._push_call = self._channel.unary_unary(
+            _PUSH, request_serializer=_raw, response_deserializer=pb.BatchAck.FromString)
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._call = None
+        self._attempt = 0
+
+    # --- public ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gpuwatch-uplink", daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        """A new batch is in the spool."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Wait until every spooled batch is acknowledged (or quarantined); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.spool.pending(), timeout)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self._channel.close()
+
+    # --- the sender thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            stream = _Stream()
+            try:
+                self._stream(stream)
+                error = "collector ended the stream"
+            except grpc.RpcError as exc:
+                if self._stopping.is_set():
+                    break
+                error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() in _REFUSED and stream.in_flight:
+                    try:
+                        if self._isolate_refused(stream.in_flight):
+                            continue
+                    except grpc.RpcError as push_exc:
+                        error = f"{push_exc.code().name}: {push_exc.details()}"
+            finally:
+                with self._cond:
+                    stream.closed = True
+                    self._cond.notify_all()
+            if not self._stopping.is_set():
+                self._back_off(error)
+
+    def _stream(self, stream: _Stream) -> None:
+        self._call = self._stream_call(self._requests(stream))
+        try:
+            for ack in self._call:
+                self._acknowledged(ack, stream)
+        finally:
+            self._call = None
+
+    def _requests(self, stream: _Stream):
+        """Yields spooled batches in order, at most ``window`` unacknowledged (runs in a gRPC thread)."""
+        while True:
+            with self._cond:
+                seq = None
+                while not (stream.closed or self._stopping.is_set()):
+                    if len(stream.in_flight) < self.window:
+                        seq = self.spool.next_after(stream.last_sent)
+                        if seq is not None:
+                            break
+                    self._cond.wait(0.5)
+                if seq is None:
+                    return
+                stream.in_flight.append(seq)
+                stream.last_sent = seq
+            data = self.spool.read(seq)
+            if data is None:  # dropped by the size bound meanwhile
+                self._forget(seq, stream)
+                continue
+            self.stats.sent += 1
+            yield data
+
+    def _acknowledged(self, ack: pb.BatchAck, stream: _Stream) -> None:
+        if ack.agent_id and ack.agent_id != self.spool.agent_id:
+            log.warning("ack for another agent (%s, sequence %d) ignored", ack.agent_id, ack.sequence)
+            return
+        self.spool.ack(ack.sequence)
+        self.stats.acked += 1
+        self.stats.duplicates += int(ack.duplicate)
+        self._attempt = 0
+        self._forget(ack.sequence, stream)
+
+    def _forget(self, seq: int, stream: _Stream) -> None:
+        with self._cond:
+            if seq in stream.in_flight:
+                stream.in_flight.remove(seq)
+            self._cond.notify_all()
+
+    def _isolate_refused(self, in_flight: list[int]) -> bool:
+        """Push each in-flight batch alone: acked ones are done, refused ones quarantined. True if any refused."""
+        refused = False
+        for seq in list(in_flight):
+            data = self.spool.read(seq)
+            if data is None:
+                continue
+            try:
+                ack = self._push_call(data, timeout=30.0)
+            except grpc.RpcError as exc:
+                if exc.code() not in _REFUSED:
+                    raise
+                reason = f"collector {self.address} refused batch {seq}: {exc.code().name}: {exc.details()}"
+                path = self.spool.quarantine(seq, reason)
+                log.error("%s; moved to %s", reason, path)
+                self.stats.rejected += 1
+                refused = True
+                continue
+            self.spool.ack(ack.sequence)
+            self.stats.acked += 1
+        with self._cond:
+            self._cond.notify_all()
+        return refused
+
+    def _back_off(self, error: str) -> None:
+        delay = min(self.backoff_max_s, self.backoff_initial_s * 2 ** self._attempt)
+        self._attempt += 1
+        self.stats.reconnects += 1
+        self.stats.last_error = error
+        level = logging.WARNING if self._attempt == 1 else logging.DEBUG  # once per outage, not per retry
+        log.log(level, "collector %s: %s; retrying (backoff up to %.0f s)", self.address, error, self.backoff_max_s)
+        self._stopping.wait(random.uniform(delay / 2, delay))
+
+
+def _raw(data: bytes) -> bytes:
+    return data
