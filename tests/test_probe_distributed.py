@@ -13,8 +13,13 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+import pandas as pd  # noqa: E402
+
 import gpuwatch.probe  # noqa: E402
 from gpuwatch.agent.probe_socket import ProbeListener  # noqa: E402
+from gpuwatch.collector.efficiency.engine import analyze  # noqa: E402
+from gpuwatch.collector.live import detect_hangs, job_summaries  # noqa: E402
+from gpuwatch.collector.traces.spans import timelines_from_spans  # noqa: E402
 
 STEPS = 4
 SLOW_RANK = 3
@@ -154,6 +159,18 @@ def test_collectives_of_four_ranks_align_and_show_the_slow_rank(tmp_path):
             else:
                 assert r["dur_us"] > SLOW_S * 1e6 / 2
                 assert r["start_us"] + r["dur_us"] >= starts[SLOW_RANK]
+
+    # the same rows through the collector's live view and the efficiency engine: the peers' wait is comm_wait
+    frame = pd.DataFrame(rows)
+    now_us = time.time() * 1e6
+    summary = job_summaries(frame, now_us)[0]
+    assert summary["steps"] == STEPS and summary["finished"] and summary["ranks"] == world
+    assert 0 < summary["lost_fraction"] < 1
+    assert detect_hangs(frame, now_us + 3600e6, threshold_s=60) == []
+    doc = analyze(timelines_from_spans(frame[frame["kind"] != "end"]))
+    wait = {r["rank"]: r["breakdown_us"]["comm_wait"] for r in doc["ranks"]}
+    assert all(wait[rank] > STEPS * SLOW_S * 1e6 / 2 for rank in range(world) if rank != SLOW_RANK)
+    assert wait[SLOW_RANK] < min(wait[rank] for rank in range(world) if rank != SLOW_RANK) / 3
 
 
 @pytest.mark.slow
