@@ -1,0 +1,196 @@
+"""The node agent: samples GPUs and host every tick, cuts batches into the spool, streams them out.
+
+Wiring only: :class:`~gpuwatch.agent.nvml.NvmlSampler` (real GPUs, or the simulated fleet installed beneath
+pynvml), :class:`~gpuwatch.agent.host.HostSampler`, :class:`~gpuwatch.agent.jobs.JobResolver`,
+:class:`~gpuwatch.agent.xid.XidWatcher`, :class:`~gpuwatch.agent.spool.Spool` and
+:class:`~gpuwatch.agent.uplink.Uplink`. ``Agent(config).run(ticks)`` runs in-process (tests, the demo);
+``gpuwatch agent`` runs it as a command.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpuwatch import __version__
+from gpuwatch.agent import events as ev
+from gpuwatch.agent.events import Event
+from gpuwatch.agent.host import HostSampler
+from gpuwatch.agent.jobs import JobResolver, read_proc_environ
+from gpuwatch.agent.nvml import NvmlSampler
+from gpuwatch.agent.simfleet import SimulatedFleet
+from gpuwatch.agent.spool import Spool
+from gpuwatch.agent.uplink import Uplink
+from gpuwatch.agent.xid import XidWatcher
+from gpuwatch.batches import BatchBuilder
+from gpuwatch.errors import UserError
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SYSTEM_SPOOL = Path("/var/lib/gpuwatch/spool")
+
+
+def default_spool_dir() -> Path:
+    """/var/lib/gpuwatch/spool when this user may write there, else ~/.cache/gpuwatch/spool."""
+    probe = SYSTEM_SPOOL
+    while not probe.exists():
+        probe = probe.parent
+    return SYSTEM_SPOOL if os.access(probe, os.W_OK) else Path.home() / ".cache" / "gpuwatch" / "spool"
+
+
+@dataclass
+class AgentConfig:
+    collector: str
+    node: str = field(default_factory=socket.gethostname)
+    interval: float = 1.0
+    slow_interval: float = 30.0
+    batch_interval: float = 5.0
+    spool_dir: Path = field(default_factory=default_spool_dir)
+    spool_max_bytes: int = 256 * 2**20
+    job_label: str = ""
+    simulate: int = 0  # number of simulated GPUs; 0 = the node's real GPUs
+    sim_model: str = "H100"
+    drain_timeout: float = 600.0  # --ticks mode: how long to wait for the collector at the end
+    stop_flush_s: float = 5.0  # service mode: how long to try to send the last batch on SIGTERM
+    kmsg_path: str | None = "/dev/kmsg"
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunSummary:
+    ticks: int
+    batches: int
+    pending: int  # batches still in the spool (not acknowledged) when the agent stopped
+
+
+class Agent:
+    """One node agent. ``fleet`` lets a test or the demo script faults on the simulated GPUs it samples."""
+
+    def __init__(self, config: AgentConfig, fleet: SimulatedFleet | None = None) -> None:
+        self.config = config
+        self.fleet = fleet
+        self._stop = threading.Event()
+        self._events: list[Event] = []
+        self._events_lock = threading.Lock()
+        self.spool: Spool | None = None
+        self.uplink: Uplink | None = None
+
+    def stop(self) -> None:
+        """Ask a running agent to stop after the current tick (safe from signal handlers and threads)."""
+        self._stop.set()
+
+    def emit(self, event: Event) -> None:
+        """Queue an event for the next batch (called from the XID threads)."""
+        with self._events_lock:
+            self._events.append(event)
+
+    def run(self, ticks: int | None = None) -> RunSummary:
+        """Sample ``ticks`` times (None: until stop()), then flush; raises UserError if data stays unsent."""
+        cfg = self.config
+        self.spool = Spool(cfg.spool_dir, cfg.spool_max_bytes)
+        installed = self._install_fleet()
+        sampler = NvmlSampler(slow_interval=cfg.slow_interval)
+        watcher = uplink = None
+        try:
+            devices = sampler.open()
+            environ = self.fleet.environ if self.fleet is not None else read_proc_environ
+            jobs = JobResolver(environ, cfg.job_label)
+            host = HostSampler()
+            builder = BatchBuilder(self._identity(sampler), self.spool.agent_id, [d.info() for d in devices])
+            watcher = XidWatcher(devices, self.emit, kmsg_path=None if self.fleet is not None else cfg.kmsg_path)
+            watcher.start()
+            uplink = self.uplink = Uplink(self.spool, cfg.collector)
+            uplink.start()
+            self.emit(Event(ev.AGENT_START, message=f"gpuwatch agent {__version__} on {cfg.node}, {len(devices)} GPUs",
+                            attrs={"agent_version": __version__, "gpus": str(len(devices))}))
+            done, batches = self._loop(ticks, sampler, host, jobs, builder, uplink)
+            self.emit(Event(ev.AGENT_STOP, message=f"stopped after {done} ticks"))
+            batches += self._cut(builder, uplink)
+            drained = uplink.wait_drained(cfg.drain_timeout if ticks is not None else cfg.stop_flush_s)
+        finally:
+            if uplink is not None:
+                uplink.stop()
+            if watcher is not None:
+                watcher.stop()
+            sampler.close()
+            if installed:
+                self.fleet.uninstall()
+        pending = len(self.spool.pending())
+        if not drained:
+            message = (f"collector {cfg.collector} did not acknowledge {pending} batches "
+                       f"({uplink.stats.last_error or 'no answer'}); they are kept in the spool {cfg.spool_dir} "
+                       "and sent when the agent starts again")
+            if ticks is not None:
+                raise UserError(message)
+            log.warning("%s", message)
+        return RunSummary(done, batches, pending)
+
+    def _install_fleet(self) -> bool:
+        cfg = self.config
+        if self.fleet is None and cfg.simulate:
+            self.fleet = SimulatedFleet(cfg.simulate, model=cfg.sim_model, node=cfg.node)
+        if self.fleet is None:
+            return False
+        self.fleet.install()
+        return True
+
+    def _identity(self, sampler: NvmlSampler) -> pb.NodeIdentity:
+        labels = dict(self.config.labels)
+        if self.fleet is not None:
+            labels["simulated"] = "true"
+        return pb.NodeIdentity(node=self.config.node, agent_version=__version__, driver_version=sampler.driver_version,
+                               cuda_version=sampler.cuda_version, labels=labels)
+
+    def _loop(self, ticks, sampler, host, jobs, builder, uplink) -> tuple[int, int]:
+        cfg = self.config
+        ticks_per_batch = max(1, round(cfg.batch_interval / cfg.interval))
+        done = batches = 0
+        next_tick = time.monotonic()
+        while not self._stop.is_set() and (ticks is None or done < ticks):
+            self._tick(sampler, host, jobs, builder)
+            done += 1
+            if done % ticks_per_batch == 0:
+                batches += self._cut(builder, uplink)
+            if ticks is not None and done >= ticks:
+                break
+            next_tick = max(next_tick + cfg.interval, time.monotonic())
+            self._stop.wait(next_tick - time.monotonic())
+        return done, batches
+
+    def _tick(self, sampler: NvmlSampler, host: HostSampler, jobs: JobResolver, builder: BatchBuilder) -> None:
+        ts_ms = int(time.time() * 1000)
+        tick = sampler.sample()
+        if tick.slow:
+            jobs.refresh(sampler.running_pids())
+        for gpu, values in tick.rows.items():
+            job = jobs.job(gpu)
+            builder.add_gpu_row(gpu, ts_ms, values, job.job_id, job.rank, job.local_rank)
+        builder.add_host_row(ts_ms, host.sample())
+        self._move_events(builder, tick.events)
+
+    def _move_events(self, builder: BatchBuilder, extra: list[Event] = ()) -> None:
+        """Put the queued events (and ``extra``) into the batch being built."""
+        with self._events_lock:
+            pending, self._events = [*self._events, *extra], []
+        for e in pending:
+            builder.add_event(e.kind, e.ts_ms, e.gpu_index, e.code, e.message, e.attrs)
+
+    def _cut(self, builder: BatchBuilder, uplink: Uplink) -> int:
+        """Spool what the builder holds as one batch; returns 1 if a batch was written."""
+        dropped = self.spool.take_dropped()
+        if dropped.batches:
+            builder.add_event(ev.SPOOL_DROPPED, int(time.time() * 1000), code=dropped.batches,
+                              message=f"spool over its size bound: {dropped.batches} oldest batches dropped",
+                              attrs={"bytes": str(dropped.bytes)})
+        self._move_events(builder)
+        if not len(builder):
+            return 0
+        sequence = self.spool.next_sequence()
+        self.spool.append(sequence, builder.build(sequence).SerializeToString())
+        uplink.notify()
+        return 1

@@ -1,0 +1,92 @@
+"""Which job (and rank) owns each GPU: GPU -> compute processes (NVML) -> job id from the process environment.
+
+Launchers leave the job in every rank's environment: SLURM (SLURM_JOB_ID, SLURM_PROCID, SLURM_LOCALID) and
+torchrun / TorchElastic (TORCHELASTIC_RUN_ID, RANK, LOCAL_RANK). Without either, the agent's configured job
+label names the job. The environ reader is injectable so the simulated fleet can provide its fake PIDs'
+environments. Processes change rarely, so the daemon refreshes this on the slow cadence and caches per PID.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+EnvironReader = Callable[[int], "Mapping[str, str] | None"]
+
+# (job id variable, rank variable, local rank variable), first match wins
+_LAUNCHERS = (
+    ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID"),
+    ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK"),
+)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str = ""
+    rank: int = -1
+    local_rank: int = -1
+
+
+NO_JOB = JobInfo()
+
+
+def read_proc_environ(pid: int) -> dict[str, str] | None:
+    """The environment of a process from /proc/<pid>/environ; None when gone or not readable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def job_from_environ(env: Mapping[str, str], job_label: str = "") -> JobInfo:
+    """Job id and ranks named by a launcher's variables, else the configured label (ranks unknown)."""
+    for job_var, rank_var, local_var in _LAUNCHERS:
+        if env.get(job_var):
+            return JobInfo(env[job_var], _int(env.get(rank_var)), _int(env.get(local_var)))
+    return JobInfo(job_label) if job_label else NO_JOB
+
+
+class JobResolver:
+    """Maps GPU index -> JobInfo from the PIDs running on each GPU, caching each PID's answer."""
+
+    def __init__(self, environ_reader: EnvironReader = read_proc_environ, job_label: str = "") -> None:
+        self.environ_reader = environ_reader
+        self.job_label = job_label
+        self._by_pid: dict[int, JobInfo] = {}
+        self.by_gpu: dict[int, JobInfo] = {}
+
+    def refresh(self, pids_by_gpu: Mapping[int, list[int]]) -> dict[int, JobInfo]:
+        live = {pid for pids in pids_by_gpu.values() for pid in pids}
+        self._by_pid = {pid: job for pid, job in self._by_pid.items() if pid in live}
+        self.by_gpu = {gpu: self._job_of(pids) for gpu, pids in pids_by_gpu.items()}
+        return self.by_gpu
+
+    def job(self, gpu_index: int) -> JobInfo:
+        return self.by_gpu.get(gpu_index, NO_JOB)
+
+    def _job_of(self, pids: list[int]) -> JobInfo:
+        """The first process that names a job wins (a GPU shared by several jobs reports the first)."""
+        fallback = NO_JOB
+        for pid in pids:
+            job = self._by_pid.get(pid)
+            if job is None:
+                env = self.environ_reader(pid)
+                job = self._by_pid[pid] = job_from_environ(env or {}, self.job_label)
+            if job.rank >= 0:
+                return job
+            if job.job_id and fallback is NO_JOB:
+                fallback = job
+        return fallback
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value) if value is not None else -1
+    except ValueError:
+        return -1

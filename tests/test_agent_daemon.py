@@ -1,0 +1,100 @@
+"""The agent end to end on one node: simulated GPUs -> spool -> gRPC -> an in-memory Ingest sink."""
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from gpuwatch.agent import events as ev
+from gpuwatch.agent.daemon import Agent, AgentConfig
+from gpuwatch.agent.simfleet import SimulatedFleet
+from gpuwatch.agent.sink import IngestSink
+from gpuwatch.errors import UserError
+
+
+@pytest.fixture
+def sink():
+    s = IngestSink()
+    port = s.start()
+    yield s, f"127.0.0.1:{port}"
+    s.stop()
+
+
+def _events(store):
+    return [e for b in store.batches.values() for e in b.events]
+
+
+def test_agent_in_process_sends_every_tick_with_jobs_and_events(tmp_path, sink):
+    server, address = sink
+    fleet = SimulatedFleet(8, node="n1")
+    cfg = AgentConfig(collector=address, node="n1", interval=0.02, batch_interval=0.1, spool_dir=tmp_path, simulate=8)
+    summary = Agent(cfg, fleet=fleet).run(ticks=12)
+    assert summary.ticks == 12 and summary.pending == 0 and summary.batches >= 3
+    batches = [server.store.batches[k] for k in sorted(server.store.batches)]
+    assert [b.sequence for b in batches] == list(range(1, len(batches) + 1))
+    gpu3 = [s for b in batches for s in b.samples if s.gpu_index == 3]
+    assert sum(len(s.ts_ms) for s in gpu3) == 12
+    assert set(j for s in gpu3 for j in s.job_id) == {"sim-n1"} and set(r for s in gpu3 for r in s.rank) == {3}
+    assert sum(len(b.host.ts_ms) for b in batches) == 12
+    kinds = [e.kind for e in _events(server.store)]
+    assert kinds.count(ev.AGENT_START) == 1 and kinds[-1] == ev.AGENT_STOP
+    assert batches[0].node.labels["simulated"] == "true" and len(batches[0].gpus) == 8
+
+
+def test_fault_injected_while_running_arrives_as_events(tmp_path, sink):
+    server, address = sink
+    fleet = SimulatedFleet(4, node="n2")
+    cfg = AgentConfig(collector=address, node="n2", interval=0.05, batch_interval=0.05, spool_dir=tmp_path)
+    agent = Agent(cfg, fleet=fleet)
+
+    def inject_when_first_batch_arrives(store):
+        if store.batches and not fleet.gpus[1].lost:
+            fleet.lose_gpu(1)
+        return any(e.kind == ev.GPU_LOST for b in store.batches.values() for e in b.events)
+
+    t = threading.Thread(target=lambda: (server.store.wait_for(inject_when_first_batch_arrives, 20), agent.stop()))
+    t.start()
+    agent.run()
+    t.join()
+    events = _events(server.store)
+    assert [(e.gpu_index, e.code) for e in events if e.kind == ev.XID] == [(1, 79)]
+    assert [e.gpu_index for e in events if e.kind == ev.GPU_LOST] == [1]
+
+
+def test_unreachable_collector_keeps_data_and_says_so(tmp_path):
+    cfg = AgentConfig(collector="127.0.0.1:1", interval=0.01, spool_dir=tmp_path, simulate=2, drain_timeout=0.5)
+    with pytest.raises(UserError, match=r"did not acknowledge 1 batches.*kept in the spool"):
+        Agent(cfg).run(ticks=2)
+    assert len(list((tmp_path / "batches").iterdir())) == 1
+
+
+def _agent_cmd(address, spool, *extra):
+    return [sys.executable, "-m", "gpuwatch", "agent", "--collector", address, "--simulate", "4", "--node", "sub",
+            "--interval", "0.05", "--spool", str(spool), "--log-level", "WARNING", *extra]
+
+
+def test_command_with_ticks_exits_zero_after_everything_is_acknowledged(tmp_path, sink):
+    server, address = sink
+    proc = subprocess.run(_agent_cmd(address, tmp_path, "--ticks", "4"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = sum(len(s.ts_ms) for b in server.store.batches.values() for s in b.samples)
+    assert rows == 4 * 4 and not list((tmp_path / "batches").iterdir())
+
+
+def test_command_stops_cleanly_on_sigterm(tmp_path, sink):
+    server, address = sink
+    proc = subprocess.Popen(_agent_cmd(address, tmp_path, "--batch-interval", "0.05"), stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.store.wait_for(lambda s: len(s.batches) >= 2, 60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _events(server.store)[-1].kind == ev.AGENT_STOP
+
+
+def test_bad_flag_is_one_line(tmp_path):
+    proc = subprocess.run(_agent_cmd("nowhere", tmp_path, "--ticks", "1"), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "gpuwatch agent: error: --collector 'nowhere': expected HOST:PORT"
