@@ -109,7 +109,7 @@ def _step_at(t: np.ndarray, step_start: np.ndarray, step_end: np.ndarray, step_i
 
 
 def _subtract(a_start, a_end, b_start, b_end) -> tuple[np.ndarray, np.ndarray]:
-    """Union of intervals A minus union of intervals B, as sorted disjoint intervals."""
+    """Intervals A minus the union of intervals B; pieces stay cut at every A boundary (so at step ends)."""
     points = np.concatenate([a_start, a_end, b_start, b_end])
     a_delta = np.concatenate([np.ones(len(a_start)), -np.ones(len(a_end)), np.zeros(2 * len(b_start))])
     b_delta = np.concatenate([np.zeros(2 * len(a_start)), np.ones(len(b_start)), -np.ones(len(b_end))])
@@ -117,8 +117,4 @@ def _subtract(a_start, a_end, b_start, b_end) -> tuple[np.ndarray, np.ndarray]:
     pos = points[order]
     inside = (np.cumsum(a_delta[order]) > 0) & (np.cumsum(b_delta[order]) <= 0)
     inside = inside[:-1] & (np.diff(pos) > 0)
-    seg_start, seg_end = pos[:-1][inside], pos[1:][inside]
-    joined = np.concatenate([[True], seg_start[1:] != seg_end[:-1]]) if len(seg_start) else np.empty(0, bool)
-    starts = seg_start[joined]
-    ends = np.concatenate([seg_end[np.flatnonzero(joined)[1:] - 1], seg_end[-1:]])
-    return starts, ends
+    return pos[:-1][inside], pos[1:][inside]

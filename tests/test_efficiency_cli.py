@@ -1,0 +1,49 @@
+"""`gpuwatch analyze` through the real CLI dispatcher: --json keys, reports, errors."""
+from __future__ import annotations
+
+import json
+import os
+
+from gpuwatch.cli import main
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
+if not os.path.isdir(DATA):
+    DATA = "/work/shared/data/kineto"
+SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
+CATEGORIES = {"compute", "memcpy", "comm_transfer", "comm_wait", "bubble", "small_kernel_overhead", "host_stall", "idle_other"}
+
+
+def test_json_document_keys(capsys, tmp_path):
+    html, perfetto = tmp_path / "r.html", tmp_path / "p.json"
+    rc = main(["analyze", SAMPLED, "--json", "--per-step", "--flops-per-step", "1e14", "--peak-tflops", "312",
+               "--gpu-hour-price", "2.5", "--html", str(html), "--perfetto", str(perfetto)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"ranks", "job", "stragglers", "delayed", "matched_collectives"} <= set(doc)
+    for r in doc["ranks"]:
+        assert {"rank", "window_us", "breakdown_us", "comm_overlapped_us", "overlap_ratio", "short_kernels", "per_step"} <= set(r)
+        assert set(r["breakdown_us"]) == CATEGORIES
+        assert set(r["short_kernels"]) == {"count", "time_us"}
+        assert sum(r["breakdown_us"].values()) == r["window_us"]
+        assert [s["step"] for s in r["per_step"]] == [551, 552]
+    assert set(doc["job"]["breakdown_us"]) == set(doc["job"]["breakdown_fraction"]) == CATEGORIES
+    assert doc["job"]["lost_gpu_hours"] > 0 and doc["job"]["lost_cost"] == doc["job"]["lost_gpu_hours"] * 2.5
+    assert doc["matched_collectives"] == 10
+    page = html.read_text()
+    assert "<svg" in page and "http" not in page.replace("http-equiv", "")
+    trace = json.loads(perfetto.read_text())
+    tracks = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {pid for pid, _ in tracks} == {0, 1}
+    busy = sum(e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0)
+    assert abs(busy - doc["ranks"][0]["window_us"]) < 1e-6 * busy
+
+
+def test_table_output_and_errors(capsys, tmp_path):
+    assert main(["analyze", SAMPLED]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0" in out and "rank 1" in out and "compute" in out
+    assert main(["analyze", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.json: no such file" in err and "Traceback" not in err
+    assert main(["analyze", SAMPLED, "--peak-tflops", "-1"]) == 2
+    assert "--peak-tflops must be positive" in capsys.readouterr().err

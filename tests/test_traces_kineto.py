@@ -1,0 +1,163 @@
+"""Kineto loading: real traces from ../shared/data/kineto (against HTA's numbers) and constructed ones."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from gpuwatch.collector.efficiency import analyze, load_paths
+from gpuwatch.collector.efficiency.timeline import COLLECTIVE, P2P
+from gpuwatch.collector.traces.kineto import load_kineto
+from gpuwatch.errors import UserError
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
+if not os.path.isdir(DATA):
+    DATA = "/work/shared/data/kineto"
+CONTROL = os.path.join(DATA, "control_rank3_of8", "rank3.json.gz")
+SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
+
+
+def hta_window(tl):
+    """HTA drops the last ProfilerStep: keep GPU work launched before the last step annotation began."""
+    return tl.select(tl.launch_us < tl.step_marks[:, 1].max())
+
+
+def idle_and_compute_pct(entry):
+    b, w = entry["breakdown_us"], entry["window_us"]
+    return 100 * (b["small_kernel_overhead"] + b["host_stall"] + b["idle_other"]) / w, 100 * b["compute"] / w
+
+
+@pytest.fixture(scope="module")
+def control():
+    return load_kineto(CONTROL)
+
+
+def test_control_trace_partition_and_collective_types(control):
+    assert (control.rank, control.world_size) == (3, 8)
+    assert len(control) == 8568 + 654 + 228
+    comm = control.kind >= COLLECTIVE
+    assert Counter(control.type_names()[comm]) == {"all_to_all": 42, "all_reduce": 18}
+    assert not (control.kind == P2P).any()  # SendRecv under nccl:all_to_all is a collective
+    assert set(control.step.tolist()) == {1009, 1010, 1011, 1012, 1013, 1014}
+    entry = analyze([control], per_step=True)["ranks"][0]
+    assert sum(entry["breakdown_us"].values()) == entry["window_us"]
+    assert len(entry["per_step"]) == 6
+
+
+@pytest.mark.parametrize("path, rank, window_ms, idle_pct, compute_pct, overlap_pct", [
+    (CONTROL, 3, 383.4, 16.20, 61.23, 47.03),
+    (os.path.join(SAMPLED, "rank0.json.gz"), 0, 600.1, 53.56, 17.71, 11.81),
+    (os.path.join(SAMPLED, "rank1.json.gz"), 1, 600.7, 54.72, 22.57, 20.05),
+])
+def test_agrees_with_hta_temporal_breakdown(path, rank, window_ms, idle_pct, compute_pct, overlap_pct):
+    """trace-analysis.md section 7: HTA 0.5.0 numbers on the same window, within 0.5 % of the window."""
+    entry = analyze([hta_window(load_kineto(path))])["ranks"][0]
+    assert entry["rank"] == rank
+    assert entry["window_us"] / 1000 == pytest.approx(window_ms, abs=0.05)
+    idle, compute = idle_and_compute_pct(entry)
+    assert idle == pytest.approx(idle_pct, abs=0.5)
+    assert compute == pytest.approx(compute_pct, abs=0.5)
+    assert 100 * entry["overlap_ratio"] == pytest.approx(overlap_pct, abs=0.5)
+
+
+def test_sampled_ranks_matched_against_each_other():
+    tls = load_paths([SAMPLED])
+    assert [tl.rank for tl in tls] == [0, 1]
+    doc = analyze(tls)
+    assert doc["matched_collectives"] == 10  # 4 all_to_all + 4 all_reduce + 2 all_gather, by order
+    waits = [r["breakdown_us"]["comm_wait"] for r in doc["ranks"]]
+    assert all(w > 0 for w in waits)
+    for r in doc["ranks"]:
+        assert sum(r["breakdown_us"].values()) == r["window_us"]
+
+
+def test_small_blocks_stream_to_the_same_timeline(control, monkeypatch):
+    import gpuwatch.collector.traces.eventstream as eventstream
+
+    monkeypatch.setattr(eventstream, "BLOCK_BYTES", 64 << 10)
+    small = load_kineto(CONTROL)
+    np.testing.assert_array_equal(small.start_us, control.start_us)
+    np.testing.assert_array_equal(small.coll_type, control.coll_type)
+    np.testing.assert_array_equal(small.step, control.step)
+
+
+# ---- constructed traces -------------------------------------------------------------------------------
+
+def _launch(corr, ts, tid=1):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid, "ts": ts, "dur": 2,
+            "args": {"correlation": corr}}
+
+
+def _kernel(corr, name, ts, dur, stream=7, **args):
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
+            "args": {"correlation": corr, "stream": stream, **args}}
+
+
+def _op(name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def write_trace(path, events, rank=0, world=2, gz=False, minified=False):
+    doc = {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world},
+           "traceEvents": events, "displayTimeUnit": "ms"}
+    text = json.dumps(doc) if minified else json.dumps(doc, indent=2)
+    opener = gzip.open if gz else open
+    with opener(path, "wt") as f:
+        f.write(text)
+    return str(path)
+
+
+COMM_EVENTS = [
+    {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "pid": 1, "tid": 1, "ts": 0, "dur": 1000, "args": {}},
+    _op("nccl:all_to_all", 10, 20), _launch(1, 12), _kernel(1, "ncclDevKernel_SendRecv(ncclDevComm*)", 100, 50, 20),
+    _op("nccl:send", 30, 20), _launch(2, 32), _kernel(2, "ncclKernel_SendRecv_RING", 200, 50, 20),
+    _launch(3, 60), _kernel(3, "nccldevkernel_sendrecv", 300, 50, 20),
+    _launch(4, 70), _kernel(4, "some_kernel", 400, 50, 20, **{"Collective name": "allreduce", "Process Group Name": "3",
+                                                             "Seq": 9, "In msg nelems": 10, "dtype": "Float"}),
+    _op("record_param_comms", 75, 10, **{"Collective name": "_allgather_base", "Seq": 4, "Process Group Name": "0"}),
+    _launch(5, 80), _kernel(5, "ncclDevKernel_Generic", 500, 10, 20),
+    _launch(6, 90), _kernel(6, "void gemm()", 10, 80),
+    {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "pid": 0, "tid": 7, "ts": 95, "dur": 1,
+     "args": {"stream": 7, "correlation": 77}},
+]
+
+
+@pytest.mark.parametrize("gz, minified", [(False, False), (True, True)])
+def test_collective_type_resolution_order(tmp_path, gz, minified):
+    tl = load_kineto(write_trace(tmp_path / "t.json", COMM_EVENTS, gz=gz, minified=minified))
+    names = list(tl.type_names())
+    assert names[:5] == ["all_to_all", "send", "sendrecv", "all_reduce", "all_gather"]
+    assert list(tl.kind[:5]) == [COLLECTIVE, P2P, P2P, COLLECTIVE, COLLECTIVE]
+    assert tl.group_names()[3] == "3" and tl.seq[3] == 9 and tl.nbytes[3] == 40
+    assert tl.group_names()[4] == "0" and tl.seq[4] == 4
+    assert list(tl.step[:5]) == [5, 5, 5, 5, 5]
+    assert np.isnan(tl.launch_us[-1])  # the memset's correlation has no launch event
+
+
+def test_bad_inputs_name_the_file(tmp_path):
+    good = write_trace(tmp_path / "good.json", COMM_EVENTS)
+    truncated = tmp_path / "cut.json"
+    truncated.write_bytes(open(good, "rb").read()[:-400])
+    with pytest.raises(UserError, match="cut.json: truncated"):
+        load_kineto(str(truncated))
+    cpu_only = write_trace(tmp_path / "cpu.json", [_op("aten::mm", 0, 5)])
+    with pytest.raises(UserError, match="cpu.json: no GPU activity"):
+        load_kineto(cpu_only)
+    not_trace = tmp_path / "x.json"
+    not_trace.write_text('{"hello": 1}')
+    with pytest.raises(UserError, match="x.json: not a Chrome/Kineto trace"):
+        load_kineto(str(not_trace))
+    bad_gz = tmp_path / "bad.json.gz"
+    bad_gz.write_bytes(gzip.compress(open(good, "rb").read())[:-50])
+    with pytest.raises(UserError, match="bad.json.gz"):
+        load_kineto(str(bad_gz))
+    twin = write_trace(tmp_path / "twin.json", COMM_EVENTS)
+    with pytest.raises(UserError, match="rank 0 given twice"):
+        analyze(load_paths([good, twin]))
+    other_job = write_trace(tmp_path / "other.json", COMM_EVENTS, rank=1, world=16)
+    with pytest.raises(UserError, match="different jobs"):
+        analyze(load_paths([good, other_job]))
