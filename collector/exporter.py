@@ -375,7 +375,7 @@ def start_metrics_server(
         host, port = split_address(listen)
     except ValueError as exc:
         raise UserError(f"metrics listen address {exc}") from None
-    check_exposure(listen, protected=token is not None, insecure=insecure, what="serving metrics on",
+    check_exposure(listen, protected=token is not None, insecure=insecure, what="to serve metrics on",
                    needs="a bearer token (metrics_token_file)")
     server_class = _Server6 if ":" in host else _Server
     app = _guarded_app(build_registry(snapshot_provider, max_jobs), token)

@@ -184,7 +184,7 @@ def open_channel(
     channel = grpc.insecure_channel(target, options=list(options))
     if not token:
         return channel
-    check_exposure(target, protected=False, insecure=insecure, what="sending a bearer token to",
+    check_exposure(target, protected=False, insecure=insecure, what="to send a bearer token to",
                    needs="TLS (tls_ca)")
     return grpc.intercept_channel(channel, _BearerMetadata(token))
 
@@ -217,7 +217,7 @@ def check_exposure(address: str, *, protected: bool, insecure: bool, what: str, 
 
 def check_listen_policy(address: str, tls: bool, insecure: bool) -> None:
     """Listening on a non-loopback address needs TLS unless ``insecure`` is set."""
-    check_exposure(address, protected=tls, insecure=insecure, what="listening on",
+    check_exposure(address, protected=tls, insecure=insecure, what="to listen on",
                    needs="TLS (tls_cert and tls_key)")
 
 

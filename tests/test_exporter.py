@@ -160,7 +160,7 @@ def test_scrape_without_token_on_loopback_reflects_each_snapshot():
 
 
 def test_refuses_public_bind_without_token():
-    with pytest.raises(UserError, match="refusing serving metrics on 0.0.0.0:0 without a bearer token"):
+    with pytest.raises(UserError, match="refusing to serve metrics on 0.0.0.0:0 without a bearer token"):
         start_metrics_server("0.0.0.0:0", dict)
     with start_metrics_server("0.0.0.0:0", dict, insecure=True) as server:
         assert _get(f"http://127.0.0.1:{server.port}/metrics")[0] == 200

@@ -161,7 +161,7 @@ def test_server_tls_without_client_certificates(pki):
 )
 def test_listen_policy(address, tls, insecure, refused):
     if refused:
-        with pytest.raises(UserError, match=r"refusing listening on .*without TLS.*insecure"):
+        with pytest.raises(UserError, match=r"refusing to listen on .*without TLS.*insecure"):
             security.check_listen_policy(address, tls, insecure)
     else:
         security.check_listen_policy(address, tls, insecure)
