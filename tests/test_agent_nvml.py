@@ -198,3 +198,20 @@ def test_cli_without_driver_prints_one_line_and_fails(tmp_path):
                            "--spool", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no NVIDIA driver" in proc.stderr
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is None, reason="needs an NVIDIA driver")
+def test_real_gpus_sample_through_the_same_code():
+    sampler = NvmlSampler()
+    try:
+        devices = sampler.open()
+    except NoGpuDriverError as exc:
+        pytest.skip(str(exc))
+    try:
+        tick = sampler.sample()
+    finally:
+        sampler.close()
+    assert devices and sorted(tick.rows) == [d.index for d in devices if not d.lost]
+    for values in tick.rows.values():
+        assert set(values) <= set(fields.GPU_FIELD_NAMES)
+        assert 0.0 <= values["gpu_utilization_ratio"] <= 1.0 and values["gpu_memory_total_bytes"] > 0
