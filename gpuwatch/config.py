@@ -98,7 +98,7 @@ def one_of(*choices: str) -> Check:
 
 # ---- component schemas --------------------------------------------------------------------------------
 
-DEFAULT_COLLECTOR_PORT = 50051
+DEFAULT_COLLECTOR_PORT = 7700  # gpuwatch.collector.server.DEFAULT_PORT
 LOG_LEVEL = Option("log_level", str, "info", "log level", one_of("debug", "info", "warning", "error"))
 
 AGENT_OPTIONS: tuple[Option, ...] = (
@@ -124,7 +124,7 @@ COLLECTOR_OPTIONS: tuple[Option, ...] = (
     Option("listen", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}", "gRPC listen address HOST:PORT", address),
     Option("db", str, "gpuwatch.duckdb", "DuckDB database file"),
     Option("retention_days", float, 30.0, "delete samples and events older than this", positive),
-    Option("max_workers", int, 16, "gRPC worker threads", positive),
+    Option("max_workers", int, 256, "gRPC worker threads (each connected agent stream holds one)", positive),
     Option("metrics_listen", str, None, "Prometheus /metrics listen address HOST:PORT", address),
     Option("metrics_token_file", str, None, "bearer token Prometheus must send to /metrics"),
     Option("tls_cert", str, None, "server certificate (PEM); enables TLS"),

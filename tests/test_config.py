@@ -10,7 +10,7 @@ from gpuwatch.config import AGENT_OPTIONS, COLLECTOR_OPTIONS, Option, load_confi
 from gpuwatch.errors import UserError
 
 SCHEMA = (
-    Option("listen", str, "127.0.0.1:50051", "listen address", config.address),
+    Option("listen", str, "127.0.0.1:7700", "listen address", config.address),
     Option("interval", float, 1.0, "seconds", config.positive),
     Option("retries", int, 3, "count", config.non_negative),
     Option("insecure", bool, False, "allow plaintext"),
@@ -32,7 +32,7 @@ def _toml(tmp_path, text):
 
 def test_defaults_when_nothing_given():
     cfg = load_config(SCHEMA, _parse([]), env={})
-    assert dict(cfg) == {"listen": "127.0.0.1:50051", "interval": 1.0, "retries": 3, "insecure": False,
+    assert dict(cfg) == {"listen": "127.0.0.1:7700", "interval": 1.0, "retries": 3, "insecure": False,
                          "token_file": None}
     assert cfg.interval == 1.0 and cfg.source("interval") == "default"
 
@@ -90,7 +90,7 @@ def test_mapping_args_with_text_values_are_parsed():
 
 
 @pytest.mark.parametrize("text, expected", [("127.0.0.1:0", ("127.0.0.1", 0)), ("[::]:9400", ("::", 9400)),
-                                            ("collector.example:50051", ("collector.example", 50051))])
+                                            ("collector.example:7700", ("collector.example", 7700))])
 def test_split_address(text, expected):
     assert config.split_address(text) == expected
 

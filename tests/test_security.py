@@ -148,15 +148,15 @@ def test_server_tls_without_client_certificates(pki):
 @pytest.mark.parametrize(
     "address, tls, insecure, refused",
     [
-        ("127.0.0.1:50051", False, False, False),
-        ("[::1]:50051", False, False, False),
-        ("localhost:50051", False, False, False),
-        ("0.0.0.0:50051", False, False, True),
-        ("[::]:50051", False, False, True),
-        ("10.1.2.3:50051", False, False, True),
-        ("collector.example:50051", False, False, True),
-        ("0.0.0.0:50051", True, False, False),
-        ("0.0.0.0:50051", False, True, False),
+        ("127.0.0.1:7700", False, False, False),
+        ("[::1]:7700", False, False, False),
+        ("localhost:7700", False, False, False),
+        ("0.0.0.0:7700", False, False, True),
+        ("[::]:7700", False, False, True),
+        ("10.1.2.3:7700", False, False, True),
+        ("collector.example:7700", False, False, True),
+        ("0.0.0.0:7700", True, False, False),
+        ("0.0.0.0:7700", False, True, False),
     ],
 )
 def test_listen_policy(address, tls, insecure, refused):
@@ -169,13 +169,13 @@ def test_listen_policy(address, tls, insecure, refused):
 
 def test_listen_policy_names_a_bad_address():
     with pytest.raises(UserError, match="not HOST:PORT"):
-        security.check_listen_policy("50051", False, False)
+        security.check_listen_policy("7700", False, False)
 
 
 def test_plaintext_token_to_remote_collector_needs_insecure():
-    with pytest.raises(UserError, match="bearer token to 10.0.0.5:50051 without TLS"):
-        security.open_channel("10.0.0.5:50051", token=TOKEN)
-    security.open_channel("10.0.0.5:50051", token=TOKEN, insecure=True).close()
+    with pytest.raises(UserError, match="bearer token to 10.0.0.5:7700 without TLS"):
+        security.open_channel("10.0.0.5:7700", token=TOKEN)
+    security.open_channel("10.0.0.5:7700", token=TOKEN, insecure=True).close()
 
 
 def test_bad_credential_files_name_the_file(tmp_path, pki):
