@@ -174,3 +174,35 @@ def test_flight_recorder_entries_become_rows_once():
     harvester = FlightRecorderHarvester(lambda *_: json.dumps({"entries": [FR_ENTRY, send, running]}))
     assert [r.name for r in harvester.harvest(lambda _: 0)] == ["all_reduce", "send"]
     assert harvester.harvest(lambda _: 0) == []
+
+
+def test_profiler_window_ships_compact_span_rows(tmp_path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    import gpuwatch.probe
+
+    listener = ProbeListener(str(tmp_path / "p.sock"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        probe = gpuwatch.probe.start(job="prof", endpoint=listener.path, profile_every_s=0.0, profile_steps=2)
+        a = torch.randn(64, 64)
+        for _ in range(4):  # step 0 opens the window, steps 1-2 are profiled, the window closes at step 2's end
+            dist.all_reduce(a @ a)
+            probe.step()
+        probe.close()
+        kinds, names, steps = [], [], []
+
+        def received_end() -> bool:
+            table = listener.drain()
+            kinds.extend(table.kind), names.extend(table.name), steps.extend(table.step)
+            return "end" in kinds
+
+        _wait_for(received_end)
+    finally:
+        dist.destroy_process_group()
+        listener.close()
+    assert probe.stats()["errors"] == 0
+    profiled = [(k, n, s) for k, n, s in zip(kinds, names, steps) if k in ("compute", "collective") and n != "all_reduce"]
+    assert {k for k, _, _ in profiled} == {"compute", "collective"}
+    assert any(n.startswith("aten::") for _, n, _ in profiled) and any("allreduce" in n for _, n, _ in profiled)
+    assert {s for _, _, s in profiled} == {1, 2}

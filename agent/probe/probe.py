@@ -81,7 +81,7 @@ class Probe:
             self._recorder = CollectiveRecorder(self._buffer.push, lambda: self._steps, self._cuda_timer,
                                                 flight_recorder_on=self._flight_recorder is not None)
             self._recorder.install()
-        if profile_every_s:
+        if profile_every_s is not None:
             from gpuwatch.probe.profiler_window import ProfilerWindow
             self._profiler = ProfilerWindow(torch, profile_every_s, profile_steps)
 
