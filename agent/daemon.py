@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuwatch import __version__
-from gpuwatch.agent import events as ev
-from gpuwatch.agent.events import Event
+from gpuwatch import events as ev
+from gpuwatch.events import Event
 from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.nvml import NvmlSampler

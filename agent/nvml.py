@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import pynvml as N
 
-from gpuwatch.agent import events as ev
-from gpuwatch.agent.events import Event
+from gpuwatch import events as ev
+from gpuwatch.events import Event
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 

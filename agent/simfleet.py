@@ -136,8 +136,11 @@ class SimGpu:
     _t: float | None = None
 
     def __post_init__(self) -> None:
-        self.rng = random.Random(self.seed * 7919 + self.index)
-        self.phase = self.rng.uniform(0, 5)
+        # Seeded by node name, seed and index, so the nodes of a demo fleet do not show identical numbers; the
+        # phase is shared by a node's GPUs (one job checkpoints together) plus a few seconds per GPU.
+        self.rng = random.Random(f"{self.node}/{self.seed}/{self.index}/workload")
+        node_phase = random.Random(f"{self.node}/{self.seed}/phase").uniform(0, self.workload.checkpoint_every_s)
+        self.phase = node_phase + self.rng.uniform(0, 5)
         self.pcie_gen = self.pcie_gen or self.model.pcie_gen
         self.unsupported |= set(self.model.unsupported)
         self.busy_integrals = {k: 0.0 for k in ("sm_active", "sm_occupancy", "tensor", "dram", "graphics")}

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import pynvml as N
 
-from gpuwatch.agent import events as ev
-from gpuwatch.agent.events import Event
+from gpuwatch import events as ev
+from gpuwatch.events import Event
 from gpuwatch.agent.nvml import GpuDevice
 
 log = logging.getLogger(__name__)

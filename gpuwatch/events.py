@@ -1,7 +1,8 @@
-"""Agent events: the kinds the agent emits and the record that carries one until it is put in a batch.
+"""Event kinds (the wire contract of gpuwatch.v1.Event.kind) and the record that carries one in the agent.
 
-Samplers and threads produce :class:`Event` records; the daemon copies them into the next batch. The kind
-strings are part of the wire contract (gpuwatch.v1.Event.kind): the collector and alert rules match on them.
+The agent emits these kinds; the collector, alert rules and models match on them, so they live in one place
+that both sides import. The agent's samplers and threads produce :class:`Event` records; the daemon copies
+them into the next batch.
 """
 from __future__ import annotations
 

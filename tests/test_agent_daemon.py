@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from gpuwatch.agent import events as ev
+from gpuwatch import events as ev
 from gpuwatch.agent.daemon import Agent, AgentConfig
 from gpuwatch.agent.simfleet import SimulatedFleet
 from gpuwatch.agent.sink import IngestSink

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from gpuwatch import fields
-from gpuwatch.agent import events as ev
+from gpuwatch import events as ev
 from gpuwatch.agent.nvml import NoGpuDriverError, NvmlSampler
 from gpuwatch.agent.simfleet import SimulatedFleet
 from gpuwatch.agent.xid import XidDeduper, XidWatcher, normalize_bus_id, parse_kmsg_line
@@ -40,6 +40,24 @@ def _ticks(sampler, clock, n, step=1.0):
         out.append(sampler.sample())
         clock.t += step
     return out
+
+
+def _power_trace(node, seed=0, n=5):
+    clock = Clock()
+    with SimulatedFleet(2, node=node, seed=seed, clock=clock) as fleet:
+        sampler = NvmlSampler(clock=clock)
+        sampler.open()
+        try:
+            return [round(t.rows[g]["gpu_power_watts"], 3) for t in _ticks(sampler, clock, n) for g in (0, 1)]
+        finally:
+            sampler.close()
+
+
+def test_simulated_values_vary_by_node_and_repeat_for_the_same_node_and_seed():
+    a, b = _power_trace("node-a"), _power_trace("node-b")
+    assert a == _power_trace("node-a")
+    assert a != b and a != _power_trace("node-a", seed=1)
+    assert a[0::2] != a[1::2]  # the two GPUs of a node differ too
 
 
 def test_h100_values_are_in_range_and_units(rig):
