@@ -258,7 +258,7 @@ class CollectiveRecorder:
         if len(works) == len(launch.parts) > 1:
             # gloo's batch_isend_irecv: one work per op; each row completes with its own work
             wrapped = []
-            for index, (work, part) in enumerate(zip(works, launch.parts)):
+            for work, part in zip(works, launch.parts):
                 sub = Launch(launch.step, launch.kind, launch.process_group, launch.seq, [part], launch.start_ns)
                 sub_token = next(self._tokens)
                 self.inflight[sub_token] = sub
