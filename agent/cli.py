@@ -1,65 +1,100 @@
-"""`gpuwatch agent`: run the node agent (a thin layer over gpuwatch.agent.daemon.Agent)."""
+"""`gpuwatch agent`: run the node agent (a thin layer over gpuwatch.agent.daemon.Agent), or `--check` a node.
+
+Settings come from ``--config FILE``, ``GPUWATCH_*`` variables and flags with the precedence and checks of
+:mod:`gpuwatch.config` (AGENT_OPTIONS, the keys of deploy/agent.toml); the flags below them are for one run.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
+import sys
 from pathlib import Path
 
+from gpuwatch import config
 from gpuwatch.agent.daemon import Agent, AgentConfig, default_spool_dir
 from gpuwatch.agent.simfleet import MODELS
+from gpuwatch.agent.uplink import ChannelSecurity
 from gpuwatch.errors import UserError
+from gpuwatch.probe.endpoint import default_endpoint
 
 
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--collector", required=True, metavar="HOST:PORT", help="collector gRPC address")
+    config.add_arguments(parser, config.AGENT_OPTIONS)
+    parser.add_argument("--no-probe-socket", action="store_true",
+                        help="do not listen for training probes (default: listen on --probe-socket, else "
+                             f"{default_endpoint()} unless --simulate)")
     parser.add_argument("--simulate", type=int, default=0, metavar="N",
                         help="sample N simulated GPUs instead of the node's real ones")
     parser.add_argument("--sim-model", default="H100", choices=sorted(MODELS), help="simulated GPU model")
-    parser.add_argument("--node", default=socket.gethostname(), help="node name (default: hostname)")
-    parser.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="fast-tier period")
-    parser.add_argument("--slow-interval", type=float, default=30.0, metavar="SECONDS", help="slow-tier period")
-    parser.add_argument("--batch-interval", type=float, default=5.0, metavar="SECONDS",
-                        help="how often a batch is cut (every tick when --interval is larger)")
     parser.add_argument("--ticks", type=int, default=None, metavar="K",
                         help="sample K times, wait until the collector acknowledged everything, exit")
     parser.add_argument("--drain-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="with --ticks: how long to wait for the collector before giving up")
-    parser.add_argument("--spool", type=Path, default=None, metavar="DIR",
-                        help=f"spool directory (default: {default_spool_dir()})")
-    parser.add_argument("--spool-max-bytes", type=int, default=256 * 2**20, help="spool size bound")
-    parser.add_argument("--job-label", default="", help="job id for GPU processes that name none")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--record", type=Path, default=None, metavar="DIR",
+                        help="also write every batch into this recording (record-only when no collector is set)")
+    parser.add_argument("--check", action="store_true",
+                        help="diagnose the node (NVML, supported fields, collector, spool) and exit 0 if all is well")
+    parser.add_argument("--json", action="store_true", help="with --check: print the report as JSON")
 
 
-def config_from_args(args: argparse.Namespace) -> AgentConfig:
-    """Check the flags and turn them into an AgentConfig; bad values raise UserError naming the flag."""
-    host, _, port = args.collector.rpartition(":")
-    if not host or not port.isdigit():
-        raise UserError(f"--collector {args.collector!r}: expected HOST:PORT")
-    for flag, value in (("--interval", args.interval), ("--slow-interval", args.slow_interval),
-                        ("--batch-interval", args.batch_interval), ("--drain-timeout", args.drain_timeout)):
-        if not value > 0:
-            raise UserError(f"{flag} {value}: must be a positive number of seconds")
+def load_settings(args: argparse.Namespace) -> config.Config:
+    """The AGENT_OPTIONS merged from file, environment and flags (UserError naming key and source)."""
+    flags = dict(vars(args))
+    if flags.get("log_level"):
+        flags["log_level"] = flags["log_level"].lower()  # --log-level WARNING worked before the shared schema
+    cfg = config.load_config(config.AGENT_OPTIONS, flags)
+    if cfg.metrics_listen:
+        raise UserError(f"metrics_listen (from {cfg.source('metrics_listen')}): the agent has no /metrics endpoint "
+                        "yet; the collector exports Prometheus metrics for the whole fleet")
+    return cfg
+
+
+def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None) -> AgentConfig:
+    """Settings plus the one-run flags as an AgentConfig; bad values raise UserError naming the flag."""
+    cfg = cfg if cfg is not None else load_settings(args)
+    if not args.drain_timeout > 0:
+        raise UserError(f"--drain-timeout {args.drain_timeout}: must be a positive number of seconds")
     if args.simulate < 0:
         raise UserError(f"--simulate {args.simulate}: must be a number of GPUs (>= 1)")
     if args.ticks is not None and args.ticks < 1:
         raise UserError(f"--ticks {args.ticks}: must be >= 1")
-    if args.spool_max_bytes < 1:
-        raise UserError(f"--spool-max-bytes {args.spool_max_bytes}: must be positive")
+    record_only = args.record is not None and cfg.source("collector") == "default"
+    probe_socket = None
+    if not args.no_probe_socket and (cfg.probe_socket or not args.simulate):
+        probe_socket = cfg.probe_socket or default_endpoint()
     return AgentConfig(
-        collector=args.collector, node=args.node, interval=args.interval, slow_interval=args.slow_interval,
-        batch_interval=args.batch_interval, spool_dir=args.spool or default_spool_dir(),
-        spool_max_bytes=args.spool_max_bytes, job_label=args.job_label, simulate=args.simulate,
-        sim_model=args.sim_model, drain_timeout=args.drain_timeout,
+        collector=None if record_only else cfg.collector, node=cfg.node or socket.gethostname(),
+        interval=cfg.interval, slow_interval=cfg.slow_interval, batch_interval=cfg.batch_interval,
+        spool_dir=Path(cfg.spool) if cfg.spool else default_spool_dir(), spool_max_bytes=cfg.spool_max_bytes,
+        job_label=cfg.job_label or "", simulate=args.simulate, sim_model=args.sim_model,
+        drain_timeout=args.drain_timeout, probe_socket=probe_socket, record=args.record,
+        channel_security=ChannelSecurity(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, cfg.token_file, cfg.insecure),
     )
 
 
 def run(command: str, args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    agent = Agent(config_from_args(args))
+    settings = load_settings(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(args, settings)
+    if args.check:
+        return _check(cfg, args.json)
+    agent = Agent(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())
     agent.run(ticks=args.ticks)
     return 0
+
+
+def _check(cfg: AgentConfig, as_json: bool) -> int:
+    from gpuwatch.agent.check import check_node, format_check
+
+    report = check_node(cfg)
+    if as_json:
+        json.dump(report.to_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_check(report))
+    return 0 if report.ok else 1

@@ -2,17 +2,20 @@
 
 Wiring only: :class:`~gpuwatch.agent.nvml.NvmlSampler` (real GPUs, or the simulated fleet installed beneath
 pynvml), :class:`~gpuwatch.agent.host.HostSampler`, :class:`~gpuwatch.agent.jobs.JobResolver`,
-:class:`~gpuwatch.agent.xid.XidWatcher`, :class:`~gpuwatch.agent.spool.Spool` and
-:class:`~gpuwatch.agent.uplink.Uplink`. ``Agent(config).run(ticks)`` runs in-process (tests, the demo);
-``gpuwatch agent`` runs it as a command.
+:class:`~gpuwatch.agent.xid.XidWatcher`, the probe socket (:class:`~gpuwatch.agent.probe_socket.ProbeListener`,
+its spans join each batch), :class:`~gpuwatch.agent.spool.Spool` with :class:`~gpuwatch.agent.uplink.Uplink`
+(when a collector is configured) and :class:`~gpuwatch.agent.recorder.BatchRecorder` (``--record``).
+``Agent(config).run(ticks)`` runs in-process (tests, the demo); ``gpuwatch agent`` runs it as a command.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +25,11 @@ from gpuwatch.events import Event
 from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.nvml import NvmlSampler
+from gpuwatch.agent.probe_socket import ProbeListener
+from gpuwatch.agent.recorder import BatchRecorder
 from gpuwatch.agent.simfleet import SimulatedFleet
 from gpuwatch.agent.spool import Spool
-from gpuwatch.agent.uplink import Uplink
+from gpuwatch.agent.uplink import ChannelSecurity, Uplink
 from gpuwatch.agent.xid import XidWatcher
 from gpuwatch.batches import BatchBuilder
 from gpuwatch.errors import UserError
@@ -45,20 +50,23 @@ def default_spool_dir() -> Path:
 
 @dataclass
 class AgentConfig:
-    collector: str
+    collector: str | None  # HOST:PORT; None = record-only (needs ``record``)
     node: str = field(default_factory=socket.gethostname)
     interval: float = 1.0
     slow_interval: float = 30.0
     batch_interval: float = 5.0
     spool_dir: Path = field(default_factory=default_spool_dir)
     spool_max_bytes: int = 256 * 2**20
-    job_label: str = ""
+    job_label: str = ""  # one more environment variable naming the job (beyond SLURM and torchelastic)
     simulate: int = 0  # number of simulated GPUs; 0 = the node's real GPUs
     sim_model: str = "H100"
     drain_timeout: float = 600.0  # --ticks mode: how long to wait for the collector at the end
     stop_flush_s: float = 5.0  # service mode: how long to try to send the last batch on SIGTERM
     kmsg_path: str | None = "/dev/kmsg"
     labels: dict[str, str] = field(default_factory=dict)
+    probe_socket: str | None = None  # Unix socket the training probes send to; None = no listener
+    record: Path | None = None  # also write every batch into this recording directory
+    channel_security: ChannelSecurity = field(default_factory=ChannelSecurity)
 
 
 @dataclass
@@ -72,6 +80,8 @@ class Agent:
     """One node agent. ``fleet`` lets a test or the demo script faults on the simulated GPUs it samples."""
 
     def __init__(self, config: AgentConfig, fleet: SimulatedFleet | None = None) -> None:
+        if config.collector is None and config.record is None:
+            raise UserError("nothing to send to: give a collector, a recording (--record), or both")
         self.config = config
         self.fleet = fleet
         self._stop = threading.Event()
@@ -79,6 +89,9 @@ class Agent:
         self._events_lock = threading.Lock()
         self.spool: Spool | None = None
         self.uplink: Uplink | None = None
+        self.probe: ProbeListener | None = None
+        self.recorder: BatchRecorder | None = None
+        self._local_sequence = itertools.count(1)  # record-only mode has no spool to number batches
 
     def stop(self) -> None:
         """Ask a running agent to stop after the current tick (safe from signal handlers and threads)."""
@@ -92,38 +105,44 @@ class Agent:
     def run(self, ticks: int | None = None) -> RunSummary:
         """Sample ``ticks`` times (None: until stop()), then flush; raises UserError if data stays unsent."""
         cfg = self.config
-        self.spool = Spool(cfg.spool_dir, cfg.spool_max_bytes)
-        installed = self._install_fleet()
-        sampler = NvmlSampler(slow_interval=cfg.slow_interval)
-        watcher = uplink = None
-        try:
+        drained = True
+        with ExitStack() as stack:
+            if cfg.collector is not None:
+                self.spool = Spool(cfg.spool_dir, cfg.spool_max_bytes)
+            if self._install_fleet():
+                stack.callback(self.fleet.uninstall)
+            sampler = NvmlSampler(slow_interval=cfg.slow_interval)
+            stack.callback(sampler.close)
             devices = sampler.open()
             environ = self.fleet.environ if self.fleet is not None else read_proc_environ
             jobs = JobResolver(environ, cfg.job_label)
             host = HostSampler()
-            builder = BatchBuilder(self._identity(sampler), self.spool.agent_id, [d.info() for d in devices])
+            agent_id = self.spool.agent_id if self.spool else f"record-{cfg.node}"
+            builder = BatchBuilder(self._identity(sampler), agent_id, [d.info() for d in devices])
+            if cfg.record is not None:
+                self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval)
+                stack.callback(self.recorder.close)
+            if cfg.probe_socket:
+                self.probe = _open_probe_listener(cfg.probe_socket)
+                stack.callback(self.probe.close)
             watcher = XidWatcher(devices, self.emit, kmsg_path=None if self.fleet is not None else cfg.kmsg_path)
             watcher.start()
-            uplink = self.uplink = Uplink(self.spool, cfg.collector)
-            uplink.start()
+            stack.callback(watcher.stop)
+            if self.spool is not None:
+                self.uplink = Uplink(self.spool, cfg.collector, channel_security=cfg.channel_security)
+                self.uplink.start()
+                stack.callback(self.uplink.stop)
             self.emit(Event(ev.AGENT_START, message=f"gpuwatch agent {__version__} on {cfg.node}, {len(devices)} GPUs",
                             attrs={"agent_version": __version__, "gpus": str(len(devices))}))
-            done, batches = self._loop(ticks, sampler, host, jobs, builder, uplink)
+            done, batches = self._loop(ticks, sampler, host, jobs, builder)
             self.emit(Event(ev.AGENT_STOP, message=f"stopped after {done} ticks"))
-            batches += self._cut(builder, uplink)
-            drained = uplink.wait_drained(cfg.drain_timeout if ticks is not None else cfg.stop_flush_s)
-        finally:
-            if uplink is not None:
-                uplink.stop()
-            if watcher is not None:
-                watcher.stop()
-            sampler.close()
-            if installed:
-                self.fleet.uninstall()
-        pending = len(self.spool.pending())
+            batches += self._cut(builder)
+            if self.uplink is not None:
+                drained = self.uplink.wait_drained(cfg.drain_timeout if ticks is not None else cfg.stop_flush_s)
+        pending = len(self.spool.pending()) if self.spool else 0
         if not drained:
             message = (f"collector {cfg.collector} did not acknowledge {pending} batches "
-                       f"({uplink.stats.last_error or 'no answer'}); they are kept in the spool {cfg.spool_dir} "
+                       f"({self.uplink.stats.last_error or 'no answer'}); they are kept in the spool {cfg.spool_dir} "
                        "and sent when the agent starts again")
             if ticks is not None:
                 raise UserError(message)
@@ -146,7 +165,7 @@ class Agent:
         return pb.NodeIdentity(node=self.config.node, agent_version=__version__, driver_version=sampler.driver_version,
                                cuda_version=sampler.cuda_version, labels=labels)
 
-    def _loop(self, ticks, sampler, host, jobs, builder, uplink) -> tuple[int, int]:
+    def _loop(self, ticks, sampler, host, jobs, builder) -> tuple[int, int]:
         cfg = self.config
         ticks_per_batch = max(1, round(cfg.batch_interval / cfg.interval))
         done = batches = 0
@@ -155,13 +174,12 @@ class Agent:
             self._tick(sampler, host, jobs, builder)
             done += 1
             if done % ticks_per_batch == 0:
-                batches += self._cut(builder, uplink)
+                batches += self._cut(builder)
             if ticks is not None and done >= ticks:
                 break
             next_tick = max(next_tick + cfg.interval, time.monotonic())
             self._stop.wait(next_tick - time.monotonic())
         return done, batches
-
     def _tick(self, sampler: NvmlSampler, host: HostSampler, jobs: JobResolver, builder: BatchBuilder) -> None:
         ts_ms = int(time.time() * 1000)
         tick = sampler.sample()
@@ -180,17 +198,31 @@ class Agent:
         for e in pending:
             builder.add_event(e.kind, e.ts_ms, e.gpu_index, e.code, e.message, e.attrs)
 
-    def _cut(self, builder: BatchBuilder, uplink: Uplink) -> int:
-        """Spool what the builder holds as one batch; returns 1 if a batch was written."""
-        dropped = self.spool.take_dropped()
-        if dropped.batches:
+    def _cut(self, builder: BatchBuilder) -> int:
+        """Spool (and record) what the builder holds, with the probe spans, as one batch; 1 if one was written."""
+        dropped = self.spool.take_dropped() if self.spool else None
+        if dropped and dropped.batches:
             builder.add_event(ev.SPOOL_DROPPED, int(time.time() * 1000), code=dropped.batches,
                               message=f"spool over its size bound: {dropped.batches} oldest batches dropped",
                               attrs={"bytes": str(dropped.bytes)})
         self._move_events(builder)
-        if not len(builder):
+        spans = self.probe.drain() if self.probe else None
+        if spans is not None and len(spans.start_us):
+            builder.add_spans(spans)
+        elif not len(builder):
             return 0
-        sequence = self.spool.next_sequence()
-        self.spool.append(sequence, builder.build(sequence).SerializeToString())
-        uplink.notify()
+        sequence = self.spool.next_sequence() if self.spool else next(self._local_sequence)
+        batch = builder.build(sequence)
+        if self.recorder is not None:
+            self.recorder.add(batch)
+        if self.spool is not None:
+            self.spool.append(sequence, batch.SerializeToString())
+            self.uplink.notify()
         return 1
+
+
+def _open_probe_listener(path: str) -> ProbeListener:
+    try:
+        return ProbeListener(path)
+    except OSError as exc:  # its message names the socket and the problem
+        raise UserError(f"{exc.strerror or exc}; choose another --probe-socket or run with --no-probe-socket") from None

@@ -1,8 +1,8 @@
 """Which job (and rank) owns each GPU: GPU -> compute processes (NVML) -> job id from the process environment.
 
 Launchers leave the job in every rank's environment: SLURM (SLURM_JOB_ID, SLURM_PROCID, SLURM_LOCALID) and
-torchrun / TorchElastic (TORCHELASTIC_RUN_ID, RANK, LOCAL_RANK). Without either, the agent's configured job
-label names the job. The environ reader is injectable so the simulated fleet can provide its fake PIDs'
+torchrun / TorchElastic (TORCHELASTIC_RUN_ID, RANK, LOCAL_RANK). Other schedulers are covered by the configured
+``job_label``: the name of one more environment variable that holds the job id (ranks from RANK/LOCAL_RANK). The environ reader is injectable so the simulated fleet can provide its fake PIDs'
 environments. Processes change rarely, so the daemon refreshes this on the slow cadence and caches per PID.
 """
 from __future__ import annotations
@@ -45,11 +45,12 @@ def read_proc_environ(pid: int) -> dict[str, str] | None:
 
 
 def job_from_environ(env: Mapping[str, str], job_label: str = "") -> JobInfo:
-    """Job id and ranks named by a launcher's variables, else the configured label (ranks unknown)."""
-    for job_var, rank_var, local_var in _LAUNCHERS:
+    """Job id and ranks named by a launcher's variables, else by the ``job_label`` variable (if configured)."""
+    launchers = (*_LAUNCHERS, (job_label, "RANK", "LOCAL_RANK")) if job_label else _LAUNCHERS
+    for job_var, rank_var, local_var in launchers:
         if env.get(job_var):
             return JobInfo(env[job_var], _int(env.get(rank_var)), _int(env.get(local_var)))
-    return JobInfo(job_label) if job_label else NO_JOB
+    return NO_JOB
 
 
 class JobResolver:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gpuwatch import security
 from gpuwatch.agent.spool import Spool
 from gpuwatch.batches import MAX_BATCH_BYTES
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -29,8 +30,20 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 _MESSAGE_LIMIT = MAX_BATCH_BYTES + 64 * 1024  # a full batch plus the envelope
 
 
-def make_channel(address: str, *, reconnect_max_s: float = 10.0, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
-    """The one place that builds the agent's channel (add TLS credentials and tokens here)."""
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How the agent proves itself to the collector and checks it: TLS (``ca``), mTLS (``cert``/``key``), token."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    token_file: str | None = None
+    insecure: bool = False  # allow a plaintext token to a non-loopback collector
+
+
+def make_channel(address: str, *, channel_security: ChannelSecurity = ChannelSecurity(), reconnect_max_s: float = 10.0,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """The one place that builds the agent's channel; bad certificate or token files raise UserError."""
     base = [
         ("grpc.max_send_message_length", _MESSAGE_LIMIT),
         ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
@@ -41,7 +54,10 @@ def make_channel(address: str, *, reconnect_max_s: float = 10.0, options: Sequen
         ("grpc.min_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", int(reconnect_max_s * 1000)),
     ]
-    return grpc.insecure_channel(address, options=base + list(options))
+    cs = channel_security
+    token = security.read_token(cs.token_file) if cs.token_file else None
+    return security.open_channel(address, ca=cs.ca, cert=cs.cert, key=cs.key, token=token, insecure=cs.insecure,
+                                 options=base + list(options))
 
 
 @dataclass
@@ -74,6 +90,7 @@ class Uplink:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 10.0,
         channel_factory: Callable[[str], grpc.Channel] | None = None,
+        channel_security: ChannelSecurity = ChannelSecurity(),
     ) -> None:
         self.spool = spool
         self.address = address
@@ -81,7 +98,8 @@ class Uplink:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.stats = UplinkStats()
-        self._channel = (channel_factory or (lambda a: make_channel(a, reconnect_max_s=backoff_max_s)))(address)
+        self._channel = (channel_factory or (
+            lambda a: make_channel(a, channel_security=channel_security, reconnect_max_s=backoff_max_s)))(address)
         self._stream_call = self._channel.stream_stream(
             _STREAM, request_serializer=_raw, response_deserializer=pb.BatchAck.FromString)
         self._push_call = self._channel.unary_unary(

@@ -97,4 +97,6 @@ def test_command_stops_cleanly_on_sigterm(tmp_path, sink):
 
 def test_bad_flag_is_one_line(tmp_path):
     proc = subprocess.run(_agent_cmd("nowhere", tmp_path, "--ticks", "1"), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip() == "gpuwatch agent: error: --collector 'nowhere': expected HOST:PORT"
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "gpuwatch agent: error: collector (from flag --collector): 'nowhere' is not HOST:PORT "
+        "(use 0.0.0.0:PORT for all interfaces)")

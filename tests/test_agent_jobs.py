@@ -6,10 +6,12 @@ from gpuwatch.agent.nvml import NvmlSampler
 from gpuwatch.agent.simfleet import SimulatedFleet
 
 
-def test_launcher_variables_and_label_fallback():
+def test_launcher_variables_and_the_job_label_variable():
     assert job_from_environ({"SLURM_JOB_ID": "42", "SLURM_PROCID": "9", "SLURM_LOCALID": "1"}) == JobInfo("42", 9, 1)
     assert job_from_environ({"TORCHELASTIC_RUN_ID": "r", "RANK": "3", "LOCAL_RANK": "x"}) == JobInfo("r", 3, -1)
-    assert job_from_environ({"PATH": "/bin"}, job_label="train-7") == JobInfo("train-7")
+    assert job_from_environ({"MY_JOB": "train-7", "RANK": "2"}, job_label="MY_JOB") == JobInfo("train-7", 2, -1)
+    assert job_from_environ({"SLURM_JOB_ID": "42", "MY_JOB": "x"}, job_label="MY_JOB") == JobInfo("42")
+    assert job_from_environ({"PATH": "/bin"}, job_label="MY_JOB") == JobInfo()
     assert job_from_environ({}) == JobInfo()
 
 
