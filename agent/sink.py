@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gpuwatch import security
 from gpuwatch.batches import BatchError, validate
 from gpuwatch.v1 import telemetry_pb2 as pb
 from gpuwatch.v1 import telemetry_pb2_grpc as pb_grpc
@@ -44,10 +45,13 @@ class IngestSink(pb_grpc.IngestServicer):
         self.refuse = refuse
         self._server: grpc.Server | None = None
 
-    def start(self, address: str = "127.0.0.1:0") -> int:
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    def start(self, address: str = "127.0.0.1:0", *, cert: str | None = None, key: str | None = None,
+              client_ca: str | None = None, token: str | None = None) -> int:
+        """Serve (TLS with ``cert``/``key``, mutual with ``client_ca``, bearer ``token``); returns the port."""
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                                   interceptors=security.server_interceptors(token))
         pb_grpc.add_IngestServicer_to_server(self, self._server)
-        port = self._server.add_insecure_port(address)
+        port = security.add_listen_port(self._server, address, cert=cert, key=key, client_ca=client_ca)
         self._server.start()
         return port
 
