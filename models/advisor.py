@@ -1,0 +1,92 @@
+"""Checkpoint advisor: how often to checkpoint given the failure rate, and what a failure predictor changes.
+
+Formulas from failure-prediction.md §5: Young (1974) and Daly (2006) intervals from the job's MTBF M and
+checkpoint cost C; with a predictor of recall r, precision p and proactive action cost C_p (Aupy et al.,
+JPDC 2014) the interval becomes sqrt(2MC/(1-r)); an alert is worth acting on iff its precision beats a
+break-even value, which is the natural alert threshold for a calibrated risk score.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from gpuwatch.models.failsim import LLAMA3_FAULTS_PER_GPU_HOUR
+
+
+def job_mtbf_s(n_gpus: int, faults_per_gpu_hour: float = LLAMA3_FAULTS_PER_GPU_HOUR) -> float:
+    """Mean time between failures of a job on ``n_gpus`` GPUs (independent failures), seconds."""
+    if n_gpus <= 0 or faults_per_gpu_hour <= 0:
+        raise ValueError("n_gpus and faults_per_gpu_hour must be positive")
+    return 3600.0 / (n_gpus * faults_per_gpu_hour)
+
+
+def young_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young: T = sqrt(2 C M)."""
+    return math.sqrt(2 * checkpoint_s * mtbf_s)
+
+
+def daly_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly: T = sqrt(2CM)[1 + sqrt(C/2M)/3 + (C/2M)/9] - C for C < 2M, else M."""
+    if checkpoint_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = checkpoint_s / (2 * mtbf_s)
+    return math.sqrt(2 * checkpoint_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - checkpoint_s
+
+
+def predicted_interval_s(checkpoint_s: float, mtbf_s: float, recall: float) -> float:
+    """With a predictor catching a share ``recall`` of failures: T* = sqrt(2 M C / (1 - r))."""
+    if not 0 <= recall < 1:
+        raise ValueError("recall must be in [0, 1)")
+    return math.sqrt(2 * mtbf_s * checkpoint_s / (1 - recall))
+
+
+def waste(checkpoint_s: float, interval_s: float, mtbf_s: float, *, recall: float = 0.0, precision: float = 1.0,
+          action_s: float = 0.0, downtime_s: float = 0.0, restart_s: float = 0.0) -> float:
+    """Share of time lost: C/T + (1-r)(T/2 + D + R)/M + r C_p/(p M)."""
+    lost = (1 - recall) * (interval_s / 2 + downtime_s + restart_s) / mtbf_s
+    alerts = recall * action_s / (precision * mtbf_s) if recall else 0.0
+    return checkpoint_s / interval_s + lost + alerts
+
+
+def break_even_precision_checkpoint(action_s: float, interval_s: float) -> float:
+    """An extra checkpoint on alert saves ~T/2 per true alert: worth it iff p > 2 C_p / T."""
+    return 2 * action_s / interval_s
+
+
+def break_even_precision_drain(action_s: float, interval_s: float, downtime_s: float, restart_s: float) -> float:
+    """Draining on alert saves T/2 + D + R per true alert: worth it iff p > C_p / (T/2 + D + R)."""
+    return action_s / (interval_s / 2 + downtime_s + restart_s)
+
+
+@dataclass(frozen=True)
+class Advice:
+    mtbf_s: float
+    young_interval_s: float
+    daly_interval_s: float
+    waste: float
+    interval_with_predictor_s: float
+    waste_with_predictor: float
+    break_even_precision_checkpoint: float
+    break_even_precision_drain: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def advise(n_gpus: int, checkpoint_s: float, *, faults_per_gpu_hour: float = LLAMA3_FAULTS_PER_GPU_HOUR,
+           recall: float = 0.0, precision: float = 1.0, action_s: float = 300.0, downtime_s: float = 600.0,
+           restart_s: float = 300.0) -> Advice:
+    """Checkpoint interval and waste for a job, without and with a predictor of the given recall/precision."""
+    m = job_mtbf_s(n_gpus, faults_per_gpu_hour)
+    young = young_interval_s(checkpoint_s, m)
+    with_pred = predicted_interval_s(checkpoint_s, m, recall)
+    return Advice(
+        mtbf_s=m,
+        young_interval_s=young,
+        daly_interval_s=daly_interval_s(checkpoint_s, m),
+        waste=waste(checkpoint_s, young, m),
+        interval_with_predictor_s=with_pred,
+        waste_with_predictor=waste(checkpoint_s, with_pred, m, recall=recall, precision=precision, action_s=action_s),
+        break_even_precision_checkpoint=break_even_precision_checkpoint(action_s, young),
+        break_even_precision_drain=break_even_precision_drain(action_s, young, downtime_s, restart_s),
+    )

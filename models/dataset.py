@@ -1,0 +1,120 @@
+"""Training/evaluation data from a recording directory or a collector DuckDB store: features, faults, labels.
+
+Both sources hold ``gpu_samples`` and ``events`` with the same columns (gpuwatch/recording.py), so the rest
+of the model code never asks where data came from. Large sources are read a few nodes at a time (the
+per-GPU features only need one GPU's history); job-peer features are added once over all rows.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from gpuwatch.errors import UserError
+from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, PRECURSOR_COUNTERS, PRECURSOR_FLAGS, fault_events
+from gpuwatch.models.features import DEFAULT_STEP_S, SAMPLE_COLUMNS, add_peer_features, gpu_window_features
+from gpuwatch.models.labels import DEFAULT_HORIZON_S, DEFAULT_WARNING_S, label
+from gpuwatch.recording import open_recording
+
+NODES_PER_CHUNK = 8
+_COLUMNS = ["node", "gpu_index", "ts", "job_id"] + sorted(
+    set(SAMPLE_COLUMNS) | set(FAULT_COUNTERS) | set(FAULT_FLAGS) | set(PRECURSOR_COUNTERS) | set(PRECURSOR_FLAGS))
+_EVENT_COLUMNS = ["node", "gpu_index", "ts", "kind", "code"]
+
+
+@dataclass
+class Source:
+    """Where telemetry comes from; ``fingerprint`` tells whether a model was trained on this same data."""
+
+    path: Path
+    nodes: list[str]
+    start_ms: int
+    end_ms: int
+    fingerprint: str
+
+    def chunks(self) -> Iterator[tuple[pd.DataFrame, pd.DataFrame]]:
+        """(samples, events) for a few nodes at a time."""
+        for i in range(0, len(self.nodes), NODES_PER_CHUNK):
+            yield self._read(self.nodes[i:i + NODES_PER_CHUNK])
+
+    def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+        raise NotImplementedError
+
+
+class RecordingSource(Source):
+    def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+        rec = open_recording(self.path)
+        where = [("node", "in", nodes)]
+        return rec.table("gpu_samples", _COLUMNS, where), rec.table("events", _EVENT_COLUMNS, where)
+
+
+class DuckDBSource(Source):
+    def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+        import duckdb
+
+        with duckdb.connect(str(self.path), read_only=True) as con:
+            marks = ",".join("?" * len(nodes))
+            samples = con.execute(f"SELECT {', '.join(_COLUMNS)} FROM gpu_samples WHERE node IN ({marks})",
+                                  nodes).df()
+            events = con.execute(f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events WHERE node IN ({marks})",
+                                 nodes).df()
+        return samples, events
+
+
+def open_source(path: str | Path) -> Source:
+    """A recording directory or a ``.duckdb`` store file; a UserError naming the path otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        rec = open_recording(p)
+        m = rec.manifest
+        if m.get("start_ms") is None:
+            raise UserError(f"{p}: recording holds no samples")
+        digest = hashlib.sha256(repr(sorted(m.items())).encode()).hexdigest()[:16]
+        return RecordingSource(p, list(m["nodes"]), int(m["start_ms"]), int(m["end_ms"]), digest)
+    if p.is_file():
+        return _duckdb_source(p)
+    raise UserError(f"{p}: no such recording directory or DuckDB store")
+
+
+def _duckdb_source(p: Path) -> DuckDBSource:
+    import duckdb
+
+    try:
+        with duckdb.connect(str(p), read_only=True) as con:
+            nodes = [r[0] for r in con.execute("SELECT DISTINCT node FROM gpu_samples ORDER BY node").fetchall()]
+            lo, hi, n = con.execute("SELECT epoch_ms(min(ts)), epoch_ms(max(ts)), count(*) FROM gpu_samples").fetchone()
+    except duckdb.Error as exc:
+        raise UserError(f"{p}: not a gpuwatch DuckDB store with gpu_samples and events tables: {exc}") from None
+    if not n:
+        raise UserError(f"{p}: store holds no GPU samples")
+    digest = hashlib.sha256(f"{p.resolve()}:{lo}:{hi}:{n}".encode()).hexdigest()[:16]
+    return DuckDBSource(p, nodes, int(lo), int(hi), digest)
+
+
+@dataclass
+class Dataset:
+    """Labelled feature rows of a source and its fault episodes."""
+
+    rows: pd.DataFrame
+    episodes: pd.DataFrame
+    source: Source
+    horizon_s: float
+    warning_s: float
+    step_s: int
+
+
+def build_dataset(path: str | Path, *, horizon_s: float = DEFAULT_HORIZON_S,
+                  warning_s: float = DEFAULT_WARNING_S, step_s: int = DEFAULT_STEP_S) -> Dataset:
+    """Features of every GPU every ``step_s``, with labels for faults within ``horizon_s``."""
+    src = open_source(path)
+    parts, episodes = [], []
+    for samples, events in src.chunks():
+        parts.append(gpu_window_features(samples, events, step_s=step_s))
+        episodes.append(fault_events(events, samples))
+    feats = add_peer_features(pd.concat(parts, ignore_index=True))
+    eps = pd.concat(episodes, ignore_index=True) if episodes else pd.DataFrame()
+    rows = label(feats, eps, horizon_s=horizon_s, warning_s=warning_s, data_end_ms=src.end_ms)
+    return Dataset(rows, eps, src, horizon_s, warning_s, step_s)
