@@ -18,6 +18,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpuwatch import __version__
 from gpuwatch import events as ev
@@ -26,18 +27,22 @@ from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.nvml import NvmlSampler
 from gpuwatch.agent.probe_socket import ProbeListener
-from gpuwatch.agent.recorder import BatchRecorder
 from gpuwatch.agent.simfleet import SimulatedFleet
 from gpuwatch.agent.spool import Spool
 from gpuwatch.agent.uplink import ChannelSecurity, Uplink
 from gpuwatch.agent.xid import XidWatcher
-from gpuwatch.batches import BatchBuilder
+from gpuwatch.batches import MAX_BATCH_BYTES, BatchBuilder
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
+
+if TYPE_CHECKING:  # the recorder pulls in pandas and pyarrow: imported only when --record asks for it
+    from gpuwatch.agent.recorder import BatchRecorder
 
 log = logging.getLogger(__name__)
 
 SYSTEM_SPOOL = Path("/var/lib/gpuwatch/spool")
+# Probe spans per batch, leaving the rest of MAX_BATCH_BYTES to the samples and events cut with them.
+SPAN_BYTES_PER_BATCH = MAX_BATCH_BYTES // 2
 
 
 def default_spool_dir() -> Path:
@@ -120,6 +125,8 @@ class Agent:
             agent_id = self.spool.agent_id if self.spool else f"record-{cfg.node}"
             builder = BatchBuilder(self._identity(sampler), agent_id, [d.info() for d in devices])
             if cfg.record is not None:
+                from gpuwatch.agent.recorder import BatchRecorder
+
                 self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval)
                 stack.callback(self.recorder.close)
             if cfg.probe_socket:
@@ -199,26 +206,42 @@ class Agent:
             builder.add_event(e.kind, e.ts_ms, e.gpu_index, e.code, e.message, e.attrs)
 
     def _cut(self, builder: BatchBuilder) -> int:
-        """Spool (and record) what the builder holds, with the probe spans, as one batch; 1 if one was written."""
+        """Spool (and record) what the builder holds with the probe spans; returns the number of batches written."""
         dropped = self.spool.take_dropped() if self.spool else None
         if dropped and dropped.batches:
             builder.add_event(ev.SPOOL_DROPPED, int(time.time() * 1000), code=dropped.batches,
                               message=f"spool over its size bound: {dropped.batches} oldest batches dropped",
                               attrs={"bytes": str(dropped.bytes)})
         self._move_events(builder)
-        spans = self.probe.drain() if self.probe else None
-        if spans is not None and len(spans.start_us):
-            builder.add_spans(spans)
-        elif not len(builder):
+        spans = self.probe.drain() if self.probe else pb.SpanTable()
+        chunks = span_chunks(spans, SPAN_BYTES_PER_BATCH)
+        if not len(builder) and not chunks:
             return 0
-        sequence = self.spool.next_sequence() if self.spool else next(self._local_sequence)
-        batch = builder.build(sequence)
+        for chunk in chunks or [None]:  # the first batch takes the rows and events, later ones only spans
+            if chunk is not None:
+                builder.add_spans(chunk)
+            self._write(builder.build(self.spool.next_sequence() if self.spool else next(self._local_sequence)))
+        return max(1, len(chunks))
+
+    def _write(self, batch: pb.TelemetryBatch) -> None:
         if self.recorder is not None:
             self.recorder.add(batch)
         if self.spool is not None:
-            self.spool.append(sequence, batch.SerializeToString())
+            self.spool.append(batch.sequence, batch.SerializeToString())
             self.uplink.notify()
-        return 1
+
+
+def span_chunks(spans: pb.SpanTable, max_bytes: int) -> list[pb.SpanTable]:
+    """``spans`` cut into row ranges of at most about ``max_bytes`` each, so no batch exceeds MAX_BATCH_BYTES."""
+    n = len(spans.start_us)
+    if not n:
+        return []
+    size = spans.ByteSize()
+    if size <= max_bytes:
+        return [spans]
+    rows = max(1, n * max_bytes // size)
+    columns = [f.name for f in pb.SpanTable.DESCRIPTOR.fields if len(getattr(spans, f.name))]
+    return [pb.SpanTable(**{c: getattr(spans, c)[i:i + rows] for c in columns}) for i in range(0, n, rows)]
 
 
 def _open_probe_listener(path: str) -> ProbeListener:

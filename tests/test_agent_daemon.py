@@ -7,10 +7,11 @@ import threading
 import pytest
 
 from gpuwatch import events as ev
-from gpuwatch.agent.daemon import Agent, AgentConfig
+from gpuwatch.agent.daemon import Agent, AgentConfig, span_chunks
 from gpuwatch.agent.simfleet import SimulatedFleet
 from gpuwatch.agent.sink import IngestSink
 from gpuwatch.errors import UserError
+from gpuwatch.v1 import telemetry_pb2 as pb
 
 
 @pytest.fixture
@@ -100,3 +101,17 @@ def test_bad_flag_is_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "gpuwatch agent: error: collector (from flag --collector): 'nowhere' is not HOST:PORT "
         "(use 0.0.0.0:PORT for all interfaces)")
+
+
+def test_large_span_tables_are_cut_below_the_batch_limit():
+    n = 50_000
+    spans = pb.SpanTable(job_id=["job-with-a-long-name"] * n, rank=[r % 8 for r in range(n)], step=list(range(n)),
+                         kind=["collective"] * n, name=["all_reduce"] * n, start_us=[float(i) for i in range(n)],
+                         dur_us=[1.5] * n)
+    chunks = span_chunks(spans, 200_000)
+    assert len(chunks) > 1 and all(c.ByteSize() <= 220_000 for c in chunks)
+    merged = pb.SpanTable()
+    for c in chunks:
+        merged.MergeFrom(c)
+    assert merged == spans and not merged.peer  # columns the probe left empty stay empty
+    assert span_chunks(pb.SpanTable(), 10) == [] and span_chunks(spans, 10**9) == [spans]
