@@ -1,0 +1,265 @@
+"""Early-failure alerts: per-GPU risk in, fire/resolve transitions out, delivered without blocking the caller.
+
+The engine knows nothing of the collector's internals: it takes :class:`RiskObservation` values (whatever
+scores them) and keeps one alert per GPU under the alert policy of models/policy.py (fire at the
+threshold, resolve after the risk stayed below half of it for a while), so live alerts behave exactly as
+the evaluation counted them. Each alert carries a suggested action from the checkpoint advisor. Delivery
+goes to Prometheus Alertmanager's v2 API and/or a generic JSON webhook through small background senders
+with a bounded queue and retries: a slow or dead receiver never stalls scoring.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+
+from gpuwatch.models.advisor import Advice, advise
+from gpuwatch.models.policy import AlertPolicy
+
+log = logging.getLogger(__name__)
+
+ALERT_NAME = "GPUFailureRisk"
+#: Risk (probability of a fault within the model's horizon) above which draining the node is suggested.
+DRAIN_AT = 0.5
+
+
+@dataclass(frozen=True)
+class RiskObservation:
+    """One GPU's scored risk at one time, with who runs on it and why the score is what it is."""
+
+    gpu_uuid: str
+    gpu_index: int
+    node: str
+    risk: float
+    jobs: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    signals: tuple[dict, ...] = ()
+    ts_ms: int | None = None
+
+
+@dataclass
+class Alert:
+    gpu_uuid: str
+    gpu_index: int
+    node: str
+    risk: float
+    peak_risk: float
+    jobs: tuple[str, ...]
+    ranks: tuple[int, ...]
+    signals: tuple[dict, ...]
+    action: str
+    starts_ms: int
+    ends_ms: int | None = None
+    # policy state: last time the risk was at or above the resolve level
+    last_high_ms: int | None = field(default=None, repr=False)
+
+    @property
+    def firing(self) -> bool:
+        return self.ends_ms is None
+
+    def summary(self) -> str:
+        return f"GPU {self.gpu_index} on {self.node} at risk of failing (risk {self.risk:.2f})"
+
+    def to_json(self) -> dict:
+        """Webhook and `gpuwatch alerts --json` shape."""
+        return {"alertname": ALERT_NAME, "status": "firing" if self.firing else "resolved",
+                "node": self.node, "gpu_index": self.gpu_index, "gpu_uuid": self.gpu_uuid,
+                "risk": round(self.risk, 4), "peak_risk": round(self.peak_risk, 4), "jobs": list(self.jobs),
+                "ranks": list(self.ranks), "signals": list(self.signals), "action": self.action,
+                "starts_at": _iso(self.starts_ms), "ends_at": _iso(self.ends_ms) if self.ends_ms else None,
+                "summary": self.summary()}
+
+    def to_alertmanager(self) -> dict:
+        """Alertmanager v2 postable alert; a resolved alert carries its endsAt (in the past)."""
+        body = {
+            "labels": {"alertname": ALERT_NAME, "node": self.node, "gpu": str(self.gpu_index),
+                       "uuid": self.gpu_uuid, "severity": "warning"},
+            "annotations": {"summary": self.summary(), "action": self.action, "risk": f"{self.risk:.4f}",
+                            "jobs": ",".join(self.jobs), "ranks": ",".join(map(str, self.ranks)),
+                            "signals": ", ".join(f"{s.get('signal')}={s.get('value')}" for s in self.signals)},
+            "startsAt": _iso(self.starts_ms),
+        }
+        if self.ends_ms is not None:
+            body["endsAt"] = _iso(self.ends_ms)
+        return body
+
+
+@dataclass(frozen=True)
+class Transition:
+    kind: str  # "fire" or "resolve"
+    alert: Alert
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def suggest_action(risk: float, node: str, advice: Advice, drain_at: float = DRAIN_AT) -> str:
+    """What to do now, by risk and the advisor's break-even precisions (both are probabilities)."""
+    steps = []
+    if risk >= advice.break_even_precision_checkpoint:
+        steps.append("checkpoint now")
+    if risk >= max(drain_at, advice.break_even_precision_drain):
+        steps.append(f"drain node {node} after the checkpoint")
+    return ", then ".join(steps) if steps else "watch: risk below the break-even of any action"
+
+
+class AlertEngine:
+    """One alert per GPU under an :class:`AlertPolicy`; hands every change to the senders."""
+
+    def __init__(self, policy: AlertPolicy, *, senders: Sequence[AlertSender] = (), advice: Advice | None = None,
+                 resend_interval_s: float = 60.0, keep_resolved: int = 1000) -> None:
+        self.policy = policy
+        self.senders = list(senders)
+        self.advice = advice or advise(n_gpus=1024, checkpoint_s=300)
+        self.resend_interval_s = resend_interval_s
+        self._active: dict[str, Alert] = {}
+        self._resolved: deque[Alert] = deque(maxlen=keep_resolved)
+        self._last_sent_ms = 0
+        self._lock = threading.Lock()
+
+    def observe(self, observations: Iterable[RiskObservation], now_ms: int | None = None) -> list[Transition]:
+        """Apply a round of risk observations; returns fire/resolve transitions (already queued for delivery)."""
+        now = int(now_ms if now_ms is not None else time.time() * 1000)
+        changes: list[Transition] = []
+        with self._lock:
+            for ob in observations:
+                t = ob.ts_ms if ob.ts_ms is not None else now
+                alert = self._active.get(ob.gpu_uuid)
+                was = alert is not None
+                last_high = alert.last_high_ms if alert else None
+                active, last_high = self.policy.step(was, ob.risk, t, last_high)
+                if active and not was:
+                    alert = Alert(ob.gpu_uuid, ob.gpu_index, ob.node, ob.risk, ob.risk, ob.jobs, ob.ranks,
+                                  ob.signals, suggest_action(ob.risk, ob.node, self.advice), t, None, last_high)
+                    self._active[ob.gpu_uuid] = alert
+                    changes.append(Transition("fire", alert))
+                elif active:
+                    alert.risk, alert.last_high_ms = ob.risk, last_high
+                    if ob.risk > alert.peak_risk:
+                        alert.peak_risk, alert.signals = ob.risk, ob.signals
+                        alert.action = suggest_action(ob.risk, ob.node, self.advice)
+                    alert.jobs, alert.ranks = ob.jobs or alert.jobs, ob.ranks or alert.ranks
+                elif was:
+                    alert.risk, alert.ends_ms = ob.risk, t
+                    del self._active[ob.gpu_uuid]
+                    self._resolved.append(alert)
+                    changes.append(Transition("resolve", alert))
+            resend = now - self._last_sent_ms >= self.resend_interval_s * 1000
+            batch = [replace(a) for a in self._active.values()] if resend else [replace(c.alert) for c in changes
+                                                                                   if c.kind == "fire"]
+            batch += [replace(c.alert) for c in changes if c.kind == "resolve"]
+            if resend:
+                self._last_sent_ms = now
+        if batch:
+            for sender in self.senders:
+                sender.submit(batch)
+        return changes
+
+    def active(self) -> list[Alert]:
+        with self._lock:
+            return list(self._active.values())
+
+    def resolved(self) -> list[Alert]:
+        with self._lock:
+            return list(self._resolved)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the senders after they deliver what is queued (or the timeout passes)."""
+        for sender in self.senders:
+            sender.close(timeout_s)
+
+
+class AlertSender:
+    """Posts alert batches from a background thread: bounded queue (oldest dropped), retries with backoff."""
+
+    def __init__(self, url: str, *, queue_size: int = 256, retries: int = 3, timeout_s: float = 5.0,
+                 backoff_s: float = 0.5) -> None:
+        self.url = url
+        self.retries, self.timeout_s, self.backoff_s = retries, timeout_s, backoff_s
+        self.sent = self.failed = self.dropped = 0
+        self._queue: queue.Queue[list[Alert] | None] = queue.Queue(maxsize=queue_size)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"alert-sender {url}", daemon=True)
+        self._thread.start()
+
+    def submit(self, alerts: list[Alert]) -> None:
+        """Queue a batch; never blocks (drops the oldest queued batch when full)."""
+        while True:
+            try:
+                self._queue.put_nowait(alerts)
+                return
+            except queue.Full:
+                try:
+                    self._queue.get_nowait()
+                    self.dropped += 1
+                except queue.Empty:
+                    pass
+
+    def body(self, alerts: list[Alert]) -> object:
+        raise NotImplementedError
+
+    def endpoint(self) -> str:
+        return self.url
+
+    def _run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            self._deliver(batch)
+
+    def _deliver(self, batch: list[Alert]) -> None:
+        data = json.dumps(self.body(batch)).encode()
+        for attempt in range(self.retries + 1):
+            request = urllib.request.Request(self.endpoint(), data=data, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    response.read()
+                self.sent += 1
+                return
+            except (urllib.error.URLError, OSError) as exc:
+                log.warning("alert delivery to %s failed (attempt %d): %s", self.endpoint(), attempt + 1, exc)
+                if attempt < self.retries and self._stop.wait(self.backoff_s * 2**attempt):
+                    break
+        self.failed += 1
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver what is queued, then stop (gives up waiting after ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._queue.put(None, timeout=max(0.01, deadline - time.monotonic()))
+                break
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    self._stop.set()
+                    break
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+
+
+class AlertmanagerSender(AlertSender):
+    """Prometheus Alertmanager: POST {url}/api/v2/alerts with a list of postable alerts."""
+
+    def endpoint(self) -> str:
+        return self.url.rstrip("/") + "/api/v2/alerts"
+
+    def body(self, alerts: list[Alert]) -> object:
+        return [a.to_alertmanager() for a in alerts]
+
+
+class WebhookSender(AlertSender):
+    """Generic JSON webhook: POST {"version": "1", "source": "gpuwatch", "alerts": [...]}."""
+
+    def body(self, alerts: list[Alert]) -> object:
+        return {"version": "1", "source": "gpuwatch", "alerts": [a.to_json() for a in alerts]}
