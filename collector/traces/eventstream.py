@@ -7,15 +7,24 @@ and each block is parsed with orjson on its own, so only one block of dicts is a
 A cut candidate is a `}` followed by `,` (or by the closing `]`). A cut inside a nested object or a
 string cannot make `[` + block + `]` valid JSON, so a block that parses is exactly a run of whole events;
 a block that does not parse is retried with an earlier candidate or grown with the next read.
+
+Most of a profiler trace is events a reader does not need (CPU ops, flow arrows). With an `EventFilter`,
+each block is split at the separator between events and the pieces whose category (and name) the filter
+does not want are dropped as bytes, before any parsing: only the rest becomes dicts. A piece is dropped
+only when it holds exactly one `"cat"` key, so a split that fell inside an event (a nested list of objects,
+a string) either keeps the piece or leaves text that does not parse, and then the block is parsed whole.
 """
 from __future__ import annotations
 
 import gzip
+import itertools
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import BinaryIO
 
+import numpy as np
 import orjson
 
 from gpuwatch.errors import UserError
@@ -24,18 +33,92 @@ BLOCK_BYTES = 4 << 20
 _ARRAY_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _HEAD_LIMIT = 256 << 20
 _CUT_TRIES = 64
+# How the writer separated events (`},\n  {` for Kineto), learnt from the most common spelling early on.
+_SEPARATOR = re.compile(rb"\}\s*,\s*\{")
+_SNIFF_BYTES = 1 << 16
+_CAT_KEY = b'"cat"'
+
+
+@dataclass(frozen=True)
+class EventFilter:
+    """Which events a reader needs: those of `categories`, and any other whose text holds one of `names`
+    (a substring test: a superset of the events the reader keeps by name).
+
+    `select` decides for all events of a block at once, with numpy over the positions of the `"cat"` keys,
+    so that dropping an event costs no Python call of its own."""
+
+    categories: tuple[bytes, ...]
+    names: tuple[bytes, ...] = ()
+
+    @classmethod
+    def of(cls, categories: Iterable[str], names: Iterable[str] = ()) -> "EventFilter":
+        return cls(tuple(c.encode() for c in categories), tuple(n.encode() for n in names))
+
+    def select(self, block: bytes, separator: bytes) -> bytes | None:
+        """`[...]` of the wanted events of a block of whole events (`{...}` `separator` `{...}` ...); None
+        when the block plainly does not end with a whole event (its last piece is unbalanced)."""
+        body = block.strip()[1:-1]
+        pieces = body.split(separator)
+        if not _balanced(pieces[-1]):
+            return None
+        count = len(pieces)
+        first = np.fromiter(map(bytes.find, pieces, itertools.repeat(_CAT_KEY, count)), np.int64, count)
+        last = np.fromiter(map(bytes.rfind, pieces, itertools.repeat(_CAT_KEY, count)), np.int64, count)
+        lengths = np.fromiter(map(len, pieces), np.int64, count) + len(separator)
+        starts = np.concatenate(([0], np.cumsum(lengths[:-1])))
+        wanted = (first < 0) | (first != last)
+        single = np.flatnonzero(~wanted)
+        wanted[single[self._wanted_values(body, starts[single] + first[single])]] = True
+        for name in self.names:
+            wanted[np.searchsorted(starts, _positions(body, name), side="right") - 1] = True
+        kept = list(itertools.compress(pieces, wanted.tolist()))
+        return b"[{" + separator.join(kept) + b"}]" if kept else b"[]"
+
+    def _wanted_values(self, body: bytes, cats: np.ndarray) -> np.ndarray:
+        """Per `"cat"` key: its value is a wanted category, or is not spelled `: "` / `:"` (kept to be safe)."""
+        data = np.frombuffer(body, np.uint8)
+        last = len(data) - 1
+        at = lambda offset: data[np.minimum(cats + offset, last)]  # noqa: E731
+        colon = at(5) == ord(":")
+        tight, spaced = colon & (at(6) == ord('"')), colon & (at(6) == ord(" ")) & (at(7) == ord('"'))
+        value = np.where(tight, cats + 7, cats + 8)
+        width = max(map(len, self.categories)) + 1
+        window = data[np.minimum(value[:, None] + np.arange(width), last)]
+        keep = ~(tight | spaced)
+        for category in self.categories:
+            expected = np.frombuffer(category + b'"', np.uint8)
+            keep |= (window[:, : len(expected)] == expected).all(axis=1)
+        return keep
+
+
+def _positions(data: bytes, needle: bytes) -> np.ndarray:
+    """Start offsets of every occurrence of `needle` in `data` (for rare needles: one find per hit)."""
+    found, at = [], data.find(needle)
+    while at >= 0:
+        found.append(at)
+        at = data.find(needle, at + 1)
+    return np.array(found, dtype=np.int64)
+
+
+def _balanced(text: bytes) -> bool:
+    """As many closing as opening braces and brackets: necessary for whole events."""
+    return text.count(b"{") == text.count(b"}") and text.count(b"[") == text.count(b"]")
 
 
 class TraceEventStream:
-    """Iterate over lists of event dicts; after the iteration `meta` holds the other top-level keys."""
+    """Iterate over lists of event dicts; after the iteration `meta` holds the other top-level keys.
 
-    def __init__(self, path: str, *, block_bytes: int = BLOCK_BYTES,
-                 progress: Callable[[int], None] | None = None) -> None:
+    With `only`, the lists hold at least the events the filter wants (others are mostly dropped unparsed)."""
+
+    def __init__(self, path: str, *, block_bytes: int | None = None,
+                 progress: Callable[[int], None] | None = None, only: EventFilter | None = None) -> None:
         self.path = path
-        self.block_bytes = block_bytes
+        self.block_bytes = block_bytes or BLOCK_BYTES
         self.progress = progress
+        self.only = only
         self.meta: dict = {}
         self.bytes_read = 0
+        self._separator = b"},{"
 
     def __iter__(self) -> Iterator[list[dict]]:
         try:
@@ -54,6 +137,9 @@ class TraceEventStream:
     def _events(self, f: BinaryIO) -> Iterator[list[dict]]:
         data, start = self._find_array(f)
         pending = data[start:]
+        spellings = _SEPARATOR.findall(pending[:_SNIFF_BYTES])
+        if spellings:
+            self._separator = max(set(spellings), key=spellings.count)
         while True:
             block = self._read(f)
             if not block:
@@ -94,13 +180,25 @@ class TraceEventStream:
             end = cut
             if not after.startswith(b","):
                 continue
-            try:
-                events = orjson.loads(b"[" + pending[: cut + 1] + b"]")
-            except orjson.JSONDecodeError:
+            events = self._parse(pending[: cut + 1])
+            if events is None:
                 continue
             rest = pending[cut + 1:].lstrip()
             return events, rest[1:]
         return [], pending
+
+    def _parse(self, block: bytes) -> list[dict] | None:
+        """The events of a run of whole events (with a filter: the wanted ones); None if it is not one."""
+        selected = self.only.select(block, self._separator) if self.only and block.lstrip()[:1] == b"{" else None
+        if selected is not None:
+            try:
+                return orjson.loads(selected)
+            except orjson.JSONDecodeError:
+                pass  # a piece was misjudged: parse the block whole, which also checks the cut
+        try:
+            return orjson.loads(b"[" + block + b"]")
+        except orjson.JSONDecodeError:
+            return None
 
     def _finish(self, pending: bytes) -> tuple[list[dict], bytes]:
         """At end of file: the rest of the events up to the array's `]`, and what follows it."""
@@ -108,11 +206,9 @@ class TraceEventStream:
         if stripped.startswith(b"]"):
             return [], stripped[1:]
         for match in re.finditer(rb"\}\s*\]", pending):
-            try:
-                events = orjson.loads(b"[" + pending[: match.start() + 1] + b"]")
-            except orjson.JSONDecodeError:
-                continue
-            return events, pending[match.end():]
+            events = self._parse(pending[: match.start() + 1])
+            if events is not None:
+                return events, pending[match.end():]
         raise UserError(
             f"{self.path}: truncated or invalid JSON: the traceEvents array does not end "
             f"(read {self.bytes_read} bytes)"

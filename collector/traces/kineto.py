@@ -20,11 +20,14 @@ import numpy as np
 
 from gpuwatch.collector.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P, UNKNOWN, RankTimeline
 from gpuwatch.collector.traces.collectives import P2P_TYPES, canonical_type, is_comm_kernel
-from gpuwatch.collector.traces.eventstream import TraceEventStream
+from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream
 from gpuwatch.errors import UserError
 
 _GPU_CATS = {"kernel": COMPUTE, "gpu_memcpy": MEMCPY, "gpu_memset": MEMCPY}
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+_STEP_PREFIX, _COMM_OP_PREFIX, _COMM_RECORD_OP = "ProfilerStep#", "nccl:", "record_param_comms"
+# The events `_Collected.add` reads; the stream drops the others (most of a trace: CPU ops, flows) unparsed.
+_WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, _COMM_OP_PREFIX, _COMM_RECORD_OP])
 _COMM = -2  # provisional kind of a communication kernel until its type is resolved
 _DTYPE_BYTES = {
     "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
@@ -108,16 +111,16 @@ class _Collected:
                     self.launch_thread.append(self.threads.id((e.get("pid"), e.get("tid"))))
             else:
                 name = e.get("name", "")
-                if name.startswith("ProfilerStep#"):
+                if name.startswith(_STEP_PREFIX):
                     self.step_id.append(int(name[13:]) if name[13:].isdigit() else len(self.step_id))
                     self.step_ts.append(e["ts"])
                     self.step_end.append(e["ts"] + e.get("dur", 0))
-                elif name.startswith("nccl:") or name == "record_param_comms":
+                elif name.startswith(_COMM_OP_PREFIX) or name == _COMM_RECORD_OP:
                     self.op_thread.append(self.threads.id((e.get("pid"), e.get("tid"))))
                     self.op_ts.append(e["ts"])
                     self.op_end.append(e["ts"] + e.get("dur", 0))
-                    self.op_is_nccl.append(name != "record_param_comms")
-                    self.op_meta.add(e.get("args", {}), canonical_type(name) if name.startswith("nccl:") else None)
+                    self.op_is_nccl.append(name != _COMM_RECORD_OP)
+                    self.op_meta.add(e.get("args", {}), canonical_type(name) if name.startswith(_COMM_OP_PREFIX) else None)
 
     def _add_gpu(self, e: dict, kind: int) -> None:
         args = e.get("args", {})
@@ -158,7 +161,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
 
     The rank comes from `distributedInfo.rank`, else from a `rank<N>` in the file name, else
     `default_rank`; without any of them the file is rejected."""
-    stream = TraceEventStream(path, progress=progress)
+    stream = TraceEventStream(path, progress=progress, only=_WANTED)
     got = _Collected()
     for events in stream:
         got.add(events)

@@ -1,0 +1,95 @@
+"""The event stream's byte-level prefilter: it must only ever drop events the Kineto reader ignores."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields
+
+import numpy as np
+import pytest
+
+from gpuwatch.collector.traces import eventstream, kineto
+from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream
+from gpuwatch.errors import UserError
+
+DATA = "/work/shared/data/kineto"
+REAL = [os.path.join(DATA, "control_rank3_of8", "rank3.json.gz"),
+        os.path.join(DATA, "sampled_2ranks_of128", "rank0.json.gz")]
+WANTED = EventFilter.of(["kernel"], ["ProfilerStep#"])
+
+
+def _all_events(path, only=None):
+    return [e for block in TraceEventStream(path, only=only) for e in block]
+
+
+def _same_timeline(a, b):
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            np.testing.assert_array_equal(x, y, err_msg=f.name)
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("path", REAL)
+@pytest.mark.parametrize("block_bytes", [64 << 10, 4 << 20])
+def test_filtered_reading_gives_the_same_timeline(path, block_bytes, monkeypatch):
+    monkeypatch.setattr(eventstream, "BLOCK_BYTES", block_bytes)
+    filtered = kineto.load_kineto(path)
+    monkeypatch.setattr(kineto, "_WANTED", None)
+    _same_timeline(filtered, kineto.load_kineto(path))
+
+
+def test_filter_drops_cpu_ops_and_flows_unparsed():
+    kept = _all_events(REAL[0], kineto._WANTED)
+    every = _all_events(REAL[0])
+    assert len(kept) < len(every) / 2
+    cats = {e.get("cat") for e in kept}
+    assert "async_cpu_to_gpu" not in cats
+    assert all(e["name"].startswith(("nccl:", "record_param_comms", "ProfilerStep#"))
+               for e in kept if e.get("cat") == "cpu_op")
+
+
+def _write(path, events, indent):
+    with open(path, "w") as f:
+        json.dump({"schemaVersion": 1, "traceEvents": events}, f, indent=indent)
+
+
+TRICKY = [
+    {"ph": "X", "cat": "kernel", "name": "void k<{lambda()#1}>}, {", "ts": 1, "dur": 2},
+    # a CPU op whose args hold a list of objects (a split falls inside it) with "cat" keys of their own
+    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 2, "dur": 1,
+     "args": {"list": [{"cat": "cpu_op"}, {"cat": "cpu_op", "x": "}, {"}]}},
+    {"ph": "X", "cat": "cpu_op", "name": "outer", "args": {"cat": "kernel"}, "ts": 3, "dur": 1},
+    {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0, "dur": 9},
+    {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 4, "dur": 1},
+    {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 4},
+    {"ph": "X", "cat" : "cpu_op", "name": "odd spacing is kept", "ts": 5, "dur": 1},
+]
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_split_inside_an_event_never_loses_or_invents_events(tmp_path, indent):
+    path = str(tmp_path / "t.json")
+    _write(path, TRICKY, indent)
+    kept = _all_events(path, WANTED)
+    assert all(e in TRICKY for e in kept)
+
+    def needed(e):
+        return e.get("cat") == "kernel" or e["name"].startswith("ProfilerStep#")
+    assert [e for e in kept if needed(e)] == [e for e in TRICKY if needed(e)] != []
+
+
+def test_plain_events_are_dropped_before_parsing(tmp_path):
+    path = str(tmp_path / "t.json")
+    _write(path, [TRICKY[0], TRICKY[3], TRICKY[4], TRICKY[5]] * 3, 2)
+    assert [e["name"] for e in _all_events(path, WANTED)] == [TRICKY[0]["name"], "ProfilerStep#7"] * 3
+
+
+def test_truncated_trace_still_fails_with_the_filter(tmp_path):
+    path = str(tmp_path / "t.json")
+    _write(path, TRICKY * 50, 2)
+    with open(path, "rb+") as f:
+        f.truncate(os.path.getsize(path) - 40)
+    with pytest.raises(UserError, match="truncated or invalid JSON"):
+        _all_events(path, WANTED)
