@@ -95,8 +95,10 @@ class Effects:
 def plan_effects(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> Effects:
     """The plan's effect on its GPU at the ticks ``ts_ms`` (each covering ``dt_s`` seconds before it).
 
-    Deterministic per plan and tick (randomness is seeded from the plan and the tick time), so calling it
-    for a whole day at once or for one tick at a time yields the same telemetry.
+    Works on any time range: a whole recording at once, or one tick at a time for a live simulated GPU.
+    Random counts are drawn per tick from the same distributions either way; one-off events (the fault's
+    XIDs, XID 92 when the SBE rate turns excessive) fall in the tick that covers their time, so a
+    tick-by-tick caller sees each exactly once.
     """
     ts_ms = np.asarray(ts_ms, dtype=np.int64)
     s = plan.intensity(ts_ms)
@@ -121,7 +123,7 @@ def plan_effects(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> Effects:
         eff.flags["gpu_remapped_rows_pending"] = flag_after(0.35)
         eff.events += [(int(t), "xid", 63, "Row remapper: new row marked for remapping, reset gpu to activate.")
                        for t in ts_ms[remaps]]
-        eff.events += _first(ts_ms, flag_after(0.6), "xid", 92, "High single-bit ECC error rate")
+        eff.events += _crossing(plan, ts_ms, dt_s, 0.6, "xid", 92, "High single-bit ECC error rate")
     elif mech == "pcie":
         burst = (rng.random(len(s)) < 0.3 + 0.6 * s) & active
         eff.increments["gpu_pcie_replay_total"] = poisson(2.0 + 120.0 * s) * burst
@@ -148,9 +150,12 @@ def plan_effects(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> Effects:
     return eff
 
 
-def _first(ts_ms: np.ndarray, mask: np.ndarray, kind: str, code: int, message: str) -> list:
-    idx = np.flatnonzero(mask)
-    return [(int(ts_ms[idx[0]]), kind, code, message)] if len(idx) else []
+def _crossing(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float, level: float, kind: str, code: int,
+              message: str) -> list:
+    """One event at the time the precursor intensity crosses ``level``, if a tick in ``ts_ms`` covers it."""
+    t = plan.onset_ms + int(np.sqrt(level) * (plan.fault_ms - plan.onset_ms))  # intensity = progress ** 2
+    covered = len(ts_ms) and ts_ms[0] - dt_s * 1000 < t <= ts_ms[-1]
+    return [(t, kind, code, message)] if covered and t < plan.fault_ms else []
 
 
 def _at_fault(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float, amount: float) -> np.ndarray:

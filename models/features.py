@@ -140,15 +140,15 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
     maxes = {k: _ffill(dense_reduce(c, "max")) for k, c in _MAXES.items()}
     cols["pcie_width"] = mins["pcie_width"]
     cols["pcie_gen"] = mins["pcie_gen"]
-    cols["pcie_width_ratio"] = mins["pcie_width"] / maxes["pcie_width_max"]
-    cols["pcie_gen_ratio"] = mins["pcie_gen"] / maxes["pcie_gen_max"]
+    cols["pcie_width_ratio"] = _ratio(mins["pcie_width"], maxes["pcie_width_max"])
+    cols["pcie_gen_ratio"] = _ratio(mins["pcie_gen"], maxes["pcie_gen_max"])
     means = {k: dense_reduce(c, "mean") for k, c in MEANS.items()}
     per_hour = 3600 // step_s
     cols["temp"] = means["temp"]
     cols["temp_max_1h"] = _window_max(dense_reduce("gpu_temperature_celsius", "max"), per_hour)
     cols["temp_trend"] = _window_mean(means["temp"], per_hour) - _window_mean(means["temp"], 6 * per_hour)
     cols["mem_temp"] = means["mem_temp"]
-    cols["power_ratio"] = means["power"] / means["power_limit"]
+    cols["power_ratio"] = _ratio(means["power"], means["power_limit"])
     cols["util"] = means["util"]
     cols["sm_clock"] = means["sm_clock"]
     cols.update(_event_features(events, uniques, lo, n_bin, origin, step, per_hour))
@@ -191,9 +191,14 @@ def _window_sum(inc: np.ndarray, w: int) -> np.ndarray:
     return cs[:, idx] - cs[:, np.maximum(idx - w, 0)]
 
 
-def _window_mean(x: np.ndarray, w: int) -> np.ndarray:
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a / b, NaN where b is 0 or missing (an unsupported field, not a fault)."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        return _window_sum(np.nan_to_num(x), w) / _window_sum((~np.isnan(x)).astype(float), w)
+        return np.where(b > 0, a / b, np.nan)
+
+
+def _window_mean(x: np.ndarray, w: int) -> np.ndarray:
+    return _ratio(_window_sum(np.nan_to_num(x), w), _window_sum((~np.isnan(x)).astype(float), w))
 
 
 def _window_max(x: np.ndarray, w: int) -> np.ndarray:
