@@ -7,8 +7,8 @@ from collections.abc import Callable
 from gpuwatch.collector.efficiency.timeline import RankTimeline
 from gpuwatch.errors import UserError
 
-_TRACE_ENDINGS = (".json", ".json.gz")
-_SPAN_ENDINGS = (".csv", ".parquet", ".pq")
+TRACE_ENDINGS = (".json", ".json.gz")
+SPAN_ENDINGS = (".csv", ".parquet", ".pq")
 
 
 def expand_paths(paths: list[str]) -> list[str]:
@@ -16,7 +16,7 @@ def expand_paths(paths: list[str]) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(_TRACE_ENDINGS + _SPAN_ENDINGS))
+            found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(TRACE_ENDINGS + SPAN_ENDINGS))
             if not found:
                 raise UserError(f"{path}: folder holds no .json, .json.gz, .csv or .parquet files")
             files.extend(found)
@@ -33,13 +33,20 @@ def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None 
     files = expand_paths(paths)
     timelines: list[RankTimeline] = []
     for path in files:
-        if path.endswith(_SPAN_ENDINGS):
-            from gpuwatch.collector.traces.spans import read_span_table, timelines_from_spans
-
-            timelines.extend(timelines_from_spans(read_span_table(path), source=path))
-        else:
-            from gpuwatch.collector.traces.kineto import load_kineto
-
-            report = (lambda n, p=path: progress(p, n)) if progress else None
-            timelines.append(load_kineto(path, progress=report, default_rank=0 if len(files) == 1 else None))
+        report = (lambda n, p=path: progress(p, n)) if progress else None
+        timelines.extend(load_file(path, progress=report, default_rank=0 if len(files) == 1 else None))
     return timelines
+
+
+def load_file(path: str, *, progress: Callable[[int], None] | None = None,
+              default_rank: int | None = None) -> list[RankTimeline]:
+    """The rank timelines of one file: a span table (by extension: every rank in it) or a Kineto trace (one
+    rank: `default_rank` when the trace does not say which). Loaders are imported on use, so a Kineto run
+    never imports pandas."""
+    if path.endswith(SPAN_ENDINGS):
+        from gpuwatch.collector.traces.spans import read_span_table, timelines_from_spans
+
+        return timelines_from_spans(read_span_table(path), source=path)
+    from gpuwatch.collector.traces.kineto import load_kineto
+
+    return [load_kineto(path, progress=progress, default_rank=default_rank)]

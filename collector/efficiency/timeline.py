@@ -6,6 +6,8 @@ span tables, the in-process probe) build it; `gpuwatch.collector.efficiency.anal
 """
 from __future__ import annotations
 
+import io
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,6 +99,25 @@ class RankTimeline:
             step_marks=self.step_marks, **arrays,
         )
 
+    def to_bytes(self) -> bytes:
+        """The timeline as a compressed .npz (arrays plus a JSON header, no pickle): for the collector to
+        keep a job's ranks and re-analyse them when another rank arrives."""
+        header = {name: getattr(self, name) for name in _META_FIELDS}
+        buffer = io.BytesIO()
+        np.savez_compressed(
+            buffer, header=np.frombuffer(json.dumps(header).encode(), np.uint8), step_marks=self.step_marks,
+            **{name: getattr(self, name) for name in _ACTIVITY_COLUMNS},
+        )
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "RankTimeline":
+        """The timeline that `to_bytes` wrote."""
+        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+            header = json.loads(arrays["header"].tobytes())
+            return cls(step_marks=arrays["step_marks"], **header,
+                       **{name: arrays[name] for name in _ACTIVITY_COLUMNS})
+
     def type_names(self) -> np.ndarray:
         """Collective type name per activity ("" where none), for matching across ranks."""
         table = np.array(list(self.coll_types) + [""], dtype=object)
@@ -108,6 +129,7 @@ class RankTimeline:
         return table[self.process_group]
 
 
+_META_FIELDS = ("rank", "coll_types", "process_groups", "world_size", "job_id", "source")
 _ACTIVITY_COLUMNS = (
     "start_us", "end_us", "kind", "launch_us", "step", "coll_type", "process_group", "seq", "nbytes", "stream",
 )
