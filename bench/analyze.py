@@ -107,6 +107,10 @@ def compare(trace: str, runs: int, use_hta: bool) -> None:
         print(f"{'HTA 0.5.0 temporal':<28}{hta['wall_s']:>10.2f}{hta['peak_rss_mb']:>14.0f}")
         print(f"speed-up {hta['wall_s'] / gw['wall_s']:.1f}x (target >= 5x); "
               f"memory {gw['peak_rss_mb'] / hta['peak_rss_mb']:.2f}x of HTA (target <= 0.5x)")
+        bare = best_of(runs, [sys.executable, "-c", "pass"])["wall_s"]
+        numpy = best_of(runs, [sys.executable, "-c", "import numpy"])["wall_s"]
+        print(f"fixed cost inside gpuwatch's time: interpreter start-up {bare:.2f} s, start-up + numpy import "
+              f"{numpy:.2f} s; analysis work {gw['wall_s'] - numpy:.2f} s")
         _print_window(gw_window, json.loads(hta["stdout"])[0])
     finally:
         shutil.rmtree(folder)

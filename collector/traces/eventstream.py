@@ -9,10 +9,11 @@ string cannot make `[` + block + `]` valid JSON, so a block that parses is exact
 a block that does not parse is retried with an earlier candidate or grown with the next read.
 
 Most of a profiler trace is events a reader does not need (CPU ops, flow arrows). With an `EventFilter`,
-each block is split at the separator between events and the pieces whose category (and name) the filter
+each block is split at the separator between events and the pieces whose category and name the filter
 does not want are dropped as bytes, before any parsing: only the rest becomes dicts. A piece is dropped
-only when it holds exactly one `"cat"` key, so a split that fell inside an event (a nested list of objects,
-a string) either keeps the piece or leaves text that does not parse, and then the block is parsed whole.
+only when it holds exactly one `"cat"` and one `"name"` key, so a split that fell inside an event (a nested
+list of objects, a string) either keeps the piece or leaves text that does not parse, and then the block
+is parsed whole.
 """
 from __future__ import annotations
 
@@ -36,23 +37,22 @@ _CUT_TRIES = 64
 # How the writer separated events (`},\n  {` for Kineto), learnt from the most common spelling early on.
 _SEPARATOR = re.compile(rb"\}\s*,\s*\{")
 _SNIFF_BYTES = 1 << 16
-_CAT_KEY = b'"cat"'
 
 
 @dataclass(frozen=True)
 class EventFilter:
-    """Which events a reader needs: those of `categories`, and any other whose text holds one of `names`
-    (a substring test: a superset of the events the reader keeps by name).
+    """Which events a reader needs: those whose `cat` is one of `categories`, and those whose `name` starts
+    with one of `name_prefixes`. A filter may keep more than that (the reader still checks each event).
 
-    `select` decides for all events of a block at once, with numpy over the positions of the `"cat"` keys,
-    so that dropping an event costs no Python call of its own."""
+    `select` decides for all events of a block at once, with numpy over the positions of the `"cat"` and
+    `"name"` keys, so that dropping an event costs no Python call of its own."""
 
     categories: tuple[bytes, ...]
-    names: tuple[bytes, ...] = ()
+    name_prefixes: tuple[bytes, ...] = ()
 
     @classmethod
-    def of(cls, categories: Iterable[str], names: Iterable[str] = ()) -> "EventFilter":
-        return cls(tuple(c.encode() for c in categories), tuple(n.encode() for n in names))
+    def of(cls, categories: Iterable[str], name_prefixes: Iterable[str] = ()) -> "EventFilter":
+        return cls(tuple(c.encode() + b'"' for c in categories), tuple(n.encode() for n in name_prefixes))
 
     def select(self, block: bytes, separator: bytes) -> bytes | None:
         """`[...]` of the wanted events of a block of whole events (`{...}` `separator` `{...}` ...); None
@@ -61,43 +61,43 @@ class EventFilter:
         pieces = body.split(separator)
         if not _balanced(pieces[-1]):
             return None
-        count = len(pieces)
-        first = np.fromiter(map(bytes.find, pieces, itertools.repeat(_CAT_KEY, count)), np.int64, count)
-        last = np.fromiter(map(bytes.rfind, pieces, itertools.repeat(_CAT_KEY, count)), np.int64, count)
-        lengths = np.fromiter(map(len, pieces), np.int64, count) + len(separator)
+        lengths = np.fromiter(map(len, pieces), np.int64, len(pieces)) + len(separator)
         starts = np.concatenate(([0], np.cumsum(lengths[:-1])))
-        wanted = (first < 0) | (first != last)
-        single = np.flatnonzero(~wanted)
-        wanted[single[self._wanted_values(body, starts[single] + first[single])]] = True
-        for name in self.names:
-            wanted[np.searchsorted(starts, _positions(body, name), side="right") - 1] = True
-        kept = list(itertools.compress(pieces, wanted.tolist()))
+        data = np.frombuffer(body, np.uint8)
+        drop = _droppable(data, *_only_key(pieces, starts, b'"cat"'), self.categories)
+        drop &= _droppable(data, *_only_key(pieces, starts, b'"name"'), self.name_prefixes)
+        kept = list(itertools.compress(pieces, (~drop).tolist()))
         return b"[{" + separator.join(kept) + b"}]" if kept else b"[]"
 
-    def _wanted_values(self, body: bytes, cats: np.ndarray) -> np.ndarray:
-        """Per `"cat"` key: its value is a wanted category, or is not spelled `: "` / `:"` (kept to be safe)."""
-        data = np.frombuffer(body, np.uint8)
-        last = len(data) - 1
-        at = lambda offset: data[np.minimum(cats + offset, last)]  # noqa: E731
-        colon = at(5) == ord(":")
-        tight, spaced = colon & (at(6) == ord('"')), colon & (at(6) == ord(" ")) & (at(7) == ord('"'))
-        value = np.where(tight, cats + 7, cats + 8)
-        width = max(map(len, self.categories)) + 1
-        window = data[np.minimum(value[:, None] + np.arange(width), last)]
-        keep = ~(tight | spaced)
-        for category in self.categories:
-            expected = np.frombuffer(category + b'"', np.uint8)
-            keep |= (window[:, : len(expected)] == expected).all(axis=1)
-        return keep
+
+def _only_key(pieces: list[bytes], starts: np.ndarray, key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Per piece: the offset in the block just after `key`, and whether the key occurs exactly once."""
+    count = len(pieces)
+    first = np.fromiter(map(bytes.find, pieces, itertools.repeat(key, count)), np.int64, count)
+    last = np.fromiter(map(bytes.rfind, pieces, itertools.repeat(key, count)), np.int64, count)
+    return starts + first + len(key), (first >= 0) & (first == last)
 
 
-def _positions(data: bytes, needle: bytes) -> np.ndarray:
-    """Start offsets of every occurrence of `needle` in `data` (for rare needles: one find per hit)."""
-    found, at = [], data.find(needle)
-    while at >= 0:
-        found.append(at)
-        at = data.find(needle, at + 1)
-    return np.array(found, dtype=np.int64)
+def _droppable(data: np.ndarray, after_key: np.ndarray, once: np.ndarray, prefixes: tuple[bytes, ...]) -> np.ndarray:
+    """Per piece: true when its only key is followed by a string (`: "` or `:"`) that starts with none of
+    `prefixes`. A piece without the key, with it twice, or spelled otherwise is not droppable."""
+    drop = np.zeros(len(once), dtype=bool)
+    rows = np.flatnonzero(once)
+    if not prefixes:
+        drop[rows] = True
+        return drop
+    last = len(data) - 1
+    at = after_key[rows]
+    byte = lambda offset: data[np.minimum(at + offset, last)]  # noqa: E731
+    colon = byte(0) == ord(":")
+    tight, spaced = colon & (byte(1) == ord('"')), colon & (byte(1) == ord(" ")) & (byte(2) == ord('"'))
+    width = max(map(len, prefixes))
+    window = data[np.minimum(np.where(tight, at + 2, at + 3)[:, None] + np.arange(width), last)]
+    matched = np.zeros(len(rows), dtype=bool)
+    for prefix in prefixes:
+        matched |= (window[:, : len(prefix)] == np.frombuffer(prefix, np.uint8)).all(axis=1)
+    drop[rows] = (tight | spaced) & ~matched
+    return drop
 
 
 def _balanced(text: bytes) -> bool:
