@@ -189,7 +189,8 @@ class TraceEventStream:
 
     def _parse(self, block: bytes) -> list[dict] | None:
         """The events of a run of whole events (with a filter: the wanted ones); None if it is not one."""
-        selected = self.only.select(block, self._separator) if self.only and block.lstrip()[:1] == b"{" else None
+        starts_an_object = block[:64].lstrip()[:1] == b"{"
+        selected = self.only.select(block, self._separator) if self.only and starts_an_object else None
         if selected is not None:
             try:
                 return orjson.loads(selected)
