@@ -124,12 +124,27 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
         out[agg.index.to_numpy()] = agg.to_numpy()
         return out.reshape(n_gpu, n_bin)
 
+    gpu_sorted = codes[order]
+
+    def dense_growth(column: str) -> np.ndarray:
+        """Counter growth per bin from consecutive samples; a drop is a reset (the new value is all growth).
+
+        The first sample of a GPU is a baseline, not growth (it counts since the driver loaded).
+        """
+        x = samples[column].to_numpy(dtype=float)[order]
+        valid = ~np.isnan(x)
+        xv, gv = x[valid], gpu_sorted[valid]
+        d = np.diff(xv, prepend=np.nan)
+        same_gpu = np.r_[False, gv[1:] == gv[:-1]]
+        inc = np.where(same_gpu, np.where(d >= 0, d, xv), 0.0)
+        return np.bincount(flat_sorted[valid], weights=inc, minlength=n_gpu * n_bin).reshape(n_gpu, n_bin)
+
     present = np.zeros(n_gpu * n_bin, bool)
     present[cells] = True
     present = present.reshape(n_gpu, n_bin)
     cols: dict[str, np.ndarray] = {}
     for short, sources in COUNTERS.items():
-        inc = sum(_increments(dense_last(c)) for c in sources)
+        inc = sum(dense_growth(c) for c in sources)
         for w in WINDOWS_H:
             cols[f"{short}_d{w}h"] = _window_sum(inc, w * 3600 // step_s)
     for short in ACCELERATING:
@@ -167,17 +182,6 @@ def dense_job(values: np.ndarray, cells: np.ndarray, n_gpu: int, n_bin: int) -> 
     out = np.full(n_gpu * n_bin, None, dtype=object)
     out[cells] = values
     return pd.DataFrame(out.reshape(n_gpu, n_bin)).ffill(axis=1).to_numpy()
-
-
-def _increments(last: np.ndarray) -> np.ndarray:
-    """Per-bin counter growth; a drop means the counter was reset, so the new value is all growth.
-
-    The first value seen of a GPU is a baseline, not growth (it counts since the driver loaded).
-    """
-    prev = pd.DataFrame(last).ffill(axis=1).shift(1, axis=1).to_numpy()
-    d = last - prev
-    inc = np.where(np.isnan(prev), 0.0, np.where(d >= 0, d, last))
-    return np.nan_to_num(inc, nan=0.0)
 
 
 def _cumsum0(x: np.ndarray) -> np.ndarray:

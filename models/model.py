@@ -7,6 +7,7 @@ TRUSTED_TYPES, so a model file cannot run arbitrary code the way a pickle can.
 from __future__ import annotations
 
 import os
+import zipfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def default_model_path() -> Path:
 
 
 def save_model(model: dict, path: str | os.PathLike) -> None:
-    sio.dump(model, path)
+    sio.dump(model, path, compression=zipfile.ZIP_DEFLATED, compresslevel=9)
 
 
 def load_model(path: str | os.PathLike | None = None) -> dict:
