@@ -1,0 +1,123 @@
+"""Ingest throughput of one collector: sender processes stream pre-built batches as fast as acks come back.
+
+Each sender is one agent (its own process, one gRPC stream, a bounded in-flight window) sending distinct
+batches of GPUS GPUs x TICKS ticks with every GPU and host field of gpuwatch.fields, serialized before the
+clock starts so the collector, not the senders, is the bottleneck. Prints metric values per second acked
+(= stored: acks come after commit), batches/s, and checks the row counts in the store at the end.
+Target on a 2-core machine: >= 500,000 metric values/s. Then runs bench/agent_cost.py if it exists.
+
+    python bench/ingest.py [--senders 4] [--batches 600] [--collector HOST:PORT]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gpuwatch import fields
+from gpuwatch.batches import BatchBuilder
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+T0_MS = 1_700_000_000_000
+
+
+def build_batches(agent: int, count: int, gpus: int, ticks: int) -> list[bytes]:
+    """``count`` distinct serialized batches of one agent (node "bench-<agent>"), one tick per second."""
+    rng = np.random.default_rng(agent)
+    node = pb.NodeIdentity(node=f"bench-{agent}", agent_version="bench")
+    inventory = [pb.GpuInfo(index=i, uuid=f"GPU-bench-{agent}-{i}", name="NVIDIA H100 80GB HBM3",
+                            architecture="hopper", gpm_supported=True, memory_total_bytes=80 << 30)
+                 for i in range(gpus)]
+    builder = BatchBuilder(node, f"bench-agent-{agent}", inventory)
+    gpu_values = rng.uniform(0, 1000, size=(count * ticks, gpus, len(fields.GPU_FIELD_NAMES)))
+    host_values = rng.uniform(0, 1000, size=(count * ticks, len(fields.HOST_FIELD_NAMES)))
+    out = []
+    for seq in range(1, count + 1):
+        for tick in range((seq - 1) * ticks, seq * ticks):
+            ts = T0_MS + 1000 * tick
+            for gpu in range(gpus):
+                builder.add_gpu_row(gpu, ts, dict(zip(fields.GPU_FIELD_NAMES, gpu_values[tick, gpu].tolist())),
+                                    job_id="bench-job", rank=agent * gpus + gpu, local_rank=gpu)
+            builder.add_host_row(ts, dict(zip(fields.HOST_FIELD_NAMES, host_values[tick].tolist())))
+        out.append(builder.build(seq).SerializeToString())
+    return out
+
+
+def sender(agent: int, address: str, args: argparse.Namespace, ready: mp.Barrier, results: mp.Queue) -> None:
+    from gpuwatch.collector import client
+
+    batches = build_batches(agent, args.batches, args.gpus, args.ticks)
+    ch = client.channel(address, timeout=30)
+    ready.wait()
+    start = time.perf_counter()
+    acked = sum(1 for ack in client.stream_batches(ch, batches, window=args.window) if not ack.duplicate)
+    results.put((agent, acked, start, time.perf_counter(), sum(map(len, batches))))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--senders", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=600, help="batches per sender")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--ticks", type=int, default=5, help="ticks (rows per GPU) per batch")
+    parser.add_argument("--window", type=int, default=64, help="unacked batches in flight per stream")
+    parser.add_argument("--collector", help="an already running collector (default: start one in this process)")
+    args = parser.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    server = None
+    if args.collector:
+        address = args.collector
+    else:
+        from gpuwatch.collector.server import serve
+        server = serve("127.0.0.1:0", os.path.join(tmp.name, "bench.duckdb"))
+        address = server.address
+
+    ctx = mp.get_context("spawn")
+    ready, results = ctx.Barrier(args.senders + 1), ctx.Queue()
+    procs = [ctx.Process(target=sender, args=(i, address, args, ready, results)) for i in range(args.senders)]
+    for p in procs:
+        p.start()
+    print(f"building {args.senders} x {args.batches} batches ({args.gpus} GPUs x {args.ticks} ticks, "
+          f"{len(fields.GPU_FIELD_NAMES)} GPU + {len(fields.HOST_FIELD_NAMES)} host fields) ...", flush=True)
+    ready.wait(timeout=600)  # raises BrokenBarrierError if a sender died while building
+    reports = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+
+    start = min(r[2] for r in reports)
+    elapsed = max(r[3] for r in reports) - start
+    batches = sum(r[1] for r in reports)
+    gpu_rows = batches * args.gpus * args.ticks
+    host_rows = batches * args.ticks
+    values = gpu_rows * len(fields.GPU_FIELD_NAMES) + host_rows * len(fields.HOST_FIELD_NAMES)
+    megabytes = sum(r[4] for r in reports) / 1e6
+    print(f"senders: {args.senders}, window {args.window}, wall {elapsed:.2f} s, {megabytes:.1f} MB sent")
+    print(f"acked (= committed): {batches} batches, {batches / elapsed:,.0f} batches/s, "
+          f"{values / elapsed:,.0f} metric values/s, {gpu_rows / elapsed:,.0f} GPU rows/s")
+    if server is not None:
+        stored_gpu, stored_host = server.store.count("gpu_samples"), server.store.count("host_samples")
+        ok = (stored_gpu, stored_host) == (gpu_rows, host_rows)
+        print(f"stored: gpu_samples {stored_gpu} (expected {gpu_rows}), host_samples {stored_host} "
+              f"(expected {host_rows}) -> {'OK' if ok else 'MISMATCH'}")
+        server.stop()
+        if not ok:
+            return 1
+    tmp.cleanup()
+
+    agent_cost = Path(__file__).with_name("agent_cost.py")
+    if agent_cost.exists():
+        print(f"--- {agent_cost.name} ---", flush=True)
+        return subprocess.call([sys.executable, str(agent_cost)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
