@@ -104,3 +104,15 @@ def test_spans_are_stored_columnar(store):
     spans = store.spans(job_id="j")
     assert spans["rank"].tolist() == [0, 1] and spans["dur_us"].tolist() == [5.0, 6.0]
     assert spans["seq"].tolist() == [-1, -1]  # columns the batch left empty get their "unknown" value
+
+
+def test_a_batch_that_cannot_be_stored_fails_alone_not_its_group(store):
+    bad = make_batch(1, agent="agent-bad", node="node-bad")
+    bad.samples[0].gpu_index = 2**31  # passes validation (no inventory check without gpus) but overflows INTEGER
+    del bad.gpus[:]
+    futures = [store.submit(make_batch(1)), store.submit(bad), store.submit(make_batch(2))]
+    assert not futures[0].result(30).duplicate and not futures[2].result(30).duplicate
+    with pytest.raises(Exception):
+        futures[1].result(30)
+    assert store.count("gpu_samples") == 2 * ROWS_PER_BATCH
+    assert store.write(make_batch(3)).sequence == 3  # the writer keeps going

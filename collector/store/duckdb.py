@@ -236,23 +236,32 @@ class DuckDBStore:
             return
         results, fresh = self._deduplicate(group)
         try:
-            if fresh:
-                self._con.begin()
-                try:
-                    _insert_group(self._con, [p.batch for p in fresh])
-                    self._con.commit()
-                except BaseException:
-                    self._con.rollback()
-                    raise
-        except Exception as exc:  # the group is not stored: every sender gets the error and resends
-            log.exception("storing a group of %d batches failed", len(group))
-            for p in group:
-                p.future.set_exception(exc)
+            self._commit([p.batch for p in fresh])
+        except Exception as exc:
+            if len(group) > 1:  # find the batch that cannot be stored so it does not fail the others
+                log.warning("storing a group of %d batches failed (%s); storing them one by one", len(group), exc)
+                for p in group:
+                    self._write_group([p])
+                return
+            log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id, exc)
+            group[0].future.set_exception(exc)
             return
         for p in fresh:
             self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
         for p, result in zip(group, results):
             p.future.set_result(result)
+
+    def _commit(self, batches: list[pb.TelemetryBatch]) -> None:
+        """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
+        if not batches:
+            return
+        self._con.begin()
+        try:
+            _insert_group(self._con, batches)
+            self._con.commit()
+        except BaseException:
+            self._con.rollback()
+            raise
 
     def _deduplicate(self, group: list[_Pending]) -> tuple[list[WriteResult], list[_Pending]]:
         """Mark batches stored before, or earlier in the same group, as duplicates; return the rest to write."""
