@@ -57,10 +57,10 @@ class DuckDBSource(Source):
 
         with duckdb.connect(str(self.path), read_only=True) as con:
             marks = ",".join("?" * len(nodes))
-            samples = con.execute(f"SELECT {', '.join(_COLUMNS)} FROM gpu_samples WHERE node IN ({marks})",
-                                  nodes).df()
-            events = con.execute(f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events WHERE node IN ({marks})",
-                                 nodes).df()
+            samples, events = (
+                con.sql(f"SELECT {', '.join(cols)} FROM {table} WHERE node IN ({marks})", params=nodes)
+                .to_arrow_table().to_pandas()
+                for table, cols in (("gpu_samples", _COLUMNS), ("events", _EVENT_COLUMNS)))
         return samples, events
 
 

@@ -1,0 +1,134 @@
+"""Training, saving/loading (skops, trusted types), labels without leakage, evaluation keys, the CLI."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import skops.io as sio
+
+from gpuwatch.cli import main
+from gpuwatch.errors import UserError
+from gpuwatch.models.dataset import build_dataset
+from gpuwatch.models.evaluate import METRIC_KEYS, evaluate_model
+from gpuwatch.models.failsim import FleetConfig, simulate_fleet
+from gpuwatch.models.features import feature_names
+from gpuwatch.models.labels import label, time_split
+from gpuwatch.models.model import load_model, save_model, score, top_signals
+from gpuwatch.models.train import train_model
+
+SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=400)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    simulate_fleet(FleetConfig(seed=3, **SMALL), root / "train")
+    simulate_fleet(FleetConfig(seed=4, **SMALL), root / "heldout")
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(fleet):
+    ds = build_dataset(fleet / "train")
+    model = train_model(ds, description="test")
+    path = fleet / "model.skops"
+    save_model(model, path)
+    return ds, model, path
+
+
+def test_labels_positive_within_horizon_and_censored_around_faults():
+    feats = pd.DataFrame({"node": "n", "gpu_index": 0, "t_ms": np.arange(0, 10 * 3_600_000, 600_000)})
+    ep = pd.DataFrame({"node": ["n"], "gpu_index": [0], "start_ms": [5 * 3_600_000], "end_ms": [5 * 3_600_000 + 60_000]})
+    out = label(feats, ep, horizon_s=3600, warning_s=300, data_end_ms=10 * 3_600_000)
+    until = (5 * 3_600_000 - out["t_ms"]) / 60_000
+    assert out.loc[out["label"] == 1, "t_ms"].map(lambda t: (5 * 3_600_000 - t) / 60_000).tolist() == [60, 50, 40,
+                                                                                                        30, 20, 10]
+    assert out.loc[(until > 0) & (until <= 5), "censored"].all()  # the warning gap
+    after = out[(out["t_ms"] >= 5 * 3_600_000) & (out["t_ms"] <= 5 * 3_600_000 + 60_000 + 3_600_000)]
+    assert after["censored"].all() and after["label"].eq(0).all()
+    assert out.loc[out["t_ms"] + 3_600_000 > 10 * 3_600_000, "censored"].all()  # horizon past the data end
+
+
+def test_split_blocks_cannot_leak(trained):
+    ds, model, _ = trained
+    split = time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s)
+    h = ds.horizon_s * 1000
+    t = ds.rows["t_ms"]
+    train_rows = t[(t >= split.train[0]) & (t < split.train[1])]
+    val_rows = t[(t >= split.validation[0]) & (t < split.validation[1])]
+    assert train_rows.max() + h < split.validation[0] + 1  # no training horizon reaches into validation
+    assert val_rows.max() + h < split.test[0] + 1
+    assert model["training"]["test_ms"] == list(split.test)
+
+
+def test_model_file_round_trip_with_trusted_types(trained, tmp_path):
+    ds, model, path = trained
+    assert path.stat().st_size < 2_000_000
+    loaded = load_model(path)
+    assert loaded["features"] == feature_names() and loaded["horizon_s"] == 3600
+    rows = ds.rows.head(500)
+    assert np.allclose(score(loaded, rows), score(model, rows))
+    assert ((score(loaded, rows) >= 0) & (score(loaded, rows) <= 1)).all()
+    signals = top_signals(loaded, ds.rows[ds.rows["label"] == 1].head(3))
+    assert len(signals) == 3 and all(s and s[0]["signal"] in feature_names() for s in signals)
+    bad = tmp_path / "bad.skops"
+    sio.dump({"format": "gpuwatch-failure-model", "payload": pd.Timestamp("2026-01-01")}, bad)
+    with pytest.raises(UserError, match="does not trust"):
+        load_model(bad)
+    (tmp_path / "junk.skops").write_text("not a model")
+    with pytest.raises(UserError, match="not a skops model file"):
+        load_model(tmp_path / "junk.skops")
+
+
+def test_default_model_loads():
+    model = load_model()
+    assert "simulated" in model["description"] and model["features"] == feature_names()
+
+
+def test_evaluation_reports_model_and_baseline_side_by_side(trained, fleet):
+    _, model, _ = trained
+    result = evaluate_model(model, build_dataset(fleet / "heldout"))
+    for key in METRIC_KEYS:
+        assert key in result and key in result["baseline"]
+    assert result["evaluated_on"]["held_out"] == "whole data set"
+    assert result["faults"] > 0 and result["event_recall"] is not None
+    assert result["event_recall"] > result["event_recall_sudden"]  # precursors are what makes faults predictable
+    assert 0 <= result["pr_auc"] <= 1
+
+
+def test_cli_simulate_train_evaluate(fleet, tmp_path, capsys):
+    out = tmp_path / "rec"
+    assert main(["simulate", "--nodes", "2", "--gpus", "2", "--days", "0.5", "--resolution", "5m", "--seed", "9",
+                 "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu_rows"] > 0
+    assert main(["train", str(fleet / "train"), "--horizon", "1h", "-o", str(tmp_path / "m.skops"), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", str(fleet / "train"), "--model", str(tmp_path / "m.skops"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["evaluated_on"]["held_out"] == "test block of the training data"
+    assert main(["evaluate", str(fleet / "train"), "--model", str(tmp_path / "m.skops")]) == 0
+    assert "false_alarms_per_1000_gpu_days" in capsys.readouterr().out
+    assert main(["train", str(tmp_path / "nope"), "-o", str(tmp_path / "x.skops")]) == 2
+    assert "no such recording directory" in capsys.readouterr().err
+
+
+def test_duckdb_store_gives_the_same_dataset_as_the_recording(fleet, trained, tmp_path):
+    import duckdb
+
+    ds, _, _ = trained
+    store = tmp_path / "store.duckdb"
+    with duckdb.connect(str(store)) as con:
+        for table in ("gpu_samples", "events"):
+            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet('{fleet / 'train' / table}/*.parquet')")
+    from_store = build_dataset(store)
+    assert (from_store.source.start_ms, from_store.source.end_ms) == (ds.source.start_ms, ds.source.end_ms)
+    key = ["node", "gpu_index", "t_ms"]
+    a = ds.rows.sort_values(key).reset_index(drop=True)
+    b = from_store.rows.sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a[key + ["label", "censored"] + feature_names()],
+                                  b[key + ["label", "censored"] + feature_names()], check_dtype=False)
+    (tmp_path / "not-a-store.duckdb").write_text("hello")
+    with pytest.raises(UserError, match="not a gpuwatch DuckDB store"):
+        build_dataset(tmp_path / "not-a-store.duckdb")
