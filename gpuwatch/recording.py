@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gpuwatch.errors import UserError
@@ -157,7 +158,7 @@ class RecordingWriter:
             self._nodes.update(df["node"].astype(str).unique())
         if "ts" in arrow.column_names:
             ms = arrow.column("ts").cast(pa.int64())
-            lo, hi = pa.compute.min(ms).as_py(), pa.compute.max(ms).as_py()
+            lo, hi = pc.min(ms).as_py(), pc.max(ms).as_py()
             m = self._manifest
             m["start_ms"] = lo if m["start_ms"] is None else min(m["start_ms"], lo)
             m["end_ms"] = hi if m["end_ms"] is None else max(m["end_ms"], hi)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -419,9 +419,8 @@ def simulate_fleet(cfg: FleetConfig, out: str | Path) -> dict:
     node_seeds = np.random.SeedSequence([cfg.seed, 1]).spawn(cfg.nodes)
     summary = {"faults": {}, "near_misses": 0, "gpu_rows": 0, "events": 0}
     all_plans: list[FaultPlan] = []
-    cfg_json = {k: v for k, v in cfg.__dict__.items()}
     with RecordingWriter(out, source="gpuwatch simulate", resolution_s=cfg.resolution_s,
-                         extra={"simulation": cfg_json}) as writer:
+                         extra={"simulation": asdict(cfg)}) as writer:
         writer.append("gpus", _inventory(cfg))
         schedules = {}
         for n in range(cfg.nodes):
@@ -442,5 +441,5 @@ def simulate_fleet(cfg: FleetConfig, out: str | Path) -> dict:
             summary["near_misses"] += 1
         else:
             summary["faults"][p.mechanism] = summary["faults"].get(p.mechanism, 0) + 1
-    (Path(out) / "simulation_truth.json").write_text(json.dumps([p.__dict__ for p in all_plans], indent=1))
+    (Path(out) / "simulation_truth.json").write_text(json.dumps([asdict(p) for p in all_plans], indent=1))
     return summary
