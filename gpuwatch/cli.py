@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("gpuwatch.models.cli", "time-split evaluation of a model against the rule baseline"),
     "replay": ("gpuwatch.replay", "run a recording through the pipeline"),
     "import": ("gpuwatch.replay", "turn CSV/Parquet telemetry into a recording"),
+    "export": ("gpuwatch.replay", "write a collector store (stopped, or a copy) out as a recording"),
 }
 
 
