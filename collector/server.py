@@ -5,22 +5,27 @@ batch is answered with a precise status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, F
 log line naming the agent and peer, while every other client keeps being served. Query methods are plain
 functions ``handler(request, store) -> response`` looked up by method name, so other features plug theirs in
 through ``serve(..., query_handlers={"Breakdown": fn})``; a method without a handler answers UNIMPLEMENTED.
+Parts that run beside ingest (scoring, the jobs monitor, metrics) are :class:`Service` objects: they get
+the store when the server starts, may answer Query methods, and are stopped before the store closes.
+Transport security (TLS, mutual TLS, bearer token, the loopback-only plaintext rule) is gpuwatch.security's.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from gpuwatch import security
 from gpuwatch.batches import MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, validate
+from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.store.duckdb import DuckDBStore, StoreClosed, WriteResult
-from gpuwatch.errors import UserError
+from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -32,6 +37,16 @@ DEFAULT_PORT = 7700
 _HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
 
 QueryHandler = Callable[[Message, DuckDBStore], Message]
+
+
+class Service(Protocol):
+    """A part of the collector running beside ingest (scorer, jobs monitor, metrics endpoint)."""
+
+    def start(self, store: DuckDBStore) -> Mapping[str, QueryHandler]:
+        """Begin work on ``store``; return the Query methods it answers (may be empty)."""
+
+    def stop(self) -> None:
+        """Stop; called before the store closes."""
 
 
 class BatchRejected(Exception):
@@ -121,19 +136,25 @@ class IngestService:
         except BatchRejected as exc:
             self._abort(exc, context)
 
+    def _abort(self, exc: BaseException, context: grpc.ServicerContext) -> None:
+        if isinstance(exc, BatchRejected):
+            self.store.counters.reject()
+        _abort(exc, context)
+
     def _submit_or_abort(self, batch: pb.TelemetryBatch, context: grpc.ServicerContext):
         try:
             return self.store.submit(batch)
         except StoreClosed as exc:
             self._abort(exc, context)
 
-    @staticmethod
-    def _abort(exc: BaseException, context: grpc.ServicerContext) -> None:
-        if isinstance(exc, BatchRejected):
-            log.warning("rejected a batch from agent %s (peer %s): %s", exc.agent or "?", context.peer(), exc.message)
-            context.abort(exc.code, exc.message)
-        else:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
+
+
+def _abort(exc: BaseException, context: grpc.ServicerContext) -> None:
+    if isinstance(exc, BatchRejected):
+        log.warning("rejected a batch from agent %s (peer %s): %s", exc.agent or "?", context.peer(), exc.message)
+        context.abort(exc.code, exc.message)
+    else:
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
 
 
 # ------------------------------------------------------------------------------------- query side
@@ -185,7 +206,8 @@ DEFAULT_QUERY_HANDLERS: dict[str, QueryHandler] = {
 
 
 def query_handler(store: DuckDBStore, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
-    """The Query service over ``handlers``; UserError becomes INVALID_ARGUMENT, no handler UNIMPLEMENTED."""
+    """The Query service over ``handlers``: NotFound answers NOT_FOUND, other UserError INVALID_ARGUMENT, a
+    method without a handler UNIMPLEMENTED."""
     service = q.DESCRIPTOR.services_by_name["Query"]
 
     def method(name: str) -> Callable[[Message, grpc.ServicerContext], Message]:
@@ -195,6 +217,8 @@ def query_handler(store: DuckDBStore, handlers: Mapping[str, QueryHandler]) -> g
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not available in this collector yet")
             try:
                 return fn(request, store)
+            except NotFound as exc:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             except UserError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return call
@@ -209,13 +233,15 @@ def query_handler(store: DuckDBStore, handlers: Mapping[str, QueryHandler]) -> g
 
 # ----------------------------------------------------------------------------------------- serving
 class CollectorServer:
-    """A running collector: its gRPC server and store. ``stop`` commits what was received, then closes."""
+    """A running collector: its gRPC server, store and services. ``stop`` commits what was received, then closes."""
 
-    def __init__(self, server: grpc.Server, store: DuckDBStore, host: str, port: int) -> None:
+    def __init__(self, server: grpc.Server, store: DuckDBStore, host: str, port: int,
+                 services: Sequence[Service] = ()) -> None:
         self._server = server
         self.store = store
         self.host = host
         self.port = port
+        self.services = list(services)
         self._stopped = threading.Event()
 
     @property
@@ -223,16 +249,25 @@ class CollectorServer:
         return f"{self.host}:{self.port}"
 
     def stop(self, grace: float = 2.0) -> None:
-        """Stop taking RPCs (open streams get ``grace`` seconds), flush the write queue, close the store."""
+        """Stop taking RPCs (open streams get ``grace`` seconds), stop the services, flush, close the store."""
         if self._stopped.is_set():
             return
         self._server.stop(grace).wait()
+        _stop_all(self.services)
         self.store.close()
         self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until :meth:`stop` has finished; return whether it has."""
         return self._stopped.wait(timeout)
+
+
+def _stop_all(services: Sequence[Service]) -> None:
+    for service in reversed(services):
+        try:
+            service.stop()
+        except Exception:  # one failing service must not keep the store from being closed
+            log.exception("stopping %s failed", type(service).__name__)
 
 
 def serve(
@@ -242,33 +277,51 @@ def serve(
     retention_days: float | None = None,
     max_workers: int = 256,
     query_handlers: Mapping[str, QueryHandler] | None = None,
+    services: Sequence[Service] = (),
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_client_ca: str | None = None,
+    token: str | None = None,
+    insecure: bool = False,
     **store_options: Any,
 ) -> CollectorServer:
-    """Open the store and start serving on ``listen`` ("host:port", port 0 picks a free one).
+    """Open the store, start ``services`` and serve on ``listen`` ("host:port", port 0 picks a free one).
 
-    ``max_workers`` bounds concurrent RPCs; every connected agent's stream holds one worker.
+    TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with ``token`` every call
+    needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is refused unless
+    ``insecure``. ``max_workers`` bounds concurrent RPCs; every connected agent's stream holds one worker.
+    Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
     Raises UserError when the store is locked by another process or the address cannot be bound.
     """
     host, _, port_text = listen.rpartition(":")
     if not host or not port_text.isdigit():
         raise UserError(f"--listen {listen!r} is not HOST:PORT")
+    tls = tls_cert is not None or tls_key is not None
+    security.check_listen_policy(listen, tls, insecure)  # before anything is opened
     store = DuckDBStore(db_path, retention_days=retention_days, **store_options)
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"), options=[
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
-        ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
-    ])
-    server.add_generic_rpc_handlers((
-        IngestService(store).handler(),
-        query_handler(store, {**DEFAULT_QUERY_HANDLERS, **(query_handlers or {})}),
-    ))
+    started: list[Service] = []
     try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError:
-        port = 0
-    if not port:
+        handlers: dict[str, QueryHandler] = {**DEFAULT_QUERY_HANDLERS, **BreakdownService().handlers()}
+        for service in services:
+            handlers.update(service.start(store))
+            started.append(service)
+        handlers.update(query_handlers or {})
+        server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                             interceptors=security.server_interceptors(token), options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
+            ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
+        ])
+        server.add_generic_rpc_handlers((IngestService(store).handler(), query_handler(store, handlers)))
+        port = security.add_listen_port(server, listen, cert=tls_cert, key=tls_key, client_ca=tls_client_ca,
+                                        insecure=insecure)
+        if not port:
+            raise UserError(f"cannot listen on {listen}: the address is in use or not local")
+    except BaseException:
+        _stop_all(started)
         store.close()
-        raise UserError(f"cannot listen on {listen}: the address is in use or not local")
+        raise
     server.start()
-    log.info("collector listening on %s:%d, store %s", host, port, db_path)
-    return CollectorServer(server, store, host, port)
+    log.info("collector listening on %s:%d (%s), store %s", host, port,
+             "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", db_path)
+    return CollectorServer(server, store, host, port, started)

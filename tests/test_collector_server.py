@@ -9,16 +9,21 @@ from gpuwatch import cli
 from gpuwatch.batches import MAX_BATCH_BYTES
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
-from gpuwatch.errors import UserError
+from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from test_collector_support import ROWS_PER_BATCH, TICKS, make_batch
 
 
+def _not_found(request, store):
+    raise NotFound("no such alert list")
+
+
 @pytest.fixture
 def collector(tmp_path):
     server = serve("127.0.0.1:0", str(tmp_path / "c.duckdb"),
-                   query_handlers={"Jobs": lambda request, store: q.JsonResponse(json=json.dumps(store.jobs_seen()))})
+                   query_handlers={"Jobs": lambda request, store: q.JsonResponse(json=json.dumps(store.jobs_seen())),
+                                   "Alerts": _not_found})
     yield server
     server.stop()
 
@@ -98,12 +103,12 @@ def test_bad_batches_get_a_clear_status_and_others_are_still_served(collector, c
     other.close()
 
 
-def test_query_methods_without_a_handler_are_unimplemented_and_handlers_plug_in(collector, channel):
+def test_plug_in_handlers_and_error_statuses(collector, channel):
     client.push(channel, make_batch(1))
     stub = client.connect(collector.address)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Breakdown(q.BreakdownRequest(job_id="job-7"))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "Breakdown" in err.value.details()
+        stub.Alerts(q.AlertsRequest())
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no such alert list" in err.value.details()
     jobs = json.loads(stub.Jobs(q.JobsRequest()).json)
     assert [j["job_id"] for j in jobs] == ["job-7"]
     with pytest.raises(grpc.RpcError) as err:
@@ -112,7 +117,7 @@ def test_query_methods_without_a_handler_are_unimplemented_and_handlers_plug_in(
 
 
 def test_refuses_to_start_on_a_locked_store_or_a_taken_address(collector, tmp_path):
-    with pytest.raises(UserError, match="address is in use"):
+    with pytest.raises(UserError, match="address in use"):
         serve(collector.address, str(tmp_path / "other.duckdb"))
     # the store is opened and locked by this process; a second process cannot take it
     import subprocess, sys

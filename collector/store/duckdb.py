@@ -27,7 +27,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gpuwatch import events as event_kinds
 from gpuwatch import fields
+from gpuwatch.collector.exporter import LatencyHistogram
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -65,6 +67,9 @@ DDL: list[str] = [
     job_id VARCHAR, rank INTEGER, step BIGINT, kind VARCHAR, name VARCHAR, start_us DOUBLE, dur_us DOUBLE,
     process_group VARCHAR, seq BIGINT, bytes BIGINT, world_size INTEGER, node VARCHAR, peer INTEGER,
     ts TIMESTAMP NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS alerts (
+    id VARCHAR PRIMARY KEY, alertname VARCHAR NOT NULL, subject VARCHAR NOT NULL, status VARCHAR NOT NULL,
+    starts_at TIMESTAMP NOT NULL, ends_at TIMESTAMP, updated_at TIMESTAMP NOT NULL, doc JSON NOT NULL)""",
 ]
 
 # Tables that retention trims, with the timestamp column it compares.
@@ -115,6 +120,34 @@ class StoreClosed(RuntimeError):
     """The store no longer accepts writes."""
 
 
+class IngestCounters:
+    """What the writer committed since the store was opened (exported as gpuwatch_ingest_* metrics)."""
+
+    def __init__(self) -> None:
+        self.batches = self.samples = self.duplicates = self.rejected = 0
+        self.commit_seconds = LatencyHistogram()
+        self._lock = threading.Lock()
+
+    def committed(self, batches: Sequence[pb.TelemetryBatch], duplicates: int, seconds: float) -> None:
+        rows = sum(len(s.ts_ms) for b in batches for s in b.samples)
+        with self._lock:
+            self.batches += len(batches)
+            self.samples += rows
+            self.duplicates += duplicates
+        self.commit_seconds.observe(seconds)
+
+    def reject(self) -> None:
+        """The server refused a batch before it reached the store (malformed, oversized, wrong version)."""
+        with self._lock:
+            self.rejected += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            counts = {"batches_total": self.batches, "samples_total": self.samples,
+                      "duplicates_total": self.duplicates, "rejected_total": self.rejected}
+        return {**counts, "commit_seconds": self.commit_seconds.snapshot()}
+
+
 class DuckDBStore:
     """One DuckDB database file (or ":memory:"), written by one writer thread, read through cursors."""
 
@@ -140,6 +173,7 @@ class DuckDBStore:
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued_batches)
         self._cursor_lock = threading.Lock()
         self._closed = False
+        self.counters = IngestCounters()
         self._last_sequence: dict[str, int] = dict(
             self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()
         )
@@ -164,14 +198,14 @@ class DuckDBStore:
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once every batch queued before this call is committed."""
-        self._run_on_writer(lambda con: None, timeout)
+        self.run_write(lambda con: None, timeout)
 
     def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
         """Delete rows older than ``retention_days`` before ``now_ms``; return rows deleted per table."""
         if not self.retention_days:
             return {}
         cutoff = self._retention_cutoff(now_ms)
-        return self._run_on_writer(lambda con: _delete_before(con, cutoff), timeout)
+        return self.run_write(lambda con: _delete_before(con, cutoff), timeout)
 
     def close(self) -> None:
         """Commit everything queued, stop the writer and close the database."""
@@ -182,7 +216,12 @@ class DuckDBStore:
         self._writer.join()
         self._con.close()
 
-    def _run_on_writer(self, fn: Callable[[duckdb.DuckDBPyConnection], Any], timeout: float | None) -> Any:
+    def run_write(self, fn: Callable[[duckdb.DuckDBPyConnection], Any], timeout: float | None = None) -> Any:
+        """Run ``fn(connection)`` on the writer thread, between batch groups, and return its result.
+
+        Features that keep their own tables (breakdowns, alerts) write through this, so DuckDB only ever
+        sees one writer and their writes are ordered with ingest.
+        """
         if self._closed:
             raise StoreClosed("the store is closed")
         task = _Task(fn)
@@ -235,6 +274,7 @@ class DuckDBStore:
         if not group:
             return
         results, fresh = self._deduplicate(group)
+        started = time.perf_counter()
         try:
             self._commit([p.batch for p in fresh])
         except Exception as exc:
@@ -246,6 +286,7 @@ class DuckDBStore:
             log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id, exc)
             group[0].future.set_exception(exc)
             return
+        self.counters.committed([p.batch for p in fresh], len(group) - len(fresh), time.perf_counter() - started)
         for p in fresh:
             self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
         for p, result in zip(group, results):
@@ -396,6 +437,25 @@ class DuckDBStore:
                    count(DISTINCT rank) FILTER (WHERE rank >= 0) AS ranks, min(t) AS first_seen_ms,
                    max(t) AS last_seen_ms
             FROM rows GROUP BY job_id ORDER BY job_id""")
+
+    def queue_depth(self) -> int:
+        """Batches and tasks waiting for the writer."""
+        return self._queue.qsize()
+
+    def xid_counts(self) -> list[dict[str, Any]]:
+        """XID events stored per node, GPU and code."""
+        return self._records(f"""
+            SELECT node, gpu_index, code, count(*) AS n FROM events WHERE kind = '{event_kinds.XID}'
+            GROUP BY node, gpu_index, code ORDER BY node, gpu_index, code""")
+
+    def agent_health(self) -> list[dict[str, Any]]:
+        """Per node: batches its agent dropped from a full spool (``spool_dropped`` events) and last batch (ms)."""
+        return self._records(f"""
+            WITH d AS (SELECT node, sum(code)::BIGINT AS dropped FROM events
+                       WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
+            SELECT a.node, coalesce(max(d.dropped), 0)::BIGINT AS spool_dropped,
+                   epoch_ms(max(a.last_seen)) AS last_seen_ms
+            FROM agents a LEFT JOIN d USING (node) GROUP BY a.node ORDER BY a.node""")
 
     def count(self, table: str) -> int:
         """Rows in one of the store's tables."""
