@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from gpuwatch.errors import UserError
 from gpuwatch.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
 from gpuwatch.recording import RecordingWriter
 
@@ -412,6 +413,8 @@ def _inventory(cfg: FleetConfig) -> pd.DataFrame:
 
 def simulate_fleet(cfg: FleetConfig, out: str | Path) -> dict:
     """Write a recording of the simulated fleet to ``out``; returns a summary (faults by mechanism, rows)."""
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise UserError(f"{out}: already exists and is not empty; simulate into a new directory")
     step = int(cfg.resolution_s * 1000)
     ts = np.arange(cfg.start_ms + step, cfg.start_ms + int(cfg.days * DAY_MS) + 1, step, dtype=np.int64)
     root = np.random.SeedSequence(cfg.seed)
