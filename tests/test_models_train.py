@@ -17,6 +17,7 @@ from gpuwatch.models.features import feature_names
 from gpuwatch.models.labels import label, time_split
 from gpuwatch.models.model import load_model, save_model, score, top_signals
 from gpuwatch.models.train import train_model
+from gpuwatch.recording import SCHEMAS
 
 SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=400)
 
@@ -115,13 +116,20 @@ def test_cli_simulate_train_evaluate(fleet, tmp_path, capsys):
 
 
 def test_duckdb_store_gives_the_same_dataset_as_the_recording(fleet, trained, tmp_path):
+    """The collector store's own tables (its DDL) take a recording's rows as they are, and train the same."""
     import duckdb
+
+    from gpuwatch.collector.store.duckdb import DDL
 
     ds, _, _ = trained
     store = tmp_path / "store.duckdb"
     with duckdb.connect(str(store)) as con:
+        con.execute("SET TimeZone = 'UTC'")
         for table in ("gpu_samples", "events"):
-            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet('{fleet / 'train' / table}/*.parquet')")
+            con.execute(next(d for d in DDL if f"EXISTS {table} (" in d))
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet('{fleet / 'train' / table}/*.parquet')")
+            store_cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()]
+            assert store_cols == SCHEMAS[table].names  # same columns, same order
     from_store = build_dataset(store)
     assert (from_store.source.start_ms, from_store.source.end_ms) == (ds.source.start_ms, ds.source.end_ms)
     key = ["node", "gpu_index", "t_ms"]
