@@ -46,3 +46,16 @@ def test_plan_effects_tick_by_tick_emits_each_event_once():
     sbe = whole.increments["gpu_ecc_sbe_volatile_total"]
     assert sbe[:60].sum() < sbe[240:300].sum()  # the correctable-error rate rises towards the fault
     assert whole.flags["gpu_remapped_rows_pending"][300:359].all()
+
+
+def test_assess_scores_every_gpu_live_with_the_default_model(tmp_path):
+    from gpuwatch.models.model import load_model
+    from gpuwatch.models.online import assess
+
+    simulate_fleet(FleetConfig(nodes=2, gpus_per_node=4, days=1.5, resolution_s=60, seed=8), tmp_path)
+    rec = open_recording(tmp_path)
+    at = rec.manifest["end_ms"]
+    out = assess(load_model(), rec.table("gpu_samples"), rec.table("events"), at=at)
+    assert len(out) == 8 and (out["t_ms"] == at).all()
+    assert out["risk"].between(0, 1).all() and set(out["state"]) <= {"ok", "warn", "fail"}
+    assert all(isinstance(s, list) for s in out["signals"])
