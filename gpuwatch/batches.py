@@ -139,6 +139,10 @@ def _padded(col: list[float], n: int) -> list[float]:
     return col + [NAN] * (n - len(col)) if len(col) < n else col
 
 
+# Field-name membership is checked for every column of every batch: sets, not the catalogue's tuples.
+_GPU_FIELD_SET = frozenset(fields.GPU_FIELD_NAMES)
+_HOST_FIELD_SET = frozenset(fields.HOST_FIELD_NAMES)
+
 _SPAN_COLUMNS = ("job_id", "rank", "step", "kind", "name", "start_us", "dur_us",
                  "process_group", "seq", "bytes", "world_size", "node", "peer")
 
@@ -166,8 +170,8 @@ def validate(batch: pb.TelemetryBatch) -> None:
         for name, col in (("job_id", s.job_id), ("rank", s.rank), ("local_rank", s.local_rank)):
             if len(col) not in (0, n):
                 raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
-        _check_columns(where, s.columns, n, fields.GPU_FIELD_NAMES)
-    _check_columns("host samples", batch.host.columns, len(batch.host.ts_ms), fields.HOST_FIELD_NAMES)
+        _check_columns(where, s.columns, n, _GPU_FIELD_SET)
+    _check_columns("host samples", batch.host.columns, len(batch.host.ts_ms), _HOST_FIELD_SET)
     for e in batch.events:
         if not e.kind:
             raise BatchError("an event has an empty kind")
@@ -178,7 +182,7 @@ def validate(batch: pb.TelemetryBatch) -> None:
         raise BatchError(f"spans: columns {', '.join(bad)} do not have {n_spans} entries like start_us")
 
 
-def _check_columns(where: str, columns, n: int, allowed: tuple[str, ...]) -> None:
+def _check_columns(where: str, columns, n: int, allowed: frozenset[str]) -> None:
     names = set()
     for col in columns:
         if col.field not in allowed:
