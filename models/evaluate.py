@@ -1,10 +1,9 @@
 """Event-level evaluation of a failure predictor (model or rule baseline), as failure-prediction.md §4 asks.
 
-Scores are per feature row (GPU x evaluation step). A fault counts as predicted when some row in
-[fault - horizon, fault - warning] scores at or above the threshold; lead time is from the first such row.
-Alerts follow the alert engine's rule (models/policy.py: fire at the threshold, resolve after the score
-stayed below half of it for 2 h), and end when the GPU has no rows for ``ALERT_GAP_STEPS`` steps. A fault is predicted when an alert is active at some row in
-[fault - horizon, fault - warning]; the lead time runs from the first such row. An alert is false when no
+Scores are per feature row (GPU x evaluation step). Alerts follow the alert engine's rule
+(models/policy.py: fire at the threshold, resolve after the score stayed below half of it for 2 h), and
+end when the GPU has no rows for ``ALERT_GAP_STEPS`` steps. A fault is predicted when an alert is active at
+some row in [fault - horizon, fault - warning]; the lead time runs from the first such row. An alert is false when no
 fault of that GPU starts between its first row and its last row plus the horizon.
 False alarms are counted per 1,000 GPU-days of uncensored rows.
 """

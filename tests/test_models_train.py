@@ -41,7 +41,8 @@ def trained(fleet):
 
 def test_labels_positive_within_horizon_and_censored_around_faults():
     feats = pd.DataFrame({"node": "n", "gpu_index": 0, "t_ms": np.arange(0, 10 * 3_600_000, 600_000)})
-    ep = pd.DataFrame({"node": ["n"], "gpu_index": [0], "start_ms": [5 * 3_600_000], "end_ms": [5 * 3_600_000 + 60_000]})
+    ep = pd.DataFrame({"node": ["n"], "gpu_index": [0], "start_ms": [5 * 3_600_000],
+                       "end_ms": [5 * 3_600_000 + 60_000]})
     out = label(feats, ep, horizon_s=3600, warning_s=300, data_end_ms=10 * 3_600_000)
     until = (5 * 3_600_000 - out["t_ms"]) / 60_000
     assert out.loc[out["label"] == 1, "t_ms"].map(lambda t: (5 * 3_600_000 - t) / 60_000).tolist() == [60, 50, 40,
@@ -127,7 +128,8 @@ def test_duckdb_store_gives_the_same_dataset_as_the_recording(fleet, trained, tm
         con.execute("SET TimeZone = 'UTC'")
         for table in ("gpu_samples", "events"):
             con.execute(next(d for d in DDL if f"EXISTS {table} (" in d))
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet('{fleet / 'train' / table}/*.parquet')")
+            parts = fleet / "train" / table / "*.parquet"
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet('{parts}')")
             store_cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()]
             assert store_cols == SCHEMAS[table].names  # same columns, same order
     from_store = build_dataset(store)
