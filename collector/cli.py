@@ -1,33 +1,97 @@
-"""`gpuwatch collector`: run the collector in the foreground until SIGTERM or SIGINT."""
+"""`gpuwatch collector`: run the collector in the foreground until SIGTERM or SIGINT.
+
+Settings come from a TOML file, ``GPUWATCH_<KEY>`` variables and flags (gpuwatch.config). Beside ingest
+and queries the collector runs the failure scorer, the jobs monitor, the alert path and, with
+``--metrics-listen``, the Prometheus endpoint; :func:`start_collector` wires them (tests call it too).
+"""
 from __future__ import annotations
 
 import argparse
 import logging
 import signal
 import threading
+from typing import Any
 
-from gpuwatch.collector.server import DEFAULT_PORT, serve
+from gpuwatch import config
+from gpuwatch.collector import jobs, scoring
+from gpuwatch.collector.alert_hub import AlertHub
+from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
+from gpuwatch.collector.server import CollectorServer, serve
+from gpuwatch.collector.snapshot import MetricsService
+from gpuwatch.config import Option, non_negative, positive
+from gpuwatch.models.model import default_model_path, load_model
+from gpuwatch.models.policy import AlertPolicy
+from gpuwatch.security import read_token
+
+log = logging.getLogger(__name__)
+
+# The shared collector schema plus the cadences of the scorer and the jobs monitor.
+OPTIONS: tuple[Option, ...] = config.COLLECTOR_OPTIONS + (
+    Option("score_interval", float, scoring.DEFAULT_INTERVAL_S, "seconds between failure-scoring rounds", positive),
+    Option("jobs_interval", float, jobs.DEFAULT_INTERVAL_S, "seconds between jobs-monitor rounds", positive),
+    Option("jobs_window", float, jobs.DEFAULT_WINDOW_S, "seconds of recent spans analysed per job", positive),
+    Option("hang_threshold", float, jobs.DEFAULT_HANG_S,
+           "seconds without a completed step or op before a job counts as hung", non_negative),
+)
 
 
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}",
-                        help=f"HOST:PORT for agents and queries (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks one)")
-    parser.add_argument("--db", default="gpuwatch.duckdb", help="DuckDB file of the store (default gpuwatch.duckdb)")
-    parser.add_argument("--retention-days", type=float, default=30.0,
-                        help="delete samples, events and spans older than this many days (default 30; 0 keeps all)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--max-workers", type=int, default=256,
-                        help="concurrent RPCs; each connected agent holds one (default 256)")
+    config.add_arguments(parser, OPTIONS)
+
+
+def start_collector(cfg: config.Config) -> CollectorServer:
+    """Start a collector with everything ``cfg`` (from :func:`gpuwatch.config.load_config` over OPTIONS) asks."""
+    model = _model(cfg.model)
+    hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, _senders(cfg))
+    scorer = scoring.Scorer(model, hub, interval_s=cfg.score_interval)
+    monitor = jobs.JobsMonitor(hub, interval_s=cfg.jobs_interval, window_s=cfg.jobs_window,
+                               hang_threshold_s=cfg.hang_threshold)
+    services: list[Any] = [hub, scorer, monitor]
+    if cfg.metrics_listen:
+        metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
+        services.append(MetricsService(cfg.metrics_listen, scorer=scorer, jobs=monitor, token=metrics_token,
+                                       insecure=cfg.insecure))
+    try:
+        return serve(cfg.listen, cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
+                     services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
+                     token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)
+    except BaseException:
+        hub.stop()  # its senders' threads started with it; serve stops only the services it started
+        raise
+
+
+def _model(path: str | None) -> dict | None:
+    """The model named in the config, else the bundled one; without either, scoring gives health only."""
+    if path is not None:
+        return load_model(path)
+    if not default_model_path().is_file():
+        log.warning("no failure model (%s is missing): GPUs get health states, no failure risk",
+                    default_model_path())
+        return None
+    return load_model(None)
+
+
+def _senders(cfg: config.Config) -> list[AlertSender]:
+    senders: list[AlertSender] = []
+    if cfg.alertmanager_url:
+        senders.append(AlertmanagerSender(cfg.alertmanager_url))
+    if cfg.webhook_url:
+        senders.append(WebhookSender(cfg.webhook_url))
+    return senders
 
 
 def run(command: str, args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = serve(args.listen, args.db, retention_days=args.retention_days or None, max_workers=args.max_workers)
+    cfg = config.load_config(OPTIONS, args)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = start_collector(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"gpuwatch collector listening on {server.address}, store {args.db}", flush=True)
+    metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService)), None)
+    print(f"gpuwatch collector listening on {server.address}, store {cfg.db}"
+          + (f", metrics {metrics}" if metrics else ""), flush=True)
     stop.wait()
-    logging.getLogger(__name__).info("stopping: committing queued batches")
+    log.info("stopping: committing queued batches")
     server.stop()
     return 0
+

@@ -1,4 +1,4 @@
-"""Read commands against a running collector: nodes, gpus, latest, series, events.
+"""Read commands against a running collector: nodes, gpus, latest, series, events, jobs, alerts.
 
 Each command is a public function ``fetch_<name>(stub, args) -> list[dict]`` (what tests and scripts call)
 plus one entry in :data:`COMMANDS`; the CLI prints the rows as JSON (``--json``) or as a table.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import re
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from gpuwatch.collector.client import connect
+from gpuwatch.collector.client import add_connection_arguments, connect_args
 from gpuwatch.collector.server import DEFAULT_PORT
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
@@ -98,6 +97,17 @@ def fetch_events(stub: query_pb2_grpc.QueryStub, args: argparse.Namespace) -> li
              "code": r.event.code, "message": r.event.message, "attrs": dict(r.event.attrs)} for r in reply.events]
 
 
+def fetch_jobs(stub: query_pb2_grpc.QueryStub, args: argparse.Namespace | None = None) -> list[dict[str, Any]]:
+    """One dict per job: job_id, ranks, nodes, steps, step_rate, lost_fraction, stragglers, delayed, hang."""
+    return json.loads(stub.Jobs(q.JobsRequest(), timeout=_RPC_TIMEOUT_S).json)
+
+
+def fetch_alerts(stub: query_pb2_grpc.QueryStub, args: argparse.Namespace | None = None) -> list[dict[str, Any]]:
+    """One dict per alert (GPUFailureRisk, SlowRank, JobHang), firing first; resolved ones with ``--all``."""
+    request = q.AlertsRequest(include_resolved=bool(getattr(args, "all", False)))
+    return json.loads(stub.Alerts(request, timeout=_RPC_TIMEOUT_S).json)
+
+
 # ------------------------------------------------------------------------------------ commands
 @dataclass(frozen=True)
 class Command:
@@ -134,19 +144,23 @@ COMMANDS: dict[str, Command] = {
                       "gpu_power_watts", "gpu_temperature_celsius", "gpu_memory_used_bytes")),
     "series": Command(fetch_series, _series_arguments, ("ts", "value")),
     "events": Command(fetch_events, _events_arguments, ("ts", "node", "gpu_index", "kind", "code", "message")),
+    "jobs": Command(fetch_jobs, table_columns=("job_id", "ranks", "nodes", "steps", "step_rate", "lost_fraction",
+                                               "stragglers", "hang")),
+    "alerts": Command(fetch_alerts, lambda p: p.add_argument("--all", action="store_true",
+                                                             help="include resolved alerts"),
+                      ("alertname", "status", "starts_at", "ends_at", "summary")),
 }
 
 
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--collector", default=os.environ.get("GPUWATCH_COLLECTOR", DEFAULT_COLLECTOR),
-                        help=f"collector HOST:PORT (default $GPUWATCH_COLLECTOR or {DEFAULT_COLLECTOR})")
+    add_connection_arguments(parser, DEFAULT_COLLECTOR)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     COMMANDS[command].add_arguments(parser)
 
 
 def run(command: str, args: argparse.Namespace) -> int:
     spec = COMMANDS[command]
-    stub = connect(args.collector)
+    stub = connect_args(args)
     try:
         rows = spec.fetch(stub, args)
     except grpc.RpcError as exc:
@@ -176,4 +190,8 @@ def _cell(value: Any) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, list):
+        return ",".join(_cell(v) for v in value) or "-"
+    if isinstance(value, dict):  # a straggler or hang: its rank, else its summary line
+        return str(value.get("rank", value.get("summary", "yes")))
     return str(value)

@@ -1,0 +1,208 @@
+"""The collector's alert path: GPU failure risk, slow ranks and hung jobs, one set of senders, one table.
+
+GPU risk goes through :class:`~gpuwatch.collector.alerts.AlertEngine` (threshold, hysteresis, dedup and the
+suggested action). Job alerts (``SlowRank`` per straggler rank, ``JobHang`` per job) are set by the jobs
+monitor as "what is true now": new ones fire, missing ones resolve. Both reach the same Alertmanager and
+webhook senders, and every alert is kept in the store's ``alerts`` table, so `gpuwatch alerts` answers
+from it, also after a restart (alerts left firing by a previous run are resolved after the first round).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from gpuwatch.collector.alerts import ALERT_NAME as GPU_FAILURE_RISK
+from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition
+from gpuwatch.collector.query_cli import iso_utc
+from gpuwatch.collector.store.duckdb import DuckDBStore, ms_to_datetime
+from gpuwatch.models.policy import AlertPolicy
+from gpuwatch.v1 import query_pb2 as q
+
+SLOW_RANK = "SlowRank"
+JOB_HANG = "JobHang"
+ALERT_NAMES = (GPU_FAILURE_RISK, SLOW_RANK, JOB_HANG)
+
+
+@dataclass
+class JobAlert:
+    """A slow-rank or hang alert of one job; shaped like :class:`Alert` for the senders."""
+
+    alertname: str
+    job_id: str
+    subject: str                       # what the alert is about: "job/rank" for SlowRank, the job for JobHang
+    summary: str
+    details: dict[str, Any]            # the evidence, as JSON-ready values
+    labels: dict[str, str] = field(default_factory=dict)
+    starts_ms: int = 0
+    ends_ms: int | None = None
+
+    @property
+    def firing(self) -> bool:
+        return self.ends_ms is None
+
+    def to_json(self) -> dict:
+        """Webhook and `gpuwatch alerts --json` shape."""
+        return {"alertname": self.alertname, "status": "firing" if self.firing else "resolved",
+                "job_id": self.job_id, **self.labels, "summary": self.summary, "details": self.details,
+                "starts_at": iso_utc(self.starts_ms), "ends_at": iso_utc(self.ends_ms) if self.ends_ms else None}
+
+    def to_alertmanager(self) -> dict:
+        body = {"labels": {"alertname": self.alertname, "job_id": self.job_id, **self.labels, "severity": "warning"},
+                "annotations": {"summary": self.summary, "details": json.dumps(self.details, sort_keys=True)},
+                "startsAt": iso_utc(self.starts_ms)}
+        if self.ends_ms is not None:
+            body["endsAt"] = iso_utc(self.ends_ms)
+        return body
+
+
+@dataclass(frozen=True)
+class JobFinding:
+    """One thing the jobs monitor sees now (a straggler rank, a hang) that should be an alert."""
+
+    job_id: str
+    subject: str
+    summary: str
+    details: dict[str, Any]
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class AlertHub:
+    """Fires, resolves, delivers and persists every alert of the collector; answers the ``Alerts`` RPC."""
+
+    def __init__(self, policy: AlertPolicy | None = None, senders: Sequence[AlertSender] = (),
+                 **engine_options: Any) -> None:
+        self.senders = list(senders)
+        self.engine = AlertEngine(policy, senders=self.senders, **engine_options) if policy else None
+        self._jobs: dict[tuple[str, str], JobAlert] = {}
+        self._lock = threading.Lock()
+        self._store: DuckDBStore | None = None
+        self._left_firing: list[str] = []
+
+    # ---- service -----------------------------------------------------------------------------------
+    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+        self._store = store
+        self._left_firing = list(store.query_df("SELECT id FROM alerts WHERE status = 'firing'")["id"])
+        return {"Alerts": list_alerts}
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        else:
+            for sender in self.senders:
+                sender.close()
+
+    # ---- GPU risk ----------------------------------------------------------------------------------
+    def observe_risk(self, observations: Iterable[RiskObservation], now_ms: int | None = None) -> list[Transition]:
+        """One scoring round: fire/resolve through the engine, then persist what changed and what is active."""
+        if self.engine is None:
+            return []
+        now = _now_ms(now_ms)
+        changes = self.engine.observe(observations, now_ms=now)
+        rows = [_gpu_row(a) for a in self.engine.active()] + [_gpu_row(c.alert) for c in changes
+                                                             if c.kind == "resolve"]
+        self._persist(rows, resolve_left_firing_at=now)
+        return changes
+
+    # ---- jobs --------------------------------------------------------------------------------------
+    def set_job_alerts(self, alertname: str, findings: Iterable[JobFinding], now_ms: int | None = None,
+                       jobs: Iterable[str] | None = None) -> list[JobAlert]:
+        """Make the active ``alertname`` alerts equal ``findings``: new ones fire, missing ones resolve.
+
+        With ``jobs``, only alerts of those jobs are considered (the others were not looked at this round).
+        Returns the alerts that fired or resolved now; all active ones are (re)sent so receivers keep them.
+        """
+        now = _now_ms(now_ms)
+        scope = None if jobs is None else set(jobs)
+        changed: list[JobAlert] = []
+        with self._lock:
+            wanted = {(alertname, f.subject): f for f in findings}
+            for key, finding in wanted.items():
+                alert = self._jobs.get(key)
+                if alert is None:
+                    alert = self._jobs[key] = JobAlert(alertname, finding.job_id, finding.subject, finding.summary,
+                                                       finding.details, finding.labels, now)
+                    changed.append(alert)
+                else:
+                    alert.summary, alert.details = finding.summary, finding.details
+            for key, alert in list(self._jobs.items()):
+                if key[0] == alertname and key not in wanted and (scope is None or alert.job_id in scope):
+                    alert.ends_ms = now
+                    del self._jobs[key]
+                    changed.append(alert)
+            active = [a for k, a in self._jobs.items() if k[0] == alertname]
+        outgoing = active + [a for a in changed if not a.firing]
+        for sender in self.senders:
+            if outgoing:
+                sender.submit(outgoing)
+        self._persist([_job_row(a) for a in outgoing])
+        return changed
+
+    def active_job_alerts(self) -> list[JobAlert]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    # ---- persistence -------------------------------------------------------------------------------
+    def _persist(self, rows: list[dict], resolve_left_firing_at: int | None = None) -> None:
+        stale: list[str] = []
+        if resolve_left_firing_at is not None:
+            stale, self._left_firing = self._left_firing, []
+        if self._store is None or not (rows or stale):
+            return
+        table = pd.DataFrame(rows, columns=["id", "alertname", "subject", "status", "starts_at", "ends_at",
+                                            "updated_at", "doc"])
+        ended = ms_to_datetime(resolve_left_firing_at or 0)
+
+        def write(con) -> None:
+            con.begin()
+            try:
+                if stale:
+                    con.execute("UPDATE alerts SET status = 'resolved', ends_at = ?, "
+                                "doc = json_merge_patch(doc, json_object('status', 'resolved')) "
+                                "WHERE list_contains(?, id) AND status = 'firing'", [ended, stale])
+                if len(table):
+                    con.register("_alert_rows", table)
+                    con.execute("""
+                        INSERT INTO alerts BY NAME SELECT * REPLACE (doc::JSON AS doc) FROM _alert_rows
+                        ON CONFLICT (id) DO UPDATE SET status = excluded.status, ends_at = excluded.ends_at,
+                            updated_at = excluded.updated_at, doc = excluded.doc""")
+                    con.unregister("_alert_rows")
+                con.commit()
+            except BaseException:
+                con.rollback()
+                raise
+
+        self._store.run_write(write)
+
+
+def list_alerts(request: q.AlertsRequest, store: DuckDBStore) -> q.JsonResponse:
+    """The ``Alerts`` RPC: firing alerts (and resolved ones with include_resolved), newest first."""
+    docs = store.query_df("""
+        SELECT doc FROM alerts WHERE status = 'firing' OR $all
+        ORDER BY status = 'firing' DESC, starts_at DESC""", {"all": bool(request.include_resolved)})["doc"]
+    return q.JsonResponse(json="[" + ",".join(docs) + "]")
+
+
+def _gpu_row(alert: Alert) -> dict:
+    subject = f"{alert.node}/{alert.gpu_index}"
+    return _row(GPU_FAILURE_RISK, subject, alert.starts_ms, alert.ends_ms, alert.to_json())
+
+
+def _job_row(alert: JobAlert) -> dict:
+    return _row(alert.alertname, alert.subject, alert.starts_ms, alert.ends_ms, alert.to_json())
+
+
+def _row(alertname: str, subject: str, starts_ms: int, ends_ms: int | None, doc: dict) -> dict:
+    return {"id": f"{alertname}:{subject}:{starts_ms}", "alertname": alertname, "subject": subject,
+            "status": doc["status"], "starts_at": ms_to_datetime(starts_ms),
+            "ends_at": ms_to_datetime(ends_ms) if ends_ms else None,
+            "updated_at": ms_to_datetime(int(time.time() * 1000)), "doc": json.dumps(doc)}
+
+
+def _now_ms(now_ms: int | None) -> int:
+    return int(time.time() * 1000) if now_ms is None else int(now_ms)

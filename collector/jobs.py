@@ -1,0 +1,173 @@
+"""Live jobs in the collector: the `Jobs` RPC, and a monitor that flags slow ranks and hangs as alerts.
+
+The list comes from :func:`gpuwatch.collector.live.job_summaries` over the probe spans in the store. Every
+``interval_s`` the :class:`JobsMonitor` analyses each running job's recent spans (``window_s``) with the
+efficiency engine (the same one as `gpuwatch analyze`): breakdown fractions, lost time per rank, and
+stragglers as ../shared/specs/efficiency.md defines them (last to arrive far more often than chance *and*
+busier than the peers; ranks late only because they waited are `delayed`, not flagged). A straggler keeps
+the time the monitor first flagged it (``since``) while it stays flagged. Hangs come from
+:func:`~gpuwatch.collector.live.detect_hangs`. Both become alerts (``SlowRank``, ``JobHang``) through the
+:class:`~gpuwatch.collector.alert_hub.AlertHub` and resolve when they clear.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+import pandas as pd
+
+from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, JobFinding
+from gpuwatch.collector.efficiency.engine import analyze
+from gpuwatch.collector.live import ENGINE_KINDS, detect_hangs, job_summaries
+from gpuwatch.collector.periodic import PeriodicService
+from gpuwatch.collector.query_cli import iso_utc
+from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.collector.traces.spans import timelines_from_spans
+from gpuwatch.errors import UserError
+from gpuwatch.v1 import query_pb2 as q
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 30.0
+DEFAULT_WINDOW_S = 300.0
+DEFAULT_HANG_S = 300.0
+
+
+def list_jobs(store: DuckDBStore, now_us: float | None = None, window_s: float = DEFAULT_WINDOW_S,
+              flags: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every job with probe spans: ranks, nodes, steps, step rate, lost fraction over the last ``window_s``,
+    plus the monitor's ``flags`` per job (stragglers, delayed, hang) where given."""
+    spans = store.spans()
+    if spans.empty:
+        return []
+    now = time.time() * 1e6 if now_us is None else now_us
+    jobs = job_summaries(spans, now, window_s)
+    for job in jobs:
+        job["last_step"] = iso_utc(int(job["last_step_us"] / 1000)) if job["last_step_us"] else None
+        job.update({"stragglers": [], "delayed": [], "hang": None, **(flags or {}).get(job["job_id"], {})})
+    return jobs
+
+
+def list_jobs_rpc(request: q.JobsRequest, store: DuckDBStore) -> q.JsonResponse:
+    """The ``Jobs`` RPC of a collector without a monitor: the list without flags."""
+    return q.JsonResponse(json=orjson.dumps(list_jobs(store)).decode())
+
+
+def analyse_spans(rows: pd.DataFrame, job_id: str) -> dict | None:
+    """The engine's document for some of a job's span rows; None when they hold nothing it can analyse."""
+    usable = rows[rows["kind"].isin(ENGINE_KINDS) & (rows["dur_us"] >= 0)]
+    if not (usable["kind"] != "step").any():
+        return None
+    usable = usable.assign(world_size=usable["world_size"].where(usable["world_size"] > 0))  # -1: not sent
+    try:
+        return analyze(timelines_from_spans(usable, source=f"job {job_id} probe spans"))
+    except UserError as exc:
+        log.warning("job %s: cannot analyse its recent spans: %s", job_id, exc)
+        return None
+
+
+class JobsMonitor(PeriodicService):
+    """Collector service: every ``interval_s``, breakdown, stragglers and hangs of every running job."""
+
+    name = "jobs-monitor"
+
+    def __init__(self, hub: AlertHub | None = None, *, interval_s: float = DEFAULT_INTERVAL_S,
+                 window_s: float = DEFAULT_WINDOW_S, hang_threshold_s: float = DEFAULT_HANG_S) -> None:
+        super().__init__(interval_s)
+        self.hub = hub
+        self.window_s = window_s
+        self.hang_threshold_s = hang_threshold_s
+        self._flags: dict[str, dict[str, Any]] = {}
+        self._since: dict[tuple[str, int], int] = {}
+        self._lost_s: dict[str, float] = {}
+        self._last_check_us: float | None = None
+        self._lock = threading.Lock()
+
+    def handlers(self) -> Mapping[str, Any]:
+        return {"Jobs": self.jobs_rpc}
+
+    def run_round(self) -> object:
+        return self.check_once()
+
+    def jobs_rpc(self, request: q.JobsRequest, store: DuckDBStore) -> q.JsonResponse:
+        return q.JsonResponse(json=orjson.dumps(self.jobs()).decode())
+
+    def jobs(self, now_us: float | None = None) -> list[dict[str, Any]]:
+        """:func:`list_jobs` with this monitor's latest flags."""
+        with self._lock:
+            flags = {job: dict(f) for job, f in self._flags.items()}
+        return list_jobs(self._store, now_us, self.window_s, flags)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Per monitored job: breakdown fractions, lost GPU seconds so far, lost ratio per rank, stragglers."""
+        with self._lock:
+            return [{"job_id": job, **f} for job, f in self._flags.items()]
+
+    def check_once(self, now_us: float | None = None) -> dict[str, dict[str, Any]]:
+        """One round over every job; returns the flags per job (also served by ``Jobs`` and metrics)."""
+        now = time.time() * 1e6 if now_us is None else now_us
+        spans = self._store.spans()
+        if spans.empty:
+            return {}
+        hangs = {h["job_id"]: h for h in detect_hangs(spans, now, self.hang_threshold_s)}
+        finished = {s["job_id"] for s in job_summaries(spans, now, self.window_s) if s["finished"]}
+        flags: dict[str, dict[str, Any]] = {}
+        for job_id, rows in spans.groupby("job_id", sort=True):
+            if job_id in finished or not job_id:
+                continue
+            flags[job_id] = self._job_flags(job_id, rows, now, hangs.get(job_id))
+        self._raise_alerts(flags, now)
+        with self._lock:
+            self._flags = flags
+            self._last_check_us = now
+        return flags
+
+    def _job_flags(self, job_id: str, rows: pd.DataFrame, now_us: float, hang: dict | None) -> dict[str, Any]:
+        doc = analyse_spans(rows[rows["start_us"] >= now_us - self.window_s * 1e6], job_id)
+        since_us = self._last_check_us if self._last_check_us is not None else float("-inf")
+        fresh = analyse_spans(rows[(rows["start_us"] >= since_us) & (rows["start_us"] < now_us)], job_id)
+        lost = self._lost_s.get(job_id, 0.0) + (fresh["job"]["lost_us"] / 1e6 if fresh else 0.0)
+        self._lost_s[job_id] = lost
+        stragglers = []
+        for s in doc["stragglers"] if doc else []:
+            first = self._since.setdefault((job_id, s["rank"]), int(now_us / 1000))
+            stragglers.append({**s, "node": _node_of(rows, s["rank"]), "since": iso_utc(first)})
+        flagged = {(job_id, s["rank"]) for s in stragglers}
+        for key in [k for k in self._since if k[0] == job_id and k not in flagged]:
+            del self._since[key]
+        return {
+            "breakdown": doc["job"]["breakdown_fraction"] if doc else {},
+            "rank_lost_ratio": {r["rank"]: r["lost_us"] / r["window_us"] for r in doc["ranks"] if r["window_us"]}
+            if doc else {},
+            "lost_gpu_seconds_total": lost,
+            "stragglers": stragglers,
+            "delayed": doc["delayed"] if doc else [],
+            "hang": hang,
+        }
+
+    def _raise_alerts(self, flags: Mapping[str, Mapping[str, Any]], now_us: float) -> None:
+        if self.hub is None:
+            return
+        slow = [JobFinding(job_id, f"{job_id}/{s['rank']}", _straggler_summary(job_id, s), s,
+                           {"rank": str(s["rank"]), "node": s["node"]})
+                for job_id, f in flags.items() for s in f["stragglers"]]
+        hung = [JobFinding(job_id, job_id, f["hang"]["summary"], f["hang"]) for job_id, f in flags.items() if f["hang"]]
+        now_ms = int(now_us / 1000)
+        self.hub.set_job_alerts(SLOW_RANK, slow, now_ms)
+        self.hub.set_job_alerts(JOB_HANG, hung, now_ms)
+
+
+def _node_of(rows: pd.DataFrame, rank: int) -> str:
+    nodes = rows.loc[rows["rank"] == rank, "node"]
+    return str(nodes.iloc[-1]) if len(nodes) else ""
+
+
+def _straggler_summary(job_id: str, s: Mapping[str, Any]) -> str:
+    busy = f", busy {s['busy_ratio']:.2f}x its peers" if s.get("busy_ratio") else ""
+    return (f"rank {s['rank']} of job {job_id} is a straggler: last at {s['last_share']:.0%} of "
+            f"{s['collectives']} collectives (chance {s['chance_share']:.0%}), "
+            f"{s['mean_lateness_us'] / 1e3:.1f} ms late on average{busy}, since {s['since']}")

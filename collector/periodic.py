@@ -1,0 +1,80 @@
+"""A round of work every N seconds on a background thread: how the scorer and the jobs monitor run.
+
+A round that raises is logged and the next one still runs, so one bad input (a job whose spans the engine
+cannot read, a GPU with odd values) never stops scoring or monitoring for the rest of the fleet.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gpuwatch.collector.store.duckdb import DuckDBStore
+
+log = logging.getLogger(__name__)
+
+
+class Periodic:
+    """Calls ``fn()`` now and then every ``interval_s`` until :meth:`stop`."""
+
+    def __init__(self, name: str, interval_s: float, fn: Callable[[], object]) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"{name}: interval must be positive, got {interval_s}")
+        self.name = name
+        self.interval_s = interval_s
+        self._fn = fn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the round in progress (waits up to ``timeout_s`` for it)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._fn()
+            except Exception:
+                log.exception("%s: round failed; next round in %g s", self.name, self.interval_s)
+            self._stop.wait(self.interval_s)
+
+
+class PeriodicService:
+    """A collector service whose work is one round every ``interval_s`` over the store (see server.Service).
+
+    Subclasses implement :meth:`run_round`; :meth:`bind` lets tests and replay drive rounds themselves.
+    """
+
+    name = "periodic-service"
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._store: DuckDBStore | None = None
+        self._periodic: Periodic | None = None
+
+    def bind(self, store: DuckDBStore) -> None:
+        """Use ``store`` without the periodic thread."""
+        self._store = store
+
+    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+        self.bind(store)
+        self._periodic = Periodic(self.name, self.interval_s, self.run_round)
+        self._periodic.start()
+        return self.handlers()
+
+    def stop(self) -> None:
+        if self._periodic is not None:
+            self._periodic.stop()
+
+    def handlers(self) -> Mapping[str, Any]:
+        """Query methods this service answers."""
+        return {}
+
+    def run_round(self) -> object:
+        raise NotImplementedError

@@ -1,0 +1,134 @@
+"""Online failure scoring: every GPU, at a fixed cadence, with the loaded model, into the alert path.
+
+Each round reads the last ``HISTORY_S`` of every GPU from the store at one-minute resolution (the
+resolution the model is trained on: last value of counters and levels, mean of gauges, min/max of PCIe
+link state), computes the feature rows with :func:`gpuwatch.models.features.features` (the function
+training and evaluation call), scores them, explains them with the top signals, derives the rule-based
+health state, and hands one :class:`RiskObservation` per GPU to the :class:`AlertHub`. Without a model the
+health states are still computed, and no risk alerts are raised.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+from gpuwatch import events as event_kinds
+from gpuwatch.collector.alert_hub import AlertHub
+from gpuwatch.collector.alerts import RiskObservation
+from gpuwatch.collector.periodic import PeriodicService
+from gpuwatch.collector.store.duckdb import DuckDBStore, ms_to_datetime
+from gpuwatch.models import features as feature_module
+from gpuwatch.models import rules
+from gpuwatch.models.model import score, top_signals
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 60.0
+TOP_SIGNALS = 3
+_LAST = sorted(set(feature_module.SAMPLE_COLUMNS) - set(feature_module.MEANS.values())
+               - {"gpu_pcie_link_width", "gpu_pcie_link_gen", "gpu_pcie_link_width_max", "gpu_pcie_link_gen_max"})
+
+
+def _history_sql() -> str:
+    last = [f"arg_max({c}, ts) AS {c}" for c in _LAST]
+    means = [f"avg({c}) AS {c}" for c in feature_module.MEANS.values()]
+    link = ["min(gpu_pcie_link_width) AS gpu_pcie_link_width", "min(gpu_pcie_link_gen) AS gpu_pcie_link_gen",
+            "max(gpu_pcie_link_width_max) AS gpu_pcie_link_width_max",
+            "max(gpu_pcie_link_gen_max) AS gpu_pcie_link_gen_max"]
+    return f"""
+        SELECT node, gpu_index, max(ts) AS ts, arg_max(job_id, ts) AS job_id, arg_max(rank, ts) AS rank,
+               {', '.join(last + means + link)}
+        FROM gpu_samples WHERE ts > $since AND ts <= $until
+        GROUP BY node, gpu_index, date_trunc('minute', ts) ORDER BY node, gpu_index, ts"""
+
+
+_HISTORY_SQL = _history_sql()
+
+
+def history(store: DuckDBStore, until_ms: int, history_s: float = feature_module.HISTORY_S
+            ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(samples per GPU and minute, XID events) of the ``history_s`` before ``until_ms``."""
+    window = {"since": ms_to_datetime(int(until_ms - history_s * 1000)), "until": ms_to_datetime(until_ms)}
+    samples = store.query_df(_HISTORY_SQL, window)
+    events = store.query_df(f"""
+        SELECT node, gpu_index, ts, kind, code FROM events
+        WHERE kind = '{event_kinds.XID}' AND ts > $since AND ts <= $until""", window)
+    return samples, events
+
+
+def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int,
+               history_s: float = feature_module.HISTORY_S) -> list[dict[str, Any]]:
+    """One dict per GPU with samples in the window: identity, job and rank, risk (None without a model),
+    top signals, health state and the rules' reasons."""
+    samples, events = history(store, now_ms, history_s)
+    if samples.empty:
+        return []
+    step_s = int(model["step_s"]) if model else feature_module.DEFAULT_STEP_S
+    feats = feature_module.features(samples, events, at=now_ms, step_s=step_s).reset_index(drop=True)
+    health = rules.states(feats)
+    risks = score(model, feats) if model else [None] * len(feats)
+    signals = top_signals(model, feats, TOP_SIGNALS) if model else [[] for _ in range(len(feats))]
+    last = samples.groupby(["node", "gpu_index"]).last()
+    uuids = {(g["node"], g["index"]): g["uuid"] or "" for g in store.gpus()}
+    out = []
+    for i, row in feats.iterrows():
+        key = (row["node"], int(row["gpu_index"]))
+        owner = last.loc[key] if key in last.index else None
+        job = owner["job_id"] if owner is not None and isinstance(owner["job_id"], str) else None
+        rank = int(owner["rank"]) if owner is not None and pd.notna(owner["rank"]) else None
+        out.append({
+            "node": key[0], "gpu_index": key[1], "gpu_uuid": uuids.get(key) or f"{key[0]}/{key[1]}",
+            "job_id": job, "rank": rank, "risk": None if risks[i] is None else float(risks[i]),
+            "signals": signals[i], "health": str(health.at[i, "state"]), "reasons": list(health.at[i, "reasons"]),
+        })
+    return out
+
+
+def observation(gpu: Mapping[str, Any], now_ms: int) -> RiskObservation:
+    """The alert engine's view of one scored GPU."""
+    return RiskObservation(
+        gpu_uuid=gpu["gpu_uuid"], gpu_index=gpu["gpu_index"], node=gpu["node"], risk=gpu["risk"],
+        jobs=(gpu["job_id"],) if gpu["job_id"] else (), ranks=(gpu["rank"],) if gpu["rank"] is not None else (),
+        signals=tuple(gpu["signals"]), ts_ms=now_ms)
+
+
+class Scorer(PeriodicService):
+    """Collector service: scores every GPU every ``interval_s`` and feeds the alert hub."""
+
+    name = "gpu-scorer"
+
+    def __init__(self, model: dict | None, hub: AlertHub | None = None, *, interval_s: float = DEFAULT_INTERVAL_S,
+                 history_s: float = feature_module.HISTORY_S) -> None:
+        super().__init__(interval_s)
+        self.model = model
+        self.hub = hub
+        self.history_s = history_s
+        self.rounds = 0
+        self._latest: dict[tuple[str, int], dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def run_round(self) -> object:
+        return self.score_once()
+
+    def score_once(self, now_ms: int | None = None) -> list[dict[str, Any]]:
+        """Score every GPU at ``now_ms`` (default now), feed the alerts, keep the result for metrics."""
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        started = time.perf_counter()
+        gpus = score_gpus(self._store, self.model, now, self.history_s)
+        if self.hub is not None and self.model is not None:
+            self.hub.observe_risk([observation(g, now) for g in gpus], now_ms=now)
+        with self._lock:
+            self._latest = {(g["node"], g["gpu_index"]): g for g in gpus}
+            self.rounds += 1
+        log.debug("scored %d GPUs in %.3f s", len(gpus), time.perf_counter() - started)
+        return gpus
+
+    def latest(self) -> dict[tuple[str, int], dict[str, Any]]:
+        """The last round's result per (node, GPU index)."""
+        with self._lock:
+            return dict(self._latest)

@@ -1,0 +1,99 @@
+"""What the collector's /metrics shows: the exporter's snapshot, built from the store, scorer and jobs monitor.
+
+A scrape reads the latest value of every GPU field, XID counts, agents' spool health and the ingest
+counters from the store, and the last round of the scorer (risk, health) and of the jobs monitor
+(breakdowns, lost time, stragglers). Several Prometheus servers and dashboards may scrape at once, so a
+snapshot is reused for ``cache_s`` seconds and never rebuilt concurrently.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatch import fields
+from gpuwatch.collector.exporter import MetricsServer, Snapshot, start_metrics_server
+from gpuwatch.collector.jobs import JobsMonitor
+from gpuwatch.collector.scoring import Scorer
+from gpuwatch.collector.store.duckdb import DuckDBStore
+
+DEFAULT_CACHE_S = 5.0
+
+
+def build_snapshot(store: DuckDBStore, scorer: Scorer | None = None, jobs: JobsMonitor | None = None) -> Snapshot:
+    """One consistent-enough view for one scrape (each part is read once)."""
+    inventory = {(g["node"], g["index"]): g for g in store.gpus()}
+    xids: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
+    for row in store.xid_counts():
+        xids[(row["node"], row["gpu_index"])][int(row["code"])] = int(row["n"])
+    scores = scorer.latest() if scorer is not None else {}
+    gpus = []
+    for row in store.latest():
+        key = (row["node"], row["gpu_index"])
+        info, score = inventory.get(key, {}), scores.get(key, {})
+        gpu = {"node": key[0], "gpu": key[1], "gpu_uuid": info.get("uuid") or "", "model": info.get("name") or "",
+               "values": {name: row[name] for name in fields.GPU_FIELD_NAMES if row.get(name) is not None},
+               "xid_counts": xids.get(key, {}), "job_id": info.get("job_id") or "",
+               "rank": -1 if info.get("rank") is None else info["rank"]}
+        if score.get("risk") is not None:
+            gpu["failure_risk"] = score["risk"]
+        if score.get("health"):
+            gpu["health"] = score["health"]
+        gpus.append(gpu)
+    return {
+        "gpus": gpus,
+        "jobs": [_job(j) for j in jobs.snapshot()] if jobs is not None else [],
+        "ingest": {**store.counters.snapshot(), "write_queue_depth": store.queue_depth()},
+        "agents": [{"node": a["node"], "spool_dropped_total": a["spool_dropped"],
+                    "last_seen_timestamp_seconds": a["last_seen_ms"] / 1000} for a in store.agent_health()],
+    }
+
+
+def _job(flags: Mapping[str, Any]) -> dict[str, Any]:
+    return {"job_id": flags["job_id"], "breakdown": flags["breakdown"],
+            "lost_gpu_seconds_total": flags["lost_gpu_seconds_total"], "rank_lost_ratio": flags["rank_lost_ratio"],
+            "stragglers": {s["rank"]: s["mean_lateness_us"] / 1e6 for s in flags["stragglers"]}}
+
+
+class CachedSnapshot:
+    """A snapshot provider that rebuilds at most every ``cache_s`` seconds, one scrape at a time."""
+
+    def __init__(self, store: DuckDBStore, scorer: Scorer | None = None, jobs: JobsMonitor | None = None,
+                 cache_s: float = DEFAULT_CACHE_S) -> None:
+        self._args = (store, scorer, jobs)
+        self.cache_s = cache_s
+        self.builds = 0
+        self._snapshot: Snapshot | None = None
+        self._built_at = -math.inf
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Snapshot:
+        with self._lock:
+            if time.monotonic() - self._built_at >= self.cache_s:
+                self._snapshot = build_snapshot(*self._args)
+                self._built_at = time.monotonic()
+                self.builds += 1
+            return self._snapshot
+
+
+class MetricsService:
+    """Collector service: the Prometheus endpoint over a :class:`CachedSnapshot` of the running collector."""
+
+    def __init__(self, listen: str, *, scorer: Scorer | None = None, jobs: JobsMonitor | None = None,
+                 token: str | None = None, insecure: bool = False, cache_s: float = DEFAULT_CACHE_S) -> None:
+        self.listen = listen
+        self._parts = (scorer, jobs)
+        self._token, self._insecure, self._cache_s = token, insecure, cache_s
+        self.server: MetricsServer | None = None
+
+    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+        provider = CachedSnapshot(store, *self._parts, cache_s=self._cache_s)
+        self.server = start_metrics_server(self.listen, provider, self._token, insecure=self._insecure)
+        return {}
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()

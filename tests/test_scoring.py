@@ -1,0 +1,109 @@
+"""Online failure scoring over a real DuckDB store: the shipped model, the training feature function, alerts."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from gpuwatch import cli
+from gpuwatch.collector.alert_hub import AlertHub, list_alerts
+from gpuwatch.collector.alerts import ALERT_NAME
+from gpuwatch.collector.cli import OPTIONS, start_collector
+from gpuwatch.collector.scoring import Scorer
+from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.config import load_config
+from gpuwatch.models.failsim import HOUR_MS
+from gpuwatch.models.model import load_model
+from gpuwatch.models.policy import AlertPolicy
+from gpuwatch.v1 import query_pb2 as q
+from test_alerts import alertmanager  # noqa: F401 (fixture: a real Alertmanager on loopback)
+from test_collector_support import degrading_node, frames_to_batches
+from test_e2e_pipeline import poll
+
+T0 = 1_767_225_600_000  # 2026-01-01T00:00Z
+FAILING = 1
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(None)
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = DuckDBStore(str(tmp_path / "scoring.duckdb"))
+    gpu, events = degrading_node(T0, hours=38, fault_after_h=29, failing_gpu=FAILING)
+    for batch in frames_to_batches(gpu, events):
+        store.write(batch)
+    yield store
+    store.close()
+
+
+def _alerts(store, include_resolved=False) -> list[dict]:
+    return json.loads(list_alerts(q.AlertsRequest(include_resolved=include_resolved), store).json)
+
+
+def test_degrading_gpu_alerts_with_signals_and_action_then_resolves(store, model):
+    hub = AlertHub(AlertPolicy(model["threshold"]))
+    hub.start(store)
+    scorer = Scorer(model, hub)
+    scorer.bind(store)
+
+    early = scorer.score_once(T0 + 20 * HOUR_MS)  # 9 h before the fault: before the precursor shows
+    assert len(early) == 4 and max(g["risk"] for g in early) < model["threshold"] and not hub.engine.active()
+
+    scored = {g["gpu_index"]: g for g in scorer.score_once(T0 + 28 * HOUR_MS)}  # 1 h before the fault
+    assert scored[FAILING]["risk"] >= model["threshold"] and scored[FAILING]["health"] in ("warn", "fail")
+    assert all(g["risk"] < model["threshold"] / 2 and g["health"] == "ok" for i, g in scored.items() if i != FAILING)
+    (alert,) = _alerts(store)
+    assert alert["alertname"] == ALERT_NAME and alert["status"] == "firing"
+    assert (alert["node"], alert["gpu_index"], alert["gpu_uuid"]) == ("node-0000", FAILING, f"GPU-node-0000-{FAILING}")
+    assert alert["jobs"] == ["job-5"] and alert["ranks"] == [FAILING]
+    assert alert["signals"] and {"signal", "value", "contribution"} <= set(alert["signals"][0])
+    assert "checkpoint" in alert["action"]
+
+    scorer.score_once(T0 + 36 * HOUR_MS)  # repaired: risk fell
+    assert not hub.engine.active() and _alerts(store) == []
+    (resolved,) = _alerts(store, include_resolved=True)
+    assert resolved["status"] == "resolved" and resolved["ends_at"] and resolved["gpu_index"] == FAILING
+
+
+def test_without_a_model_health_is_still_scored_and_no_risk_alerts(store):
+    hub = AlertHub()
+    hub.start(store)
+    scorer = Scorer(None, hub)
+    scorer.bind(store)
+    scored = {g["gpu_index"]: g for g in scorer.score_once(T0 + 28 * HOUR_MS)}
+    assert scored[FAILING]["risk"] is None and scored[FAILING]["health"] == "warn" and scored[FAILING]["reasons"]
+    assert _alerts(store) == []
+
+
+def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp_path, alertmanager, capsys):
+    now = int(time.time() * 1000)
+    gpu, events = degrading_node(now - 28 * HOUR_MS, hours=28, fault_after_h=29, failing_gpu=FAILING)
+    cfg = load_config(OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
+                                            "alertmanager_url": alertmanager, "score_interval": 0.5}, env={})
+    server = start_collector(cfg)
+    try:
+        for batch in frames_to_batches(gpu, events):
+            server.store.write(batch)
+
+        def ours():
+            with urllib.request.urlopen(f"{alertmanager}/api/v2/alerts?active=true", timeout=5) as r:
+                return [a for a in json.loads(r.read()) if a["labels"].get("alertname") == ALERT_NAME]
+
+        (got,) = poll(ours, 60, "the GPU alert in Alertmanager", every=0.2)
+        assert got["labels"]["node"] == "node-0000" and got["labels"]["gpu"] == str(FAILING)
+        assert "checkpoint" in got["annotations"]["action"]
+        assert cli.main(["alerts", "--collector", server.address, "--json"]) == 0
+        (listed,) = json.loads(capsys.readouterr().out)
+        assert listed["gpu_index"] == FAILING and listed["status"] == "firing"
+    finally:
+        server.stop()
+    reopened = DuckDBStore(str(tmp_path / "c.duckdb"))  # alerts survive a restart of the collector
+    try:
+        assert [a["gpu_index"] for a in _alerts(reopened)] == [FAILING]
+    finally:
+        reopened.close()
