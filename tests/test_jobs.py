@@ -1,0 +1,140 @@
+"""The collector's jobs monitor over span rows written through a real DuckDB store: slow ranks, hangs, alerts."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from gpuwatch.batches import BatchBuilder
+from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, list_alerts
+from gpuwatch.collector.alerts import AlertmanagerSender
+from gpuwatch.collector.jobs import JobsMonitor
+from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.v1 import query_pb2 as q
+from gpuwatch.v1 import telemetry_pb2 as pb
+from test_alerts import alertmanager  # noqa: F401 (fixture: a real Alertmanager on loopback)
+from test_e2e_pipeline import poll
+
+WORLD = 4
+STEP_US = 100_000.0
+SPAN_FIELDS = ("job_id", "rank", "step", "kind", "name", "start_us", "dur_us", "process_group", "seq", "bytes",
+               "world_size", "node", "peer")
+
+
+def _span(job, rank, step, kind, name, start, dur, seq=-1):
+    return (job, rank, step, kind, name, float(start), float(dur), "0" if kind == "collective" else "", seq,
+            1024 if kind == "collective" else -1, WORLD, f"node-{rank // 2}", -1)
+
+
+def data_parallel_job(job: str, end_us: float, steps: int = 20, slow_rank: int | None = None,
+                      seed: int = 0) -> list[tuple]:
+    """Span rows of a 4-rank job: per step a 100 ms step span and one all_reduce; ``slow_rank`` computes 30 ms
+    longer, so it arrives last and the others wait for it. Without one, arrivals jitter at random."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for s in range(steps):
+        t = end_us - (steps - s) * STEP_US
+        arrivals = 50_000 + rng.uniform(0, 2_000, WORLD)
+        if slow_rank is not None:
+            arrivals[slow_rank] += 30_000
+        done = t + arrivals.max() + 5_000
+        for rank in range(WORLD):
+            rows.append(_span(job, rank, s, "step", "step", t, STEP_US))
+            rows.append(_span(job, rank, s, "collective", "all_reduce", t + arrivals[rank],
+                              done - t - arrivals[rank], seq=s))
+    return rows
+
+
+def write_spans(store: DuckDBStore, rows: list[tuple], seq: int, agent: str = "agent-spans") -> None:
+    builder = BatchBuilder(pb.NodeIdentity(node="node-0"), agent)
+    columns = list(zip(*rows))
+    builder.add_spans(pb.SpanTable(**{name: list(values) for name, values in zip(SPAN_FIELDS, columns)}))
+    store.write(builder.build(seq))
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = DuckDBStore(str(tmp_path / "jobs.duckdb"))
+    yield store
+    store.close()
+
+
+def _monitor(store, hub=None, **options) -> JobsMonitor:
+    hub = hub or AlertHub()
+    hub.start(store)
+    monitor = JobsMonitor(hub, **options)
+    monitor.bind(store)
+    return monitor
+
+
+def _alerts(store, include_resolved=False):
+    return json.loads(list_alerts(q.AlertsRequest(include_resolved=include_resolved), store).json)
+
+
+def test_slow_rank_is_flagged_with_evidence_and_alerted_balanced_job_is_not(store, alertmanager):
+    now = time.time() * 1e6
+    write_spans(store, data_parallel_job("slow-job", now, slow_rank=2), 1)
+    write_spans(store, data_parallel_job("even-job", now, seed=1), 2)
+    hub = AlertHub(senders=[AlertmanagerSender(alertmanager, backoff_s=0.1)])
+    monitor = _monitor(store, hub, hang_threshold_s=60)
+    first = monitor.check_once(now)
+    assert first["even-job"]["stragglers"] == [] and first["even-job"]["hang"] is None
+    (slow,) = first["slow-job"]["stragglers"]
+    assert slow["rank"] == 2 and slow["last_share"] == 1.0 and slow["chance_share"] == 0.25
+    assert slow["mean_lateness_us"] > 20_000 and slow["busy_ratio"] > 1.3 and slow["node"] == "node-1"
+    breakdown = first["slow-job"]["breakdown"]
+    assert breakdown["comm_wait"] > 0.1 and abs(sum(breakdown.values()) - 1) < 1e-6
+
+    later = monitor.check_once(now + 10e6)  # "since" stays the first time it was flagged
+    assert later["slow-job"]["stragglers"][0]["since"] == slow["since"]
+    jobs = {j["job_id"]: j for j in monitor.jobs(now)}
+    assert jobs["slow-job"]["ranks"] == WORLD and jobs["slow-job"]["nodes"] == ["node-0", "node-1"]
+    assert jobs["slow-job"]["stragglers"][0]["rank"] == 2 and jobs["even-job"]["stragglers"] == []
+    assert 9 < jobs["slow-job"]["step_rate"] < 11 and 0 < jobs["slow-job"]["lost_fraction"] < 1
+
+    (alert,) = _alerts(store)
+    assert alert["alertname"] == SLOW_RANK and alert["job_id"] == "slow-job" and alert["rank"] == "2"
+    assert alert["details"]["busy_ratio"] == slow["busy_ratio"] and "rank 2 of job slow-job" in alert["summary"]
+
+    def in_alertmanager():
+        with urllib.request.urlopen(f"{alertmanager}/api/v2/alerts?active=true", timeout=5) as r:
+            return [a for a in json.loads(r.read()) if a["labels"]["alertname"] == SLOW_RANK]
+
+    (received,) = poll(in_alertmanager, 20, "the SlowRank alert in Alertmanager", every=0.1)
+    assert received["labels"]["job_id"] == "slow-job" and received["labels"]["rank"] == "2"
+    hub.stop()
+
+
+def test_slow_rank_alert_resolves_when_the_job_ends(store):
+    now = time.time() * 1e6
+    write_spans(store, data_parallel_job("slow-job", now, slow_rank=1), 1)
+    monitor = _monitor(store)
+    monitor.check_once(now)
+    assert [a["alertname"] for a in _alerts(store)] == [SLOW_RANK]
+    write_spans(store, [_span("slow-job", r, 20, "end", "end", now + 1, 0) for r in range(WORLD)], 2)
+    assert monitor.check_once(now + 5e6) == {}
+    assert _alerts(store) == [] and _alerts(store, include_resolved=True)[0]["status"] == "resolved"
+
+
+def test_hang_names_the_stuck_rank_and_collective_then_clears(store):
+    now = time.time() * 1e6
+    stop = now - 600e6  # the job stopped 10 minutes ago
+    rows = data_parallel_job("hung-job", stop, steps=10)
+    for rank in (0, 1, 3):  # ranks 0, 1, 3 entered all_reduce 10 and wait there; rank 2 never arrived
+        rows.append(_span("hung-job", rank, 10, "collective", "all_reduce", stop + 50_000, -1, seq=10))
+    write_spans(store, rows, 1)
+    monitor = _monitor(store, hang_threshold_s=120)
+    hang = monitor.check_once(now)["hung-job"]["hang"]
+    assert hang["culprits"] == [2] and hang["stalled_s"] > 500
+    stuck = {e["rank"]: e for e in hang["stuck"]}
+    assert stuck[2]["op"] == "all_reduce" and stuck[2]["seq"] == 10 and stuck[2]["state"] == "absent"
+    (alert,) = _alerts(store)
+    assert alert["alertname"] == JOB_HANG and alert["job_id"] == "hung-job" and "rank(s) 2" in alert["summary"]
+
+    # the job moves again: rank 2 arrives, everyone completes the collective and more steps
+    write_spans(store, data_parallel_job("hung-job", now, steps=5), 2)
+    assert monitor.check_once(now)["hung-job"]["hang"] is None
+    assert _alerts(store) == []
