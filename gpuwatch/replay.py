@@ -1,0 +1,460 @@
+"""`gpuwatch replay`, `import` and `export`: recordings in and out of the live pipeline.
+
+Replay turns a recording back into the TelemetryBatches an agent would have sent (one synthetic agent per
+node, sequences in time order) and streams them over the collector's real Ingest stream, so storage,
+breakdowns and scoring see exactly what they see live. The agent id is derived from the recording, so a
+replay that is interrupted and run again stores nothing twice: the collector's (agent_id, sequence)
+deduplication answers the batches it already has as duplicates. `--offline` runs the same path into a
+collector started in-process on loopback and reports what it stored.
+
+The ``import`` (gpuwatch.importer) and ``export`` (gpuwatch.collector.export) commands live here too,
+because all three move recordings and share their flags and output.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import heapq
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pandas as pd
+
+from gpuwatch import __version__, security
+from gpuwatch.batches import BatchBuilder
+from gpuwatch.errors import UserError
+from gpuwatch.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
+from gpuwatch.progress import Progress
+from gpuwatch.recording import Recording, RecordingWriter, open_recording, ts_ms
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+#: Sample ticks per batch: a 1 Hz agent recording replays as one-minute batches (what an agent sends).
+DEFAULT_TICKS_PER_BATCH = 60
+#: Probe spans per batch; a busy tick's spans beyond this follow in extra batches of the same time.
+SPANS_PER_BATCH = 50_000
+_SPAN_FILL = {"job_id": "", "kind": "", "name": "", "process_group": "", "node": ""}  # numbers: -1
+
+
+# ------------------------------------------------------------------------------ recording -> batches
+def recording_id(rec: Recording) -> str:
+    """A stable short id of a recording: the same recording always replays under the same agent ids.
+
+    Built from what identifies the capture (writer, start time, resolution, writer details such as the
+    simulator's seed), not from the path or the end time, so a moved or grown recording keeps its id.
+    """
+    m = rec.manifest
+    key = json.dumps([m.get("source"), m.get("start_ms"), m.get("resolution_s"), m.get("extra")], sort_keys=True,
+                     default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def replay_agent_id(node: str, rec_id: str) -> str:
+    return f"replay-{node}-{rec_id}"
+
+
+@dataclass(frozen=True)
+class TimedBatch:
+    """A batch and the recorded time (epoch ms) at which its agent would have sent it."""
+
+    ts_ms: int
+    batch: pb.TelemetryBatch
+
+
+def node_batches(rec: Recording, node: str, *, agent_id: str, ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH,
+                 extra_spans: pd.DataFrame | None = None) -> Iterator[TimedBatch]:
+    """The node's recorded rows as batches, sequence 1, 2, ... in time order.
+
+    Rows are cut every ``ticks_per_batch`` sample timestamps; events and spans go into the batch covering
+    their time. Values recorded as NaN/NULL stay missing (a field never set in a batch is left out of it).
+    ``extra_spans`` are spans without a recorded node that this node's batches carry.
+    """
+    where = [("node", "==", node)]
+    gpus = rec.table("gpu_samples", filters=where).sort_values(["ts", "gpu_index"], kind="stable")
+    host = rec.table("host_samples", filters=where).sort_values("ts", kind="stable")
+    events = rec.table("events", filters=where).sort_values("ts", kind="stable")
+    spans = rec.table("spans", filters=where)
+    if extra_spans is not None:
+        spans = pd.concat([spans, extra_spans], ignore_index=True)
+    spans = spans.sort_values("start_us", kind="stable")
+    times = {"gpus": ts_ms(gpus["ts"]), "host": ts_ms(host["ts"]), "events": ts_ms(events["ts"]),
+             "spans": (spans["start_us"].to_numpy(dtype=float) // 1000).astype(np.int64)}
+    ticks = np.unique(np.concatenate([times["gpus"], times["host"]]))
+    if not len(ticks):  # a node that only has events or spans
+        ticks = np.unique(np.concatenate([times["events"], times["spans"]]))
+    if not len(ticks):
+        return
+    starts = ticks[::ticks_per_batch]
+    chunk_of = {name: np.clip(np.searchsorted(starts, t, side="right") - 1, 0, None) for name, t in times.items()}
+    bounds = {name: np.searchsorted(c, np.arange(len(starts) + 1)) for name, c in chunk_of.items()}
+    identity = pb.NodeIdentity(node=node, agent_version=f"gpuwatch {__version__} replay")
+    builder = BatchBuilder(identity, agent_id, _inventory(rec, node, gpus["gpu_index"].unique()))
+    sequence = 0
+    for i in range(len(starts)):
+        part = {name: slice(b[i], b[i + 1]) for name, b in bounds.items()}
+        _add_gpu_rows(builder, gpus.iloc[part["gpus"]], times["gpus"][part["gpus"]])
+        _add_host_rows(builder, host.iloc[part["host"]], times["host"][part["host"]])
+        _add_events(builder, events.iloc[part["events"]], times["events"][part["events"]])
+        chunk_spans = spans.iloc[part["spans"]]
+        sent_at = int(ticks[min((i + 1) * ticks_per_batch, len(ticks)) - 1])
+        for first in range(0, max(len(chunk_spans), 1), SPANS_PER_BATCH):
+            if len(chunk_spans):
+                builder.add_spans(_span_table(chunk_spans.iloc[first:first + SPANS_PER_BATCH]))
+            sequence += 1
+            yield TimedBatch(sent_at, builder.build(sequence, created_ms=sent_at))
+
+
+def recording_batches(rec: Recording, *, ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH,
+                      in_time_order: bool = False) -> Iterator[TimedBatch]:
+    """Every node's batches: node after node, or (``in_time_order``, for paced replay) merged by time.
+
+    Node after node holds one node's rows in memory at a time; time order holds every node's.
+    Spans recorded without a known node travel with the first node's batches.
+    """
+    rec_id = recording_id(rec)
+    nodes = sorted(n for n in rec.manifest.get("nodes") or [] if n)  # spans without a node list "" as one
+    orphans = rec.table("spans")
+    orphans = orphans[~orphans["node"].isin(nodes)]
+    if not nodes and len(orphans):
+        raise UserError(f"{rec.path}: spans without any node name; replay needs a node to send them from")
+    per_node = [node_batches(rec, node, agent_id=replay_agent_id(node, rec_id), ticks_per_batch=ticks_per_batch,
+                             extra_spans=orphans if i == 0 and len(orphans) else None)
+                for i, node in enumerate(nodes)]
+    if in_time_order:
+        yield from heapq.merge(*per_node, key=lambda tb: tb.ts_ms)
+    else:
+        for batches in per_node:
+            yield from batches
+
+
+def _inventory(rec: Recording, node: str, sampled: Iterable[int]) -> list[pb.GpuInfo]:
+    """The node's last recorded inventory entry per GPU, plus bare entries for sampled GPUs it lacks
+    (the collector refuses samples of a GPU missing from a batch's inventory)."""
+    table = rec.table("gpus", filters=[("node", "==", node)]).drop_duplicates("index", keep="last")
+    info = {}
+    for row in table.itertuples(index=False):
+        info[int(row.index)] = pb.GpuInfo(
+            index=int(row.index), uuid=_text(row.uuid), name=_text(row.name), pci_bus_id=_text(row.pci_bus_id),
+            serial=_text(row.serial), architecture=_text(row.architecture),
+            memory_total_bytes=0 if pd.isna(row.memory_total_bytes) else int(row.memory_total_bytes),
+            gpm_supported=bool(row.gpm_supported) if not pd.isna(row.gpm_supported) else False)
+    for index in sampled:
+        info.setdefault(int(index), pb.GpuInfo(index=int(index)))
+    return [info[i] for i in sorted(info)]
+
+
+def _add_gpu_rows(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
+    names = _sampled_columns(rows, GPU_FIELD_NAMES)
+    values = rows[names].to_numpy(dtype=float)
+    job_ids = rows["job_id"].fillna("").astype(str).to_numpy()
+    ranks = rows["rank"].fillna(-1).astype(int).to_numpy()
+    local_ranks = rows["local_rank"].fillna(-1).astype(int).to_numpy()
+    for i, gpu_index in enumerate(rows["gpu_index"].to_numpy()):
+        builder.add_gpu_row(int(gpu_index), int(ts[i]), dict(zip(names, values[i])), job_id=job_ids[i],
+                            rank=int(ranks[i]), local_rank=int(local_ranks[i]))
+
+
+def _add_host_rows(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
+    names = _sampled_columns(rows, HOST_FIELD_NAMES)
+    values = rows[names].to_numpy(dtype=float)
+    for i in range(len(rows)):
+        builder.add_host_row(int(ts[i]), dict(zip(names, values[i])))
+
+
+def _sampled_columns(rows: pd.DataFrame, names: Sequence[str]) -> list[str]:
+    """Fields with at least one value in ``rows``; the others stay out of the batch (missing, not NaN-filled)."""
+    return [n for n in names if rows[n].notna().any()]
+
+
+def _add_events(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
+    for i, row in enumerate(rows.itertuples(index=False)):
+        builder.add_event(_text(row.kind), int(ts[i]), gpu_index=int(row.gpu_index),
+                          code=0 if pd.isna(row.code) else int(row.code), message=_text(row.message),
+                          attrs=_attrs(row.attrs))
+
+
+def _attrs(text: Any) -> dict[str, str]:
+    if not isinstance(text, str) or not text:
+        return {}
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return {"attrs": text}
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()} if isinstance(parsed, dict) else {}
+
+
+def _span_table(rows: pd.DataFrame) -> pb.SpanTable:
+    columns = {}
+    for name in pb.SpanTable.DESCRIPTOR.fields_by_name:
+        col = rows[name]
+        if name in _SPAN_FILL:
+            columns[name] = col.fillna("").astype(str).tolist()
+        elif name in ("start_us", "dur_us"):
+            columns[name] = col.astype(float).tolist()
+        else:
+            columns[name] = col.fillna(-1).astype(np.int64).tolist()
+    return pb.SpanTable(**columns)
+
+
+def _text(value: Any) -> str:
+    return "" if value is None or (isinstance(value, float) and np.isnan(value)) else str(value)
+
+
+# ------------------------------------------------------------------------------ writing recordings
+def check_new_recording(out: Path) -> None:
+    """Refuse to write over anything: a recording is written into a new or empty directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: already exists and is not an empty directory; write the recording to a new one")
+
+
+@contextlib.contextmanager
+def new_recording(out: Path, *, source: str, extra: dict[str, Any]) -> Iterator[RecordingWriter]:
+    """A writer for a new recording at ``out`` that removes it again if writing fails, so a failed import
+    or export never leaves a recording that looks complete."""
+    check_new_recording(out)
+    try:
+        with RecordingWriter(out, source=source, extra=extra) as writer:
+            yield writer
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------------- streaming
+@dataclass
+class ReplayResult:
+    """What a replay sent, per node, and how the collector answered."""
+
+    recording: str
+    recording_id: str
+    batches: int = 0
+    duplicates: int = 0
+    seconds: float = 0.0
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def count(self, batch: pb.TelemetryBatch) -> None:
+        node = self.nodes.setdefault(batch.node.node, {
+            "agent_id": batch.agent_id, "batches": 0, "gpu_samples": 0, "host_samples": 0, "events": 0, "spans": 0})
+        node["batches"] += 1
+        node["gpu_samples"] += sum(len(s.ts_ms) for s in batch.samples)
+        node["host_samples"] += len(batch.host.ts_ms)
+        node["events"] += len(batch.events)
+        node["spans"] += len(batch.spans.start_us)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"recording": self.recording, "recording_id": self.recording_id, "batches": self.batches,
+                "stored": self.batches - self.duplicates, "duplicates": self.duplicates,
+                "seconds": round(self.seconds, 3), "nodes": self.nodes}
+
+
+def replay(rec: Recording, channel: grpc.Channel, *, speed: float | None = None,
+           ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH, window: int = 64, quiet: bool = False) -> ReplayResult:
+    """Stream the recording's batches to the collector behind ``channel`` and wait for every ack.
+
+    ``speed`` paces the batches by their recorded times (2.0: twice real time); None sends as fast as
+    the collector acknowledges. A batch the collector refuses ends the replay with a UserError; what was
+    acknowledged before stays stored, and running the replay again resumes without duplicates.
+    """
+    from gpuwatch.collector.client import stream_batches
+
+    if speed is not None and speed <= 0:
+        raise UserError(f"--speed {speed:g}: must be > 0 (times real time)")
+    result = ReplayResult(str(rec.path), recording_id(rec))
+    timed = recording_batches(rec, ticks_per_batch=ticks_per_batch, in_time_order=speed is not None)
+    started = time.monotonic()
+
+    def send() -> Iterator[pb.TelemetryBatch]:
+        first_ms = None
+        for tb in timed:
+            if speed is not None:
+                first_ms = tb.ts_ms if first_ms is None else first_ms
+                delay = started + (tb.ts_ms - first_ms) / 1000 / speed - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)  # pacing to recorded time, not waiting for a result
+            result.count(tb.batch)
+            yield tb.batch
+
+    with Progress("replay", unit="batches", quiet=quiet) as progress:
+        try:
+            for ack in stream_batches(channel, send(), window=window):
+                result.batches += 1
+                result.duplicates += ack.duplicate
+                progress.advance()
+        except grpc.RpcError as exc:
+            raise UserError(f"the collector refused the replay after {result.batches} acknowledged batches: "
+                            f"{exc.details()} ({exc.code().name}); run the replay again to resume") from None
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def open_channel(address: str, *, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, token_file: str | None = None, timeout: float = 5.0) -> grpc.Channel:
+    """A connected channel to a collector (TLS and bearer token as the agent uses them), or a UserError."""
+    token = security.read_token(token_file) if token_file else None
+    ch = security.open_channel(address, ca=tls_ca, cert=tls_cert, key=tls_key, token=token,
+                               options=[("grpc.max_send_message_length", -1)])
+    try:
+        grpc.channel_ready_future(ch).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        ch.close()
+        raise UserError(f"cannot reach the collector at {address} (no answer within {timeout:g} s); "
+                        "is `gpuwatch collector` running there?") from None
+    return ch
+
+
+# --------------------------------------------------------------------------------- offline results
+def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: float | None = None,
+                   ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH, quiet: bool = False) -> dict[str, Any]:
+    """Replay into a collector started here on loopback (store ``db``, else a temporary one) and report
+    what it stored and computed: the replay counts plus ``store`` (see :func:`store_results`)."""
+    from gpuwatch.collector.server import serve
+
+    rec = open_recording(path)
+    with tempfile.TemporaryDirectory(prefix="gpuwatch-replay-") as tmp:
+        server = serve("127.0.0.1:0", str(db or Path(tmp) / "replay.duckdb"))
+        try:
+            ch = open_channel(server.address)
+            try:
+                result = replay(rec, ch, speed=speed, ticks_per_batch=ticks_per_batch, quiet=quiet).as_dict()
+            finally:
+                ch.close()
+            server.store.flush()
+            result["store"] = store_results(server.store)
+        finally:
+            server.stop()
+    return result
+
+
+def store_results(store: Any) -> dict[str, Any]:
+    """What the collector holds after a replay: per node counts, and each job's efficiency breakdown
+    computed by the collector's own Breakdown handler over the stored probe spans."""
+    from gpuwatch.collector.breakdowns import BreakdownService
+    from gpuwatch.v1 import query_pb2 as q
+
+    counts = store.query_df("""
+        SELECT node, count(*) AS events FROM events GROUP BY node""").set_index("node")["events"].to_dict()
+    nodes = [{"node": r["node"], "gpus": r["gpus"], "samples": r["samples"], "events": int(counts.get(r["node"], 0)),
+              "agent_id": r["agent_id"], "last_sequence": r["last_sequence"]} for r in store.nodes()]
+    service = BreakdownService()
+    breakdowns = {}
+    for job_id in store.query_df("SELECT DISTINCT job_id FROM spans WHERE job_id <> '' ORDER BY 1")["job_id"]:
+        try:
+            doc = json.loads(service.breakdown(q.BreakdownRequest(job_id=job_id), store).json)
+        except UserError as exc:
+            breakdowns[job_id] = {"error": str(exc)}
+            continue
+        breakdowns[job_id] = {"ranks": doc["job"]["ranks"], "window_us": doc["job"]["window_us"],
+                              "breakdown_fraction": doc["job"]["breakdown_fraction"],
+                              "lost_gpu_hours": doc["job"]["lost_gpu_hours"], "stragglers": doc["stragglers"]}
+    return {"nodes": nodes, "breakdowns": breakdowns}
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    {"replay": _replay_arguments, "import": _import_arguments, "export": _export_arguments}[command](parser)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    result = {"replay": _run_replay, "import": _run_import, "export": _run_export}[command](args)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_result(result))
+    return 0
+
+
+def _replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="recording directory (gpuwatch agent --record, simulate, import, export)")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--speed", type=float, metavar="X", help="pace by recorded time, X times real time")
+    pace.add_argument("--fast", action="store_true", help="as fast as the collector acknowledges (default)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--collector", metavar="ADDR", help="stream into the collector at HOST:PORT")
+    target.add_argument("--offline", action="store_true",
+                        help="replay into a collector started here and print its results (default)")
+    p.add_argument("--db", help="with --offline: keep the store in this DuckDB file (default: a temporary one)")
+    p.add_argument("--ticks-per-batch", type=int, default=DEFAULT_TICKS_PER_BATCH, metavar="N",
+                   help=f"sample timestamps per batch (default {DEFAULT_TICKS_PER_BATCH})")
+    p.add_argument("--tls-ca", help="with --collector: CA certificate of the collector (enables TLS)")
+    p.add_argument("--tls-cert", help="with --collector: client certificate for mutual TLS")
+    p.add_argument("--tls-key", help="with --collector: client key for mutual TLS")
+    p.add_argument("--token-file", help="with --collector: file holding the collector's bearer token")
+
+
+def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
+    if args.ticks_per_batch < 1:
+        raise UserError(f"--ticks-per-batch {args.ticks_per_batch}: must be >= 1")
+    if args.collector is None:
+        return replay_offline(args.path, db=args.db, speed=args.speed, ticks_per_batch=args.ticks_per_batch,
+                              quiet=args.quiet)
+    if args.db:
+        raise UserError("--db is for --offline; with --collector the collector keeps its own store")
+    rec = open_recording(args.path)
+    ch = open_channel(args.collector, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                      token_file=args.token_file)
+    try:
+        return replay(rec, ch, speed=args.speed, ticks_per_batch=args.ticks_per_batch, quiet=args.quiet).as_dict()
+    finally:
+        ch.close()
+
+
+def _import_arguments(p: argparse.ArgumentParser) -> None:
+    from gpuwatch.importer import FORMATS
+
+    p.add_argument("files", nargs="+", metavar="FILE", help="CSV or Parquet telemetry files")
+    p.add_argument("--out", required=True, help="recording directory to write (new or empty)")
+    p.add_argument("--format", choices=FORMATS, default="auto",
+                   help="wide: one column per field; long: metric/value rows (dcgm-exporter via Prometheus)")
+    p.add_argument("--node-column", help="column naming the node (default: node, Hostname, hostname, instance)")
+    p.add_argument("--gpu-column", help="column with the GPU index (default: gpu_index, gpu)")
+    p.add_argument("--time-column", help="column with the time (default: ts, timestamp, time)")
+
+
+def _run_import(args: argparse.Namespace) -> dict[str, Any]:
+    from gpuwatch.importer import Columns, import_files
+
+    columns = Columns(node=args.node_column, gpu=args.gpu_column, time=args.time_column)
+    return import_files(args.files, args.out, fmt=args.format, columns=columns, quiet=args.quiet)
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", required=True, help="collector DuckDB store (of a stopped collector, or a copy)")
+    p.add_argument("--out", required=True, help="recording directory to write (new or empty)")
+    p.add_argument("--since", help="from this time: 15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
+    p.add_argument("--until", help="up to this time (same forms)")
+
+
+def _run_export(args: argparse.Namespace) -> dict[str, Any]:
+    from gpuwatch.collector.export import export_store
+    from gpuwatch.collector.query_cli import parse_time_ms
+
+    return export_store(args.db, args.out, since_ms=parse_time_ms(args.since) if args.since else None,
+                        until_ms=parse_time_ms(args.until) if args.until else None, quiet=args.quiet)
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """A result as text: its scalar entries, then one aligned table per list or mapping of rows."""
+    from gpuwatch.collector.query_cli import format_table
+
+    lines = [f"{k}: {v}" for k, v in result.items() if not isinstance(v, (dict, list))]
+    for key, value in result.items():
+        if isinstance(value, dict) and key == "store":
+            lines += ["stored by the collector:", format_result(value).rstrip()]
+        elif isinstance(value, dict) and value:
+            rows = [{"name": k, **(v if isinstance(v, dict) else {"value": v})} for k, v in value.items()]
+            lines += [f"{key}:", format_table(rows).rstrip()]
+        elif isinstance(value, list) and value:
+            lines += [f"{key}:", format_table(value).rstrip()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,218 @@
+"""`gpuwatch replay`: recordings back into batches, streamed to a real collector (process or in-process)."""
+import json
+import math
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gpuwatch.batches import validate
+from gpuwatch.collector.efficiency.engine import analyze
+from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.collector.traces.spans import timelines_from_spans
+from gpuwatch.errors import UserError
+from gpuwatch.fields import GPU_FIELD_NAMES
+from gpuwatch.recording import RecordingWriter, open_recording, ts_ms
+from gpuwatch.replay import node_batches, open_channel, recording_batches, replay_agent_id, recording_id, replay_offline
+from test_collector_support import kill_process, start_collector_process
+
+T0 = 1_767_225_600_000
+
+
+def _gpuwatch(*argv, timeout=120):
+    return subprocess.run([sys.executable, "-m", "gpuwatch", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def agent_recording(tmp_path_factory):
+    """Two simulated nodes recorded by the real agent (record-only) into one recording."""
+    rec = tmp_path_factory.mktemp("agent") / "R"
+    for node, gpus in (("rep-a", 2), ("rep-b", 3)):
+        run = _gpuwatch("agent", "--simulate", str(gpus), "--ticks", "4", "--interval", "0.05", "--record", str(rec),
+                        "--node", node, "--no-probe-socket")
+        assert run.returncode == 0, run.stderr
+    return rec
+
+
+def _recorded_counts(rec) -> dict:
+    df = open_recording(rec).table("gpu_samples")
+    return {node: {"gpus": int(g["gpu_index"].nunique()), "samples": len(g)} for node, g in df.groupby("node")}
+
+
+def _sorted_samples(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.assign(ts=ts_ms(df["ts"]), job_id=df["job_id"].fillna(""), rank=df["rank"].fillna(-1).astype(int))
+    return df[["node", "gpu_index", "ts", "job_id", "rank", *GPU_FIELD_NAMES]].sort_values(
+        ["node", "gpu_index", "ts"]).reset_index(drop=True)
+
+
+def test_fast_replay_into_a_collector_process_stores_the_recorded_samples_once(agent_recording, tmp_path):
+    db = str(tmp_path / "c.duckdb")
+    proc, address = start_collector_process(db)
+    try:
+        first = _gpuwatch("replay", str(agent_recording), "--fast", "--collector", address, "--ticks-per-batch", "2",
+                          "--json")
+        assert first.returncode == 0, first.stderr
+        sent = json.loads(first.stdout)
+        nodes = json.loads(_gpuwatch("nodes", "--collector", address, "--json").stdout)
+        assert {n["node"]: {"gpus": n["gpus"], "samples": n["samples"]} for n in nodes} == \
+            _recorded_counts(agent_recording)
+        assert sent["batches"] >= 4 and sent["duplicates"] == 0
+
+        again = json.loads(_gpuwatch("replay", str(agent_recording), "--collector", address, "--ticks-per-batch", "2",
+                                     "--json").stdout)
+        assert again["duplicates"] == again["batches"] == sent["batches"] and again["stored"] == 0
+        assert json.loads(_gpuwatch("nodes", "--collector", address, "--json").stdout) == nodes
+    finally:
+        assert kill_process(proc, signal.SIGTERM) == 0
+    store = DuckDBStore(db)
+    try:
+        stored = _sorted_samples(store.gpu_samples())
+        events = store.count("events")
+    finally:
+        store.close()
+    rec = open_recording(agent_recording)
+    pd.testing.assert_frame_equal(stored, _sorted_samples(rec.table("gpu_samples")), check_dtype=False)
+    assert events == len(rec.table("events"))
+
+
+def test_offline_replay_gives_the_same_counts(agent_recording):
+    result = replay_offline(agent_recording, quiet=True)
+    recorded = _recorded_counts(agent_recording)
+    events = open_recording(agent_recording).table("events").groupby("node").size()
+    assert {n["node"]: {"gpus": n["gpus"], "samples": n["samples"]} for n in result["store"]["nodes"]} == recorded
+    assert {n["node"]: n["events"] for n in result["store"]["nodes"]} == events.to_dict()
+    assert {node: c["gpu_samples"] for node, c in result["nodes"].items()} == \
+        {node: c["samples"] for node, c in recorded.items()}
+
+
+def test_a_simulated_fleet_recording_replays(tmp_path):
+    sim = tmp_path / "S"
+    run = _gpuwatch("simulate", "--nodes", "1", "--gpus", "2", "--days", "0.1", "--seed", "3", "--out", str(sim),
+                    "--json")
+    assert run.returncode == 0, run.stderr
+    db = tmp_path / "s.duckdb"
+    replayed = _gpuwatch("replay", str(sim), "--offline", "--db", str(db), "--json")
+    assert replayed.returncode == 0, replayed.stderr
+    (node,) = json.loads(replayed.stdout)["store"]["nodes"]
+    rec = open_recording(sim)
+    assert (node["node"], node["gpus"], node["samples"]) == ("node-0000", 2, len(rec.table("gpu_samples")))
+    assert node["events"] == len(rec.table("events"))
+    # --db keeps the store; replaying into it again stores nothing twice
+    again = json.loads(_gpuwatch("replay", str(sim), "--db", str(db), "--json").stdout)
+    assert again["stored"] == 0 and again["store"]["nodes"][0]["samples"] == node["samples"]
+
+
+def _write_small_recording(path, spans: pd.DataFrame | None = None):
+    """Node n1: 2 GPUs x 5 ticks 1 s apart; GPU power never sampled, temperature only on even ticks; one
+    XID at tick 3."""
+    rows = []
+    for t in range(5):
+        for g in range(2):
+            rows.append({"node": "n1", "gpu_index": g, "ts": T0 + t * 1000, "gpu_utilization_ratio": 0.1 * t,
+                         "gpu_temperature_celsius": 40.0 + t if t % 2 == 0 else math.nan,
+                         "job_id": "j1" if g == 0 else "", "rank": 0 if g == 0 else -1})
+    with RecordingWriter(path, source="test", resolution_s=1.0) as w:
+        w.append("gpu_samples", pd.DataFrame(rows))
+        w.append("events", pd.DataFrame([{"node": "n1", "gpu_index": 1, "ts": T0 + 3000, "kind": "xid", "code": 79,
+                                          "attrs": {"pid": "42"}}]))
+        w.append("gpus", pd.DataFrame([{"node": "n1", "index": g, "uuid": f"GPU-{g}", "name": "H100",
+                                        "pci_bus_id": "", "serial": "", "memory_total_bytes": 80 << 30,
+                                        "architecture": "hopper", "gpm_supported": True} for g in range(2)]))
+        if spans is not None:
+            w.append("spans", spans)
+
+
+def test_batches_keep_missing_values_missing_and_events_in_the_batch_of_their_time(tmp_path):
+    _write_small_recording(tmp_path / "R")
+    rec = open_recording(tmp_path / "R")
+    timed = list(node_batches(rec, "n1", agent_id="a", ticks_per_batch=2))
+    batches = [tb.batch for tb in timed]
+    for b in batches:
+        validate(b)
+    assert [b.sequence for b in batches] == [1, 2, 3]
+    assert [tb.ts_ms for tb in timed] == [T0 + 1000, T0 + 3000, T0 + 4000]
+    assert [len(b.events) for b in batches] == [0, 1, 0]
+    assert batches[1].events[0].code == 79 and dict(batches[1].events[0].attrs) == {"pid": "42"}
+    names = {c.field for b in batches for s in b.samples for c in s.columns}
+    assert names == {"gpu_utilization_ratio", "gpu_temperature_celsius"}  # never-sampled fields stay out
+    temps = [v for s in batches[0].samples for c in s.columns if c.field == "gpu_temperature_celsius" for v in c.values]
+    assert temps[0] == 40.0 and math.isnan(temps[1])
+    assert list(batches[0].samples[0].job_id) == ["j1", "j1"] and list(batches[0].samples[1].rank) == [-1, -1]
+    assert [g.uuid for g in batches[0].gpus] == ["GPU-0", "GPU-1"]
+
+
+def test_agent_ids_are_stable_per_recording_and_node(tmp_path, agent_recording):
+    _write_small_recording(tmp_path / "R")
+    rec = open_recording(tmp_path / "R")
+    ids = {tb.batch.agent_id for tb in recording_batches(rec)}
+    assert ids == {replay_agent_id("n1", recording_id(rec))} == {f"replay-n1-{recording_id(open_recording(tmp_path / 'R'))}"}
+    assert recording_id(rec) != recording_id(open_recording(agent_recording))
+
+
+def _two_rank_spans() -> pd.DataFrame:
+    rows = []
+    for rank in (0, 1):
+        for step in range(3):
+            t0 = T0 * 1000.0 + step * 10_000
+            late = 2_000.0 * rank
+            rows.append(("J", rank, step, "step", "", t0, 10_000.0, "", -1, -1, 2, "n1", -1))
+            rows.append(("J", rank, step, "collective", "all_reduce", t0 + 6_000 + late, 3_000.0 - late, "pg0", step,
+                         1 << 20, 2, "n1" if rank == 0 else "", -1))
+    return pd.DataFrame(rows, columns=["job_id", "rank", "step", "kind", "name", "start_us", "dur_us",
+                                       "process_group", "seq", "bytes", "world_size", "node", "peer"])
+
+
+def test_offline_replay_computes_the_job_breakdown_from_replayed_spans(tmp_path):
+    spans = _two_rank_spans()
+    _write_small_recording(tmp_path / "R", spans)
+    result = replay_offline(tmp_path / "R", quiet=True)
+    assert result["nodes"]["n1"]["spans"] == len(spans)  # spans without a node travel with n1
+    expected = analyze(timelines_from_spans(spans.assign(world_size=2.0), source="spans"))["job"]
+    got = result["store"]["breakdowns"]["J"]
+    assert got["ranks"] == 2 and got["breakdown_fraction"] == pytest.approx(expected["breakdown_fraction"])
+
+
+def test_speed_paces_batches_by_recorded_time(tmp_path):
+    _write_small_recording(tmp_path / "R")  # 4 s of recorded time
+    result = replay_offline(tmp_path / "R", speed=8.0, ticks_per_batch=1, quiet=True)
+    assert result["batches"] == 5 and 0.5 <= result["seconds"] < 5.0
+    fast = replay_offline(tmp_path / "R", ticks_per_batch=1, quiet=True)
+    assert fast["seconds"] < result["seconds"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "{tmp}/missing"], "not a gpuwatch recording"),
+    (["replay", "{tmp}"], "no manifest.json"),
+    (["replay", "{rec}", "--collector", "127.0.0.1:1", "--db", "{tmp}/x.duckdb"], "--db is for --offline"),
+    (["replay", "{rec}", "--speed", "0"], "--speed 0: must be > 0"),
+    (["replay", "{rec}", "--ticks-per-batch", "0"], "--ticks-per-batch 0"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, agent_recording, argv, message):
+    run = _gpuwatch(*[a.format(tmp=tmp_path, rec=agent_recording) for a in argv])
+    assert run.returncode == 2 and message in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+
+
+def test_an_unreachable_collector_is_named():
+    with pytest.raises(UserError, match="cannot reach the collector at 127.0.0.1:1"):
+        open_channel("127.0.0.1:1", timeout=0.3)
+
+
+def test_a_refused_batch_ends_the_replay_with_an_error_and_keeps_what_was_acked(tmp_path):
+    rows = pd.DataFrame({"node": "n1", "gpu_index": 0, "ts": T0 + np.arange(4) * 1000, "gpu_power_watts": 1.0})
+    with RecordingWriter(tmp_path / "R", source="test") as w:
+        w.append("gpu_samples", rows)
+        # an event with an empty kind is refused by the collector (batches.validate)
+        w.append("events", pd.DataFrame([{"node": "n1", "gpu_index": 0, "ts": T0 + 3000, "kind": "",
+                                          "code": 0}]))
+    db = tmp_path / "c.duckdb"
+    with pytest.raises(UserError, match="refused the replay after 1 acknowledged batches.*run the replay again"):
+        replay_offline(tmp_path / "R", db=db, ticks_per_batch=2, quiet=True)
+    store = DuckDBStore(str(db))
+    try:
+        assert store.count("gpu_samples") == 2
+    finally:
+        store.close()
