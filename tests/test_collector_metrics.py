@@ -1,0 +1,91 @@
+"""`gpuwatch collector --metrics-listen`: a real collector, batches in, /metrics scraped over HTTP, promtool."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from gpuwatch.collector.cli import OPTIONS, start_collector
+from gpuwatch.collector.snapshot import CachedSnapshot, MetricsService
+from gpuwatch.config import load_config
+from gpuwatch.models.failsim import HOUR_MS
+from test_collector_support import degrading_node, frames_to_batches, make_batch
+from test_e2e_pipeline import poll
+from test_jobs import data_parallel_job, write_spans
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.fixture
+def collector(tmp_path):
+    cfg = load_config(OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "m.duckdb"),
+                                "metrics_listen": "127.0.0.1:0", "score_interval": 0.2, "jobs_interval": 0.2},
+                      env={})
+    server = start_collector(cfg)
+    yield server
+    server.stop()
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def _value(text: str, name: str, **labels: str) -> float | None:
+    """The value of the first sample of ``name`` whose labels include ``labels``."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(collector):
+    now = int(time.time() * 1000)
+    for seq in (1, 2):
+        collector.store.write(make_batch(seq, t0_ms=now - 60_000))
+    collector.store.write(make_batch(2))  # a duplicate
+    gpu, events = degrading_node(now - 28 * HOUR_MS, hours=28, fault_after_h=29)
+    for batch in frames_to_batches(gpu, events):
+        collector.store.write(batch)
+    write_spans(collector.store, data_parallel_job("slow-job", now * 1000.0, slow_rank=2), 1)
+    (metrics,) = [s for s in collector.services if isinstance(s, MetricsService)]
+
+    def ready():
+        text = _scrape(metrics.server.url)
+        wanted = (_value(text, "gpuwatch_gpu_failure_risk_ratio", node="node-0000", gpu="1"),
+                  _value(text, "gpuwatch_job_stragglers", job_id="slow-job"))
+        return text if None not in wanted else None
+
+    text = poll(ready, 60, "risk and job metrics in the scrape", every=0.5)
+    assert _value(text, "gpu_power_watts", node="node-1", gpu="1", gpu_uuid="GPU-node-1-1") is not None
+    assert _value(text, "gpu_xid_errors_total", node="node-1", gpu="1", xid="79") == 2
+    assert _value(text, "gpuwatch_gpu_failure_risk_ratio", node="node-0000", gpu="1") > 0.5
+    assert _value(text, "gpuwatch_gpu_failure_risk_ratio", node="node-0000", gpu="0") < 0.1
+    assert _value(text, "gpuwatch_gpu_health_state", node="node-0000", gpu="1", state="warn") == 1
+    assert _value(text, "gpuwatch_job_stragglers", job_id="slow-job") == 1
+    assert _value(text, "gpuwatch_job_straggler_lateness_seconds", job_id="slow-job", rank="2") > 0.02
+    assert 0 < _value(text, "gpuwatch_job_breakdown_ratio", job_id="slow-job", category="comm_wait") < 1
+    assert _value(text, "gpuwatch_job_lost_gpu_seconds_total", job_id="slow-job") > 0
+    batches = 3 + len(frames_to_batches(gpu, events))
+    assert _value(text, "gpuwatch_ingest_batches_total") == batches
+    assert _value(text, "gpuwatch_ingest_duplicates_total") == 1
+    assert _value(text, "gpuwatch_ingest_commit_seconds_count") == batches + 1
+    assert _value(text, "gpuwatch_agent_last_seen_timestamp_seconds", node="node-1") > now / 1000 - 60
+    if PROMTOOL:
+        result = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+def test_snapshot_is_cached_between_scrapes(collector):
+    provider = CachedSnapshot(collector.store, cache_s=60)
+    first = provider()
+    collector.store.write(make_batch(1))
+    assert provider() is first and provider.builds == 1
+    assert CachedSnapshot(collector.store, cache_s=0)()["ingest"]["batches_total"] == 1
