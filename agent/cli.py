@@ -11,10 +11,12 @@ import logging
 import signal
 import socket
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from gpuwatch import config
 from gpuwatch.agent.daemon import Agent, AgentConfig, default_spool_dir
+from gpuwatch.agent.simdegrade import KINDS, FaultSpec, parse_fault_spec
 from gpuwatch.agent.simfleet import MODELS
 from gpuwatch.agent.uplink import ChannelSecurity
 from gpuwatch.errors import UserError
@@ -29,6 +31,19 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate", type=int, default=0, metavar="N",
                         help="sample N simulated GPUs instead of the node's real ones")
     parser.add_argument("--sim-model", default="H100", choices=sorted(MODELS), help="simulated GPU model")
+    parser.add_argument("--sim-speed", type=float, default=1.0, metavar="X",
+                        help="with --simulate: simulated seconds per real second (timestamps; ticks stay at "
+                             "--interval real seconds), default 1")
+    parser.add_argument("--sim-start", default=None, metavar="TIME",
+                        help="with --simulate: simulated time when the agent starts (epoch seconds or ISO 8601, "
+                             "default now)")
+    parser.add_argument("--sim-origin", type=float, default=None, metavar="EPOCH_S",
+                        help="with --simulate: wall-clock time at which the simulated clock reads --sim-start "
+                             "(default: the agent's start); agents given the same pair share one clock")
+    parser.add_argument("--sim-fault", action="append", default=[], metavar="SPEC",
+                        help="with --simulate, repeatable: script a GPU's degradation and failure, e.g. "
+                             f"gpu=3,kind=ecc,after=5m,fail=50m (kinds: {', '.join(KINDS)}; optional xid=, seed=); "
+                             "times count from --sim-start")
     parser.add_argument("--ticks", type=int, default=None, metavar="K",
                         help="sample K times, wait until the collector acknowledged everything, exit")
     parser.add_argument("--drain-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -71,8 +86,40 @@ def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None)
         spool_dir=Path(cfg.spool) if cfg.spool else default_spool_dir(), spool_max_bytes=cfg.spool_max_bytes,
         job_label=cfg.job_label or "", simulate=args.simulate, sim_model=args.sim_model,
         drain_timeout=args.drain_timeout, probe_socket=probe_socket, record=args.record,
+        sim_speed=args.sim_speed, sim_start=_sim_start(args.sim_start), sim_origin=args.sim_origin,
+        sim_faults=_sim_faults(args),
         channel_security=ChannelSecurity(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, cfg.token_file, cfg.insecure),
     )
+
+
+def _sim_start(text: str | None) -> float | None:
+    """--sim-start as epoch seconds (a number, or ISO 8601 with UTC assumed when no offset is given)."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise UserError(f"--sim-start {text!r}: not epoch seconds or an ISO 8601 time") from None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _sim_faults(args: argparse.Namespace) -> tuple[FaultSpec, ...]:
+    """The --sim-fault specs, checked; the simulation flags need --simulate."""
+    if not args.simulate and (args.sim_fault or args.sim_speed != 1.0 or args.sim_start or args.sim_origin):
+        raise UserError("--sim-speed, --sim-start, --sim-origin and --sim-fault need --simulate N")
+    if not args.sim_speed > 0:
+        raise UserError(f"--sim-speed {args.sim_speed}: must be > 0 (simulated seconds per real second)")
+    specs = []
+    for text in args.sim_fault:
+        try:
+            specs.append(parse_fault_spec(text))
+        except ValueError as exc:
+            raise UserError(f"--sim-fault {text!r}: {exc}") from None
+    return tuple(specs)  # a GPU index beyond --simulate is refused by the agent when it builds the fleet
 
 
 def run(command: str, args: argparse.Namespace) -> int:

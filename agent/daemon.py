@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,8 @@ from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.nvml import NvmlSampler
 from gpuwatch.agent.probe_socket import ProbeListener
-from gpuwatch.agent.simfleet import SimulatedFleet
+from gpuwatch.agent.simdegrade import Degradation, FaultSpec
+from gpuwatch.agent.simfleet import SimClock, SimulatedFleet
 from gpuwatch.agent.spool import Spool
 from gpuwatch.agent.uplink import ChannelSecurity, Uplink
 from gpuwatch.agent.xid import XidWatcher
@@ -65,6 +66,10 @@ class AgentConfig:
     job_label: str = ""  # one more environment variable naming the job (beyond SLURM and torchelastic)
     simulate: int = 0  # number of simulated GPUs; 0 = the node's real GPUs
     sim_model: str = "H100"
+    sim_speed: float = 1.0  # simulated seconds per real second (timestamps only; intervals stay real seconds)
+    sim_start: float | None = None  # simulated epoch seconds at sim_origin (default: the wall time then)
+    sim_origin: float | None = None  # wall epoch seconds where the simulated clock reads sim_start (default: start)
+    sim_faults: tuple[FaultSpec, ...] = ()  # scripted degradations of simulated GPUs
     drain_timeout: float = 600.0  # --ticks mode: how long to wait for the collector at the end
     stop_flush_s: float = 5.0  # service mode: how long to try to send the last batch on SIGTERM
     kmsg_path: str | None = "/dev/kmsg"
@@ -89,6 +94,7 @@ class Agent:
             raise UserError("nothing to send to: give a collector, a recording (--record), or both")
         self.config = config
         self.fleet = fleet
+        self.clock: SimClock | None = None  # the fleet's clock when it runs on simulated time
         self._stop = threading.Event()
         self._events: list[Event] = []
         self._events_lock = threading.Lock()
@@ -127,7 +133,7 @@ class Agent:
             if cfg.record is not None:
                 from gpuwatch.agent.recorder import BatchRecorder
 
-                self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval)
+                self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval * cfg.sim_speed)
                 stack.callback(self.recorder.close)
             if cfg.probe_socket:
                 self.probe = _open_probe_listener(cfg.probe_socket)
@@ -159,9 +165,15 @@ class Agent:
     def _install_fleet(self) -> bool:
         cfg = self.config
         if self.fleet is None and cfg.simulate:
-            self.fleet = SimulatedFleet(cfg.simulate, model=cfg.sim_model, node=cfg.node)
+            clock = SimClock(cfg.sim_speed, cfg.sim_start, cfg.sim_origin)
+            self.fleet = SimulatedFleet(cfg.simulate, model=cfg.sim_model, node=cfg.node, clock=clock)
+            for spec in cfg.sim_faults:
+                if spec.gpu >= cfg.simulate:
+                    raise UserError(f"--sim-fault gpu={spec.gpu}: the node simulates GPUs 0-{cfg.simulate - 1}")
+                self.fleet.drive(spec.gpu, Degradation.from_spec(spec, cfg.node, clock.start))
         if self.fleet is None:
             return False
+        self.clock = self.fleet.clock if isinstance(self.fleet.clock, SimClock) else None
         self.fleet.install()
         return True
 
@@ -187,8 +199,18 @@ class Agent:
             next_tick = max(next_tick + cfg.interval, time.monotonic())
             self._stop.wait(next_tick - time.monotonic())
         return done, batches
+    def _now_ms(self) -> int:
+        """Sample time: the simulated fleet's clock when it has one, else the wall clock."""
+        return int((self.fleet.clock() if self.fleet is not None else time.time()) * 1000)
+
+    def _event_time(self, event: Event) -> Event:
+        """Events are stamped with the wall clock where they arise; on simulated time, move them onto it."""
+        if self.clock is None:
+            return event
+        return replace(event, ts_ms=int(self.clock.from_wall(event.ts_ms / 1000) * 1000))
+
     def _tick(self, sampler: NvmlSampler, host: HostSampler, jobs: JobResolver, builder: BatchBuilder) -> None:
-        ts_ms = int(time.time() * 1000)
+        ts_ms = self._now_ms()
         tick = sampler.sample()
         if tick.slow:
             jobs.refresh(sampler.running_pids())
@@ -202,14 +224,14 @@ class Agent:
         """Put the queued events (and ``extra``) into the batch being built."""
         with self._events_lock:
             pending, self._events = [*self._events, *extra], []
-        for e in pending:
+        for e in map(self._event_time, pending):
             builder.add_event(e.kind, e.ts_ms, e.gpu_index, e.code, e.message, e.attrs)
 
     def _cut(self, builder: BatchBuilder) -> int:
         """Spool (and record) what the builder holds with the probe spans; returns the number of batches written."""
         dropped = self.spool.take_dropped() if self.spool else None
         if dropped and dropped.batches:
-            builder.add_event(ev.SPOOL_DROPPED, int(time.time() * 1000), code=dropped.batches,
+            builder.add_event(ev.SPOOL_DROPPED, self._now_ms(), code=dropped.batches,
                               message=f"spool over its size bound: {dropped.batches} oldest batches dropped",
                               attrs={"bytes": str(dropped.bytes)})
         self._move_events(builder)

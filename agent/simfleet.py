@@ -116,6 +116,9 @@ class SimGpu:
     nvlink_replay: int = 0
     nvlink_recovery: int = 0
     extra_clock_reasons: int = 0  # OR-ed into the clock-event reasons (e.g. HW slowdown)
+    temperature_offset_c: float = 0.0  # added to the GPU temperature (a failing fan or cold plate)
+    memory_temperature_offset_c: float = 0.0  # added to the memory temperature (field 82)
+    sm_clock_offset_mhz: float = 0.0  # added to the SM clock while busy (thermal slowdown)
     lost: bool = False
     unsupported: set = field(default_factory=set)  # C symbol names or field ids returning NOT_SUPPORTED
     processes: list[SimProcess] = field(default_factory=list)
@@ -195,7 +198,8 @@ class SimGpu:
     def sm_clock_mhz(self) -> int:
         if self.utilization < 0.02:
             return self.model.idle_sm_mhz
-        return int(self.model.max_sm_mhz * (0.94 if self.power_capped else 1.0))
+        return max(self.model.idle_sm_mhz,
+                   int(self.model.max_sm_mhz * (0.94 if self.power_capped else 1.0) + self.sm_clock_offset_mhz))
 
     @property
     def clock_reasons(self) -> int:
@@ -209,6 +213,29 @@ class SimGpu:
     @property
     def memory_used(self) -> int:
         return int(512 * 2**20 + sum(p.used_memory for p in self.processes))
+
+
+class SimClock:
+    """Simulated time that runs ``speed`` times faster than the wall clock.
+
+    Reads ``start`` (epoch seconds) at the wall-clock instant ``origin`` and advances ``speed`` simulated
+    seconds per real second from there, so agents given the same ``start`` and ``origin`` share one clock
+    however far apart they were started. Defaults: both are the wall time when the clock is made.
+    """
+
+    def __init__(self, speed: float = 1.0, start: float | None = None, origin: float | None = None) -> None:
+        if not speed > 0:
+            raise ValueError(f"simulated speed {speed}: must be > 0")
+        self.speed = speed
+        self.origin = time.time() if origin is None else origin
+        self.start = self.origin if start is None else start
+
+    def __call__(self) -> float:
+        return self.from_wall(time.time())
+
+    def from_wall(self, wall_s: float) -> float:
+        """The simulated time at wall-clock time ``wall_s`` (e.g. when a thread stamped an event)."""
+        return self.start + (wall_s - self.origin) * self.speed
 
 
 @dataclass
@@ -256,6 +283,7 @@ class SimulatedFleet:
         self._gpm_samples: dict[int, tuple[int, float, dict[str, float]] | None] = {}
         self._saved: tuple | None = None
         self._next_address = itertools.count(1)  # fake addresses for event sets and GPM buffers
+        self._drivers: dict[int, list[Callable[[SimulatedFleet, float], None]]] = {}
 
     # --- installing beneath pynvml -------------------------------------------------------------
     def install(self) -> SimulatedFleet:
@@ -358,6 +386,12 @@ class SimulatedFleet:
         self.inject_xid(gpu, 79, "GPU has fallen off the bus.")
         self.gpus[gpu].lost = True
 
+    def drive(self, gpu: int, driver: Callable[[SimulatedFleet, float], None]) -> None:
+        """Call ``driver(fleet, now)`` before each NVML call on ``gpu`` (a failure process ticking its counters)."""
+        if not 0 <= gpu < len(self.gpus):
+            raise ValueError(f"GPU {gpu}: this simulated node has GPUs 0-{len(self.gpus) - 1}")
+        self._drivers.setdefault(gpu, []).append(driver)
+
     def _deliver(self, gpu: int, event_type: int, data: int) -> None:
         with self._lock:
             for es in self._event_sets.values():
@@ -417,6 +451,8 @@ class _FakeNvmlLib:
         if not 0 <= index < len(gpus):
             return None, N.NVML_ERROR_INVALID_ARGUMENT
         gpu = gpus[index]
+        for driver in self._fleet._drivers.get(index, ()):
+            driver(self._fleet, self._fleet.clock())
         if gpu.lost:
             return None, N.NVML_ERROR_GPU_IS_LOST
         if symbol in gpu.unsupported:
@@ -529,7 +565,7 @@ class _FakeNvmlLib:
             temp = _out(out)
             if temp.sensorType != N.NVML_TEMPERATURE_GPU:
                 return N.NVML_ERROR_INVALID_ARGUMENT
-            temp.temperature = round(gpu.temperature_c)
+            temp.temperature = round(gpu.temperature_c + gpu.temperature_offset_c)
         return rc
 
     def nvmlDeviceGetPowerUsage(self, handle, out) -> int:
@@ -718,7 +754,7 @@ _FIELD_GETTERS: dict[int, Callable[[SimGpu], float]] = {
     N.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: lambda g: g.nvlink_recovery,
     N.NVML_FI_DEV_PERF_POLICY_POWER: lambda g: g.throttle_power_ns,
     N.NVML_FI_DEV_PERF_POLICY_THERMAL: lambda g: g.throttle_thermal_ns,
-    N.NVML_FI_DEV_MEMORY_TEMP: lambda g: round(g.temperature_c + 6),
+    N.NVML_FI_DEV_MEMORY_TEMP: lambda g: round(g.temperature_c + 6 + g.memory_temperature_offset_c),
     N.NVML_FI_DEV_PCIE_REPLAY_COUNTER: lambda g: g.pcie_replays,
     N.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: lambda g: g.nvlink_tx_bytes // 1024,
     N.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: lambda g: g.nvlink_rx_bytes // 1024,
