@@ -54,7 +54,11 @@ def list_jobs(store: DuckDBStore, now_us: float | None = None, window_s: float =
 
 def list_jobs_rpc(request: q.JobsRequest, store: DuckDBStore) -> q.JsonResponse:
     """The ``Jobs`` RPC of a collector without a monitor: the list without flags."""
-    return q.JsonResponse(json=orjson.dumps(list_jobs(store)).decode())
+    return _json_response(list_jobs(store))
+
+
+def _json_response(jobs: list[dict[str, Any]]) -> q.JsonResponse:
+    return q.JsonResponse(json=orjson.dumps(jobs, option=orjson.OPT_NON_STR_KEYS).decode())
 
 
 def analyse_spans(rows: pd.DataFrame, job_id: str) -> dict | None:
@@ -94,7 +98,7 @@ class JobsMonitor(PeriodicService):
         return self.check_once()
 
     def jobs_rpc(self, request: q.JobsRequest, store: DuckDBStore) -> q.JsonResponse:
-        return q.JsonResponse(json=orjson.dumps(self.jobs()).decode())
+        return _json_response(self.jobs())
 
     def jobs(self, now_us: float | None = None) -> list[dict[str, Any]]:
         """:func:`list_jobs` with this monitor's latest flags."""
@@ -108,19 +112,20 @@ class JobsMonitor(PeriodicService):
             return [{"job_id": job, **f} for job, f in self._flags.items()]
 
     def check_once(self, now_us: float | None = None) -> dict[str, dict[str, Any]]:
-        """One round over every job; returns the flags per job (also served by ``Jobs`` and metrics)."""
+        """One round over every job with spans in the window (or hung); returns the flags per job (also served
+        by ``Jobs`` and metrics). Alerts are raised for running jobs only: a finished job's alerts resolve."""
         now = time.time() * 1e6 if now_us is None else now_us
         spans = self._store.spans()
-        if spans.empty:
-            return {}
         hangs = {h["job_id"]: h for h in detect_hangs(spans, now, self.hang_threshold_s)}
         finished = {s["job_id"] for s in job_summaries(spans, now, self.window_s) if s["finished"]}
+        recent = spans[spans["start_us"] >= now - self.window_s * 1e6]
         flags: dict[str, dict[str, Any]] = {}
-        for job_id, rows in spans.groupby("job_id", sort=True):
-            if job_id in finished or not job_id:
-                continue
-            flags[job_id] = self._job_flags(job_id, rows, now, hangs.get(job_id))
-        self._raise_alerts(flags, now)
+        for job_id in sorted(set(recent["job_id"]) | set(hangs)):
+            if job_id:
+                rows = spans[spans["job_id"] == job_id]
+                flags[job_id] = {**self._job_flags(job_id, rows, now, hangs.get(job_id)),
+                                 "finished": job_id in finished}
+        self._raise_alerts({job: f for job, f in flags.items() if not f["finished"]}, now)
         with self._lock:
             self._flags = flags
             self._last_check_us = now
