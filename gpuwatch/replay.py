@@ -313,9 +313,11 @@ def open_channel(address: str, *, tls_ca: str | None = None, tls_cert: str | Non
 
 # --------------------------------------------------------------------------------- offline results
 def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: float | None = None,
-                   ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH, quiet: bool = False) -> dict[str, Any]:
+                   ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH, model_path: str | None = None,
+                   score_interval_s: float = 60.0, quiet: bool = False) -> dict[str, Any]:
     """Replay into a collector started here on loopback (store ``db``, else a temporary one) and report
-    what it stored and computed: the replay counts plus ``store`` (see :func:`store_results`)."""
+    what it stored and computed: the replay counts plus ``store`` (see :func:`store_results`) and
+    ``scoring`` (see :func:`score_replayed`, with the model at ``model_path``, default the shipped one)."""
     from gpuwatch.collector.server import serve
 
     rec = open_recording(path)
@@ -329,6 +331,10 @@ def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: flo
                 ch.close()
             server.store.flush()
             result["store"] = store_results(server.store)
+            m = rec.manifest
+            if m.get("start_ms") is not None:
+                result["scoring"] = score_replayed(server.store, int(m["start_ms"]), int(m["end_ms"]),
+                                                   model=_model(model_path), interval_s=score_interval_s, quiet=quiet)
         finally:
             server.stop()
     return result
@@ -358,6 +364,52 @@ def store_results(store: Any) -> dict[str, Any]:
     return {"nodes": nodes, "breakdowns": breakdowns}
 
 
+def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None, interval_s: float = 60.0,
+                   quiet: bool = False) -> dict[str, Any]:
+    """Run the collector's scorer and jobs monitor over the replayed time range, one round every
+    ``interval_s`` of recorded time, as they would have run live; return the last round's GPU scores, the
+    highest risk each GPU reached, and every alert raised (firing or resolved)."""
+    from gpuwatch.collector.alert_hub import AlertHub, list_alerts
+    from gpuwatch.collector.jobs import JobsMonitor
+    from gpuwatch.collector.scoring import Scorer
+    from gpuwatch.models.policy import AlertPolicy
+    from gpuwatch.v1 import query_pb2 as q
+
+    if interval_s <= 0:
+        raise UserError(f"--score-interval {interval_s:g}: must be > 0 seconds")
+    hub = AlertHub(AlertPolicy(model["threshold"]) if model else None)
+    hub.start(store)
+    scorer, monitor = Scorer(model, hub, interval_s=interval_s), JobsMonitor(hub, interval_s=interval_s)
+    scorer.bind(store)
+    monitor.bind(store)
+    rounds = list(range(start_ms + int(interval_s * 1000), end_ms, int(interval_s * 1000))) + [end_ms]
+    peak: dict[str, float] = {}
+    gpus: list[dict[str, Any]] = []
+    try:
+        with Progress("scoring", total=len(rounds), unit="rounds", quiet=quiet) as progress:
+            for now_ms in rounds:
+                gpus = scorer.score_once(now_ms)
+                monitor.check_once(now_ms * 1000.0)
+                for g in gpus:
+                    if g["risk"] is not None:
+                        key = f"{g['node']}/{g['gpu_index']}"
+                        peak[key] = max(peak.get(key, 0.0), g["risk"])
+                progress.advance()
+    finally:
+        hub.stop()
+    alerts = json.loads(list_alerts(q.AlertsRequest(include_resolved=True), store).json)
+    return {"model": bool(model), "rounds": len(rounds), "gpus": gpus, "peak_risk": peak, "alerts": alerts}
+
+
+def _model(path: str | None) -> dict | None:
+    """The model at ``path``, else the shipped one; None when neither exists (health states, no risk)."""
+    from gpuwatch.models.model import default_model_path, load_model
+
+    if path is None and not default_model_path().is_file():
+        return None
+    return load_model(path)
+
+
 # ------------------------------------------------------------------------------------------ CLI
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     {"replay": _replay_arguments, "import": _import_arguments, "export": _export_arguments}[command](parser)
@@ -385,6 +437,9 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--offline", action="store_true",
                         help="replay into a collector started here and print its results (default)")
     p.add_argument("--db", help="with --offline: keep the store in this DuckDB file (default: a temporary one)")
+    p.add_argument("--model", help="with --offline: failure model for scoring (default: the shipped model)")
+    p.add_argument("--score-interval", type=float, default=60.0, metavar="S",
+                   help="with --offline: score GPUs every S seconds of recorded time (default 60)")
     p.add_argument("--ticks-per-batch", type=int, default=DEFAULT_TICKS_PER_BATCH, metavar="N",
                    help=f"sample timestamps per batch (default {DEFAULT_TICKS_PER_BATCH})")
     p.add_argument("--tls-ca", help="with --collector: CA certificate of the collector (enables TLS)")
@@ -398,9 +453,10 @@ def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError(f"--ticks-per-batch {args.ticks_per_batch}: must be >= 1")
     if args.collector is None:
         return replay_offline(args.path, db=args.db, speed=args.speed, ticks_per_batch=args.ticks_per_batch,
-                              quiet=args.quiet)
-    if args.db:
-        raise UserError("--db is for --offline; with --collector the collector keeps its own store")
+                              model_path=args.model, score_interval_s=args.score_interval, quiet=args.quiet)
+    if args.db or args.model:
+        raise UserError("--db and --model are for --offline; with --collector the collector keeps its own store "
+                        "and scores with its own model")
     rec = open_recording(args.path)
     ch = open_channel(args.collector, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                       token_file=args.token_file)

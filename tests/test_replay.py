@@ -17,7 +17,9 @@ from gpuwatch.errors import UserError
 from gpuwatch.fields import GPU_FIELD_NAMES
 from gpuwatch.recording import RecordingWriter, open_recording, ts_ms
 from gpuwatch.replay import node_batches, open_channel, recording_batches, replay_agent_id, recording_id, replay_offline
-from test_collector_support import kill_process, start_collector_process
+from gpuwatch.collector.scoring import Scorer
+from gpuwatch.models.model import load_model
+from test_collector_support import frames_to_batches, kill_process, start_collector_process
 
 T0 = 1_767_225_600_000
 
@@ -94,15 +96,29 @@ def test_a_simulated_fleet_recording_replays(tmp_path):
                     "--json")
     assert run.returncode == 0, run.stderr
     db = tmp_path / "s.duckdb"
-    replayed = _gpuwatch("replay", str(sim), "--offline", "--db", str(db), "--json")
+    replayed = _gpuwatch("replay", str(sim), "--offline", "--db", str(db), "--score-interval", "3600", "--json")
     assert replayed.returncode == 0, replayed.stderr
     (node,) = json.loads(replayed.stdout)["store"]["nodes"]
     rec = open_recording(sim)
     assert (node["node"], node["gpus"], node["samples"]) == ("node-0000", 2, len(rec.table("gpu_samples")))
     assert node["events"] == len(rec.table("events"))
     # --db keeps the store; replaying into it again stores nothing twice
-    again = json.loads(_gpuwatch("replay", str(sim), "--db", str(db), "--json").stdout)
+    again = json.loads(_gpuwatch("replay", str(sim), "--db", str(db), "--score-interval", "3600", "--json").stdout)
     assert again["stored"] == 0 and again["store"]["nodes"][0]["samples"] == node["samples"]
+    # scoring over the replayed range matches the collector's scorer on the same rows ingested directly
+    scoring = json.loads(replayed.stdout)["scoring"]
+    assert scoring["model"] and scoring["rounds"] == 3
+    live = DuckDBStore(str(tmp_path / "live.duckdb"))
+    try:
+        for batch in frames_to_batches(rec.table("gpu_samples"), rec.table("events")):
+            live.write(batch)
+        scorer = Scorer(load_model(None))
+        scorer.bind(live)
+        expected = scorer.score_once(int(rec.manifest["end_ms"]))
+    finally:
+        live.close()
+    got = {(g["node"], g["gpu_index"]): (g["risk"], g["health"]) for g in scoring["gpus"]}
+    assert got == pytest.approx({(g["node"], g["gpu_index"]): (g["risk"], g["health"]) for g in expected})
 
 
 def _write_small_recording(path, spans: pd.DataFrame | None = None):
@@ -186,7 +202,7 @@ def test_speed_paces_batches_by_recorded_time(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["replay", "{tmp}/missing"], "not a gpuwatch recording"),
     (["replay", "{tmp}"], "no manifest.json"),
-    (["replay", "{rec}", "--collector", "127.0.0.1:1", "--db", "{tmp}/x.duckdb"], "--db is for --offline"),
+    (["replay", "{rec}", "--collector", "127.0.0.1:1", "--db", "{tmp}/x.duckdb"], "--db and --model are for --offline"),
     (["replay", "{rec}", "--speed", "0"], "--speed 0: must be > 0"),
     (["replay", "{rec}", "--ticks-per-batch", "0"], "--ticks-per-batch 0"),
 ])
