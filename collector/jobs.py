@@ -88,7 +88,7 @@ class JobsMonitor(PeriodicService):
         self._flags: dict[str, dict[str, Any]] = {}
         self._since: dict[tuple[str, int], int] = {}
         self._lost_s: dict[str, float] = {}
-        self._last_check_us: float | None = None
+        self._ingested_upto: pd.Timestamp | None = None  # spans ingested up to here count in _lost_s
         self._lock = threading.Lock()
 
     def handlers(self) -> Mapping[str, Any]:
@@ -119,22 +119,25 @@ class JobsMonitor(PeriodicService):
         hangs = {h["job_id"]: h for h in detect_hangs(spans, now, self.hang_threshold_s)}
         finished = {s["job_id"] for s in job_summaries(spans, now, self.window_s) if s["finished"]}
         recent = spans[spans["start_us"] >= now - self.window_s * 1e6]
+        fresh = spans["ts"] > self._ingested_upto if self._ingested_upto is not None else spans["ts"].notna()
         flags: dict[str, dict[str, Any]] = {}
         for job_id in sorted(set(recent["job_id"]) | set(hangs)):
             if job_id:
-                rows = spans[spans["job_id"] == job_id]
-                flags[job_id] = {**self._job_flags(job_id, rows, now, hangs.get(job_id)),
+                mine = spans["job_id"] == job_id
+                flags[job_id] = {**self._job_flags(job_id, spans[mine], spans[mine & fresh], now, hangs.get(job_id)),
                                  "finished": job_id in finished}
         self._raise_alerts({job: f for job, f in flags.items() if not f["finished"]}, now)
+        if len(spans):
+            self._ingested_upto = spans["ts"].max()
         with self._lock:
             self._flags = flags
-            self._last_check_us = now
         return flags
 
-    def _job_flags(self, job_id: str, rows: pd.DataFrame, now_us: float, hang: dict | None) -> dict[str, Any]:
+    def _job_flags(self, job_id: str, rows: pd.DataFrame, new_rows: pd.DataFrame, now_us: float,
+                   hang: dict | None) -> dict[str, Any]:
+        """Flags from the window's rows; lost GPU seconds grow by the rows ingested since the last round."""
         doc = analyse_spans(rows[rows["start_us"] >= now_us - self.window_s * 1e6], job_id)
-        since_us = self._last_check_us if self._last_check_us is not None else float("-inf")
-        fresh = analyse_spans(rows[(rows["start_us"] >= since_us) & (rows["start_us"] < now_us)], job_id)
+        fresh = analyse_spans(new_rows, job_id) if len(new_rows) else None
         lost = self._lost_s.get(job_id, 0.0) + (fresh["job"]["lost_us"] / 1e6 if fresh else 0.0)
         self._lost_s[job_id] = lost
         stragglers = []

@@ -19,7 +19,7 @@ def test_wide_tables_have_one_column_per_catalogue_field(store):
     host_columns = store.query_df("SELECT * FROM host_samples LIMIT 0").columns.tolist()
     assert gpu_columns == ["node", "gpu_index", "ts", "job_id", "rank", "local_rank", *fields.GPU_FIELD_NAMES]
     assert host_columns == ["node", "ts", *fields.HOST_FIELD_NAMES]
-    assert len(DDL) == 7
+    assert len(DDL) == 8
 
 
 def test_group_with_duplicates_stores_each_batch_once(store):

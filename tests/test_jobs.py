@@ -90,6 +90,8 @@ def test_slow_rank_is_flagged_with_evidence_and_alerted_balanced_job_is_not(stor
 
     later = monitor.check_once(now + 10e6)  # "since" stays the first time it was flagged
     assert later["slow-job"]["stragglers"][0]["since"] == slow["since"]
+    lost = first["slow-job"]["lost_gpu_seconds_total"]  # counted once per ingested span, not per round
+    assert 0 < lost < WORLD * 20 * STEP_US / 1e6 and later["slow-job"]["lost_gpu_seconds_total"] == lost
     jobs = {j["job_id"]: j for j in monitor.jobs(now)}
     assert jobs["slow-job"]["ranks"] == WORLD and jobs["slow-job"]["nodes"] == ["node-0", "node-1"]
     assert jobs["slow-job"]["stragglers"][0]["rank"] == 2 and jobs["even-job"]["stragglers"] == []
