@@ -496,21 +496,33 @@ def _run_export(args: argparse.Namespace) -> dict[str, Any]:
     from gpuwatch.collector.export import export_store
     from gpuwatch.collector.query_cli import parse_time_ms
 
-    return export_store(args.db, args.out, since_ms=parse_time_ms(args.since) if args.since else None,
-                        until_ms=parse_time_ms(args.until) if args.until else None, quiet=args.quiet)
+    def time_ms(flag: str, text: str | None) -> int | None:
+        try:
+            return None if text is None else parse_time_ms(text)
+        except UserError as exc:  # parse_time_ms names --since; say which flag it was
+            raise UserError(str(exc).replace("--since", flag)) from None
+
+    return export_store(args.db, args.out, since_ms=time_ms("--since", args.since),
+                        until_ms=time_ms("--until", args.until), quiet=args.quiet)
 
 
 def format_result(result: dict[str, Any]) -> str:
-    """A result as text: its scalar entries, then one aligned table per list or mapping of rows."""
+    """A result as text: its scalar entries, then one aligned table per list or mapping of rows; the
+    collector's side of an offline replay (``store``, ``scoring``) as sections of their own."""
     from gpuwatch.collector.query_cli import format_table
 
     lines = [f"{k}: {v}" for k, v in result.items() if not isinstance(v, (dict, list))]
     for key, value in result.items():
-        if isinstance(value, dict) and key == "store":
-            lines += ["stored by the collector:", format_result(value).rstrip()]
+        if key in _SECTIONS and isinstance(value, dict):
+            lines += [_SECTIONS[key], format_result(value).rstrip()]
         elif isinstance(value, dict) and value:
             rows = [{"name": k, **(v if isinstance(v, dict) else {"value": v})} for k, v in value.items()]
             lines += [f"{key}:", format_table(rows).rstrip()]
-        elif isinstance(value, list) and value:
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             lines += [f"{key}:", format_table(value).rstrip()]
+        elif isinstance(value, list):
+            lines.append(f"{key}: {', '.join(map(str, value)) or '(none)'}")
     return "\n".join(lines) + "\n"
+
+
+_SECTIONS = {"store": "stored by the collector:", "scoring": "scored over the replayed time range:"}
