@@ -30,7 +30,7 @@ import pandas as pd
 from gpuwatch.v1 import query_pb2, query_pb2_grpc
 
 #: Simulated seconds per agent tick: the one-minute resolution the failure model is trained on.
-SIM_TICK_S = 60.0
+SIM_TICK_S = 120.0
 #: The scripted GPU starts degrading and fails at these shares of the simulated span.
 ONSET_SHARE, FAIL_SHARE = 0.1, 0.85
 DEFAULT_FAULT = "ecc"
@@ -44,10 +44,10 @@ class DemoPlan:
     nodes: int = 4
     gpus: int = 8
     duration_s: float = 60.0
-    interval_s: float = 0.25
+    interval_s: float = 0.2
     speed: float | None = None  # simulated seconds per real second; default: one simulated minute per tick
     fault: str | None = DEFAULT_FAULT  # a --sim-fault kind, or None for a healthy fleet
-    score_every_s: float = 2.0
+    score_every_s: float = 1.0
 
     @property
     def sim_speed(self) -> float:

@@ -115,3 +115,32 @@ def test_large_span_tables_are_cut_below_the_batch_limit():
         merged.MergeFrom(c)
     assert merged == spans and not merged.peer  # columns the probe left empty stay empty
     assert span_chunks(pb.SpanTable(), 10) == [] and span_chunks(spans, 10**9) == [spans]
+
+
+def test_simulated_time_runs_at_sim_speed_for_samples_and_events(tmp_path, sink):
+    server, address = sink
+    start = 1_767_225_600.0  # 2026-01-01T00:00:00Z
+    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool_dir=tmp_path,
+                      simulate=2, sim_speed=1200.0, sim_start=start)
+    Agent(cfg).run(ticks=10)
+    batches = [server.store.batches[k] for k in sorted(server.store.batches)]
+    ts = sorted({t for b in batches for s in b.samples for t in s.ts_ms})
+    steps = [b - a for a, b in zip(ts, ts[1:])]
+    assert len(ts) == 10 and 40_000 < min(steps) and max(steps) < 200_000  # ~60 simulated s per 0.05 s tick
+    assert start * 1000 <= ts[0] < start * 1000 + 120_000
+    start_event = next(e for b in batches for e in b.events if e.kind == ev.AGENT_START)
+    assert abs(start_event.ts_ms - ts[0]) < 120_000  # events are on the simulated clock too, not the wall clock
+
+
+def test_sim_flags_are_checked_with_one_line_errors(tmp_path):
+    base = [sys.executable, "-m", "gpuwatch", "agent", "--spool", str(tmp_path), "--ticks", "1"]
+    for extra, problem in [
+        (["--sim-speed", "10"], "need --simulate"),
+        (["--simulate", "2", "--sim-speed", "0"], "--sim-speed 0.0: must be > 0"),
+        (["--simulate", "2", "--sim-fault", "gpu=1,kind=ecc"], "missing fail"),
+        (["--simulate", "2", "--sim-fault", "gpu=4,kind=ecc,fail=1h"], "gpu=4: the node simulates GPUs 0-1"),
+        (["--simulate", "2", "--sim-start", "tomorrow"], "not epoch seconds or an ISO 8601 time"),
+    ]:
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and problem in out.stderr and "Traceback" not in out.stderr, (extra, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1

@@ -9,6 +9,7 @@ import pytest
 from gpuwatch import fields
 from gpuwatch import events as ev
 from gpuwatch.agent.nvml import NoGpuDriverError, NvmlSampler
+from gpuwatch.agent.simdegrade import Degradation, parse_fault_spec
 from gpuwatch.agent.simfleet import SimulatedFleet
 from gpuwatch.agent.xid import XidDeduper, XidWatcher, normalize_bus_id, parse_kmsg_line
 
@@ -233,3 +234,59 @@ def test_real_gpus_sample_through_the_same_code():
     for values in tick.rows.values():
         assert set(values) <= set(fields.GPU_FIELD_NAMES)
         assert 0.0 <= values["gpu_utilization_ratio"] <= 1.0 and values["gpu_memory_total_bytes"] > 0
+
+
+# ---- scripted degradation (--sim-fault) through the sampler's normal code path ---------------------------
+
+
+def _degrade(rig, spec, minutes, step=60.0):
+    """Drive ``spec`` on the rig's fleet for ``minutes`` simulated minutes; return the ticks and XID events."""
+    fleet, sampler, clock = rig
+    fleet.drive(parse_fault_spec(spec).gpu, Degradation.from_spec(parse_fault_spec(spec), "n1", clock.t))
+    sampler.slow_interval = step  # every tick reads the reliability counters
+    seen = []
+    watcher = XidWatcher(sampler.devices, seen.append, kmsg_path=None, wait_ms=50)
+    watcher.start()
+    try:
+        ticks = _ticks(sampler, clock, minutes, step=step)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(e.code in (48, 79) for e in seen):
+            time.sleep(0.02)  # polling the XID thread with a deadline
+    finally:
+        watcher.stop()
+    return ticks, seen
+
+
+def test_ecc_degradation_grows_counters_sets_remap_pending_and_ends_in_xid_48(rig):
+    ticks, xids = _degrade(rig, "gpu=2,kind=ecc,after=10m,fail=3h,xid=48", 200)
+    before, late = ticks[5].rows[2], ticks[170].rows[2]
+    assert before["gpu_ecc_sbe_volatile_total"] == 0 and before["gpu_remapped_rows_pending"] == 0
+    assert late["gpu_ecc_sbe_volatile_total"] > 50 and late["gpu_remapped_rows_pending"] == 1
+    assert ticks[-1].rows[2]["gpu_ecc_dbe_volatile_total"] >= 1  # the uncorrectable error at the fault
+    assert all(t.rows[g]["gpu_ecc_sbe_volatile_total"] == 0 for t in ticks for g in (0, 1, 3))  # others healthy
+    codes = [e.code for e in xids if e.gpu_index == 2]
+    assert 48 in codes and 63 in codes  # the fault XID and remap XIDs on the way
+    assert not [e for e in xids if e.gpu_index != 2]
+
+
+def test_pcie_degradation_ends_with_the_gpu_lost(rig):
+    ticks, xids = _degrade(rig, "gpu=5,kind=pcie,after=0m,fail=2h", 130)
+    assert ticks[100].rows[5]["gpu_pcie_replay_total"] > 100
+    assert 5 not in ticks[-1].rows and 4 in ticks[-1].rows  # lost; its neighbours keep sampling
+    lost = [e for t in ticks for e in t.events if e.kind == ev.GPU_LOST]
+    assert [e.gpu_index for e in lost] == [5]
+    assert any(e.code == 79 and e.gpu_index == 5 for e in xids)
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("gpu=1,kind=ecc", "missing fail"),
+    ("gpu=x,kind=ecc,fail=1h", "GPU index"),
+    ("gpu=1,kind=disk,fail=1h", "kind=disk"),
+    ("gpu=1,kind=ecc,after=2h,fail=1h", "must come after"),
+    ("gpu=1,kind=ecc,fail=soon", "not a duration"),
+    ("gpu=1,kind=ecc,fail=1h,xid=79", "XID 48 or 64"),
+    ("gpu=1,kind=ecc,fail=1h,when=now", "expected one of"),
+])
+def test_bad_fault_spec_says_what_is_wrong(spec, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_fault_spec(spec)

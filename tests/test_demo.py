@@ -1,0 +1,108 @@
+"""The demo end to end: agent processes on accelerated simulated time -> real gRPC -> collector, DuckDB store,
+scoring on the data clock and alerts; the degrading GPU must be flagged before its failure, read back from
+the store. Then the demo's recordings replayed offline must give the same counts and the same alert."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.demo import DemoPlan, failure_report, run_demo, summary_text
+
+# 2 nodes x 4 GPUs for 20 s at 1500x (5 simulated minutes per 0.2 s tick): ~8 simulated hours, the scripted
+# ECC fault of GPU 3 on the last node degrading from ~50 min to ~7 h.
+PLAN = DemoPlan(nodes=2, gpus=4, duration_s=20, interval_s=0.2, speed=1500)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    home, workdir = root / "home", root / "run"
+    home.mkdir()
+    workdir.mkdir()
+    views = []
+    with pytest.MonkeyPatch.context() as mp:  # agents and collector must write nowhere but workdir
+        mp.setenv("HOME", str(home))
+        mp.setenv("TMPDIR", str(home))
+        mp.chdir(home)
+        result = run_demo(workdir, PLAN, show=views.append, record=True)
+    return result, views, home, workdir
+
+
+def test_nodes_and_samples_are_stored(demo):
+    result, views, _, _ = demo
+    assert [n["node"] for n in result.nodes] == ["demo-node-00", "demo-node-01"]
+    assert all(n["gpus"] == 4 and n["samples"] >= 4 * 40 for n in result.nodes)  # >= 40 of ~100 ticks per GPU
+    assert result.events["agent_start"] == 2 and result.events["xid"] >= 2
+    assert len(views) >= 5 and "max risk" in views[-1] and "demo-node-01" in views[-1]
+
+
+def test_the_degrading_gpu_is_flagged_before_it_fails_and_no_healthy_gpu_is(demo):
+    result, views, _, _ = demo
+    [failed] = result.report["failed"]
+    assert (failed["node"], failed["gpu_index"]) == ("demo-node-01", 3)
+    assert failed["flagged_ms"] is not None and failed["lead_time_s"] > 0
+    assert failed["lead_time_s"] == (failed["failed_ms"] - failed["flagged_ms"]) / 1000
+    assert failed["peak_risk"] > 0.5
+    assert result.report["false_alarms"] == []
+    assert any("GPUFailureRisk: GPU 3 on demo-node-01" in v for v in views)
+    assert "GPU 3 on node demo-node-01 flagged at" in summary_text(result)
+
+
+def test_the_report_is_read_back_from_the_store(demo):
+    result, _, _, workdir = demo
+    store = DuckDBStore(str(workdir / "gpuwatch.duckdb"))
+    try:
+        assert failure_report(store) == result.report
+        fault_codes = store.query_df("""SELECT DISTINCT code FROM events
+                                        WHERE node = 'demo-node-01' AND gpu_index = 3 AND kind = 'xid'""")["code"]
+        assert 48 in set(fault_codes) and 63 in set(fault_codes)  # the fault XID after the remap precursors
+    finally:
+        store.close()
+
+
+def test_nothing_is_written_outside_the_demo_dir(demo):
+    result, _, home, workdir = demo
+    assert list(home.iterdir()) == []
+    assert {p.name for p in workdir.iterdir()} == {"gpuwatch.duckdb", "spool", "recordings",
+                                                   "demo-node-00.log", "demo-node-01.log"}
+    assert result.recordings == [str(workdir / "recordings" / n) for n in ("demo-node-00", "demo-node-01")]
+
+
+def test_replaying_the_recordings_offline_reproduces_counts_and_the_alert(demo):
+    replay = pytest.importorskip("gpuwatch.replay")
+    result, _, _, workdir = demo
+    live = DuckDBStore(str(workdir / "gpuwatch.duckdb"))
+    try:
+        live_events = live.query_df("SELECT node, count(*) AS n FROM events GROUP BY node").set_index("node")["n"]
+    finally:
+        live.close()
+    failed = result.report["failed"][0]
+    for path in result.recordings:
+        out = replay.replay_offline(path, score_interval_s=600, quiet=True)
+        [node] = out["store"]["nodes"]
+        stored = next(n for n in result.nodes if n["node"] == node["node"])
+        assert (node["gpus"], node["samples"]) == (stored["gpus"], stored["samples"])
+        assert node["events"] == live_events[node["node"]]
+        flagged = {(a["node"], a["gpu_index"]) for a in out["scoring"]["alerts"] if a["alertname"] == "GPUFailureRisk"}
+        if node["node"] == failed["node"]:
+            assert flagged == {(failed["node"], failed["gpu_index"])}
+            [alert] = [a for a in out["scoring"]["alerts"] if a["alertname"] == "GPUFailureRisk"]
+            assert _iso_ms(alert["starts_at"]) < failed["failed_ms"]
+        else:
+            assert flagged == set()
+
+
+def _iso_ms(text: str) -> int:
+    from datetime import datetime
+
+    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+
+
+def test_bad_demo_flags_are_one_line(tmp_path):
+    for extra, problem in [(["--fault", "disk"], "--fault disk"), (["--nodes", "0"], "must be positive")]:
+        out = subprocess.run([sys.executable, "-m", "gpuwatch", "demo", "--dir", str(tmp_path / "d"), *extra],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and problem in out.stderr and "Traceback" not in out.stderr
+    assert not Path(tmp_path / "d").exists()
