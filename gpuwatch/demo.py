@@ -1,9 +1,9 @@
 """`gpuwatch demo`: a simulated cluster on loopback, one GPU degrading and flagged before it fails.
 
 Starts a collector on the embedded store with the failure scorer and alerts, and several agent processes
-(8 simulated GPUs each) on accelerated simulated time: each real tick is one simulated minute, so a
-one-minute demo covers hours, and one GPU of the last node is scripted (``--sim-fault``) to degrade and
-fail near the end. The scorer runs on the data clock (the newest stored sample), the fleet view shows
+(8 simulated GPUs each) on accelerated simulated time: each 0.2 s tick is two simulated minutes, so a
+one-minute demo covers ten simulated hours, and one GPU of the last node is scripted (``--sim-fault``) to
+degrade over most of them and fail near the end. The scorer runs on the data clock (the newest stored sample), the fleet view shows
 per node utilisation, power, temperature, the highest failure risk and the active alerts, and the summary
 states when the GPU was flagged and when it failed, both read back from the store. Nothing is written
 outside a temp dir or ``--dir`` (which also keeps each agent's recording for `gpuwatch replay`).
@@ -29,7 +29,9 @@ import pandas as pd
 
 from gpuwatch.v1 import query_pb2, query_pb2_grpc
 
-#: Simulated seconds per agent tick: the one-minute resolution the failure model is trained on.
+#: Simulated seconds per agent tick. Two minutes (600x at 0.2 s ticks) give a one-minute demo ten simulated
+#: hours: room for a precursor as long as failsim's typical memory fault (median 8 h). At one minute per tick
+#: (the model's training resolution) the 4 h span left a 3 h precursor, flagged only ~24 min ahead.
 SIM_TICK_S = 120.0
 #: The scripted GPU starts degrading and fails at these shares of the simulated span.
 ONSET_SHARE, FAIL_SHARE = 0.1, 0.85
@@ -96,10 +98,11 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=4, help="simulated nodes (agent processes), default 4")
     parser.add_argument("--gpus", type=int, default=8, help="simulated GPUs per node, default 8")
     parser.add_argument("--duration", type=float, default=60.0, help="real seconds to run, default 60")
-    parser.add_argument("--interval", type=float, default=0.25, help="agent tick in real seconds, default 0.25")
+    parser.add_argument("--interval", type=float, default=DemoPlan.interval_s,
+                        help=f"agent tick in real seconds, default {DemoPlan.interval_s}")
     parser.add_argument("--speed", type=float, default=None,
-                        help=f"simulated seconds per real second (default: {SIM_TICK_S:.0f} s per tick, "
-                             "240x at the default interval)")
+                        help=f"simulated seconds per real second (default: {SIM_TICK_S:.0f} simulated s per tick, "
+                             f"{SIM_TICK_S / DemoPlan.interval_s:.0f}x at the default interval)")
     parser.add_argument("--fault", default=DEFAULT_FAULT,
                         help=f"how GPU {FAULT_GPU} of the last node degrades and fails: ecc, remap, pcie, nvlink, "
                              "thermal, sudden, or none (default ecc)")
