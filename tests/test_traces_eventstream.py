@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import fields
 
 import numpy as np
@@ -93,3 +94,40 @@ def test_truncated_trace_still_fails_with_the_filter(tmp_path):
         f.truncate(os.path.getsize(path) - 40)
     with pytest.raises(UserError, match="truncated or invalid JSON"):
         _all_events(path, WANTED)
+
+
+def test_keys_at_the_very_end_of_a_block_are_read_whole():
+    wanted = EventFilter.of(["kernel"], ["nccl:"])
+    block = b'{"cat":"cpu_op","name":"aten::mm"},{"cat":"cpu_op","name":"nccl:x"},{"name":"aten::add","cat":"kernel"}'
+    kept = json.loads(wanted.select(block, b"},{"))
+    assert [e["name"] for e in kept] == ["nccl:x", "aten::add"]
+    assert json.loads(wanted.select(block[:-len('"kernel"}')] + b'"cpu_op"}', b"},{")) == [kept[0]]
+
+
+@pytest.mark.parametrize("pattern", [b"},{", b'"cat"', b"},\n  {", b"}"])
+def test_occurrences_finds_every_match_at_every_alignment(pattern):
+    text = b"".join(b"x" * gap + pattern for gap in range(9)) + b"y"
+    expected = [i for i in range(len(text)) if text.startswith(pattern, i)]
+    assert eventstream.occurrences(np.frombuffer(text, np.uint8), pattern).tolist() == expected
+    assert eventstream.occurrences(np.frombuffer(pattern[:-1], np.uint8), pattern).tolist() == []
+
+
+def test_read_ahead_hands_on_items_and_errors_and_stops_early():
+    assert list(eventstream.read_ahead(iter(range(100)), depth=2)) == list(range(100))
+
+    def failing():
+        yield 1
+        raise ValueError("bad block")
+    with pytest.raises(ValueError, match="bad block"):
+        list(eventstream.read_ahead(failing()))
+    produced = []
+
+    def endless():
+        while True:
+            produced.append(len(produced))
+            yield produced[-1]
+    ahead = eventstream.read_ahead(endless(), depth=2)
+    assert next(ahead) == 0
+    ahead.close()
+    assert len(produced) <= 5
+    assert not [t for t in threading.enumerate() if t.name == "read-ahead"]

@@ -13,23 +13,30 @@ each block is split at the separator between events and the pieces whose categor
 does not want are dropped as bytes, before any parsing: only the rest becomes dicts. A piece is dropped
 only when it holds exactly one `"cat"` and one `"name"` key, so a split that fell inside an event (a nested
 list of objects, a string) either keeps the piece or leaves text that does not parse, and then the block
-is parsed whole.
+is parsed whole. Separators and keys are found with numpy over the whole block (no piece is copied), and
+the blocks are read and decompressed one ahead in a background thread (`read_ahead`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import gzip
-import itertools
+import queue
 import re
+import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 import orjson
 
 from gpuwatch.errors import UserError
 
+_T = TypeVar("_T")
+_END = object()
 BLOCK_BYTES = 4 << 20
 _ARRAY_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _HEAD_LIMIT = 256 << 20
@@ -44,8 +51,8 @@ class EventFilter:
     """Which events a reader needs: those whose `cat` is one of `categories`, and those whose `name` starts
     with one of `name_prefixes`. A filter may keep more than that (the reader still checks each event).
 
-    `select` decides for all events of a block at once, with numpy over the positions of the `"cat"` and
-    `"name"` keys, so that dropping an event costs no Python call of its own."""
+    `select` decides for all events of a block at once, with numpy over the byte offsets of the separators
+    and of the `"cat"` and `"name"` keys, so that dropping an event costs no Python call and no copy."""
 
     categories: tuple[bytes, ...]
     name_prefixes: tuple[bytes, ...] = ()
@@ -54,28 +61,63 @@ class EventFilter:
     def of(cls, categories: Iterable[str], name_prefixes: Iterable[str] = ()) -> "EventFilter":
         return cls(tuple(c.encode() + b'"' for c in categories), tuple(n.encode() for n in name_prefixes))
 
-    def select(self, block: bytes, separator: bytes) -> bytes | None:
+    def select(self, block: bytes | memoryview, separator: bytes) -> bytes | None:
         """`[...]` of the wanted events of a block of whole events (`{...}` `separator` `{...}` ...); None
         when the block plainly does not end with a whole event (its last piece is unbalanced)."""
-        body = block.strip()[1:-1]
-        pieces = body.split(separator)
-        if not _balanced(pieces[-1]):
+        data = np.frombuffer(block, np.uint8)
+        first, end = _trimmed(block)
+        cuts = occurrences(data[first:end], separator) + first
+        starts = np.concatenate(([first], cuts + len(separator) - 1))  # each piece from its `{`
+        ends = np.concatenate((cuts + 1, [end]))                        # to its `}`
+        if not _balanced(bytes(block[starts[-1]:end])):
             return None
-        lengths = np.fromiter(map(len, pieces), np.int64, len(pieces)) + len(separator)
-        starts = np.concatenate(([0], np.cumsum(lengths[:-1])))
-        data = np.frombuffer(body, np.uint8)
-        drop = _droppable(data, *_only_key(pieces, starts, b'"cat"'), self.categories)
-        drop &= _droppable(data, *_only_key(pieces, starts, b'"name"'), self.name_prefixes)
-        kept = list(itertools.compress(pieces, (~drop).tolist()))
-        return b"[{" + separator.join(kept) + b"}]" if kept else b"[]"
+        drop = _droppable(data, *_only_key(data, starts, b'"cat"'), self.categories)
+        drop &= _droppable(data, *_only_key(data, starts, b'"name"'), self.name_prefixes)
+        kept = ~drop
+        if not kept.any():
+            return b"[]"
+        # Runs of consecutive kept pieces are copied as they are (braces and separators included).
+        before, after = np.concatenate(([False], kept[:-1])), np.concatenate((kept[1:], [False]))
+        run_starts, run_ends = starts[kept & ~before].tolist(), ends[kept & ~after].tolist()
+        view = memoryview(block)
+        return b"[" + separator[1:-1].join([view[a:b] for a, b in zip(run_starts, run_ends)]) + b"]"
 
 
-def _only_key(pieces: list[bytes], starts: np.ndarray, key: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """Per piece: the offset in the block just after `key`, and whether the key occurs exactly once."""
-    count = len(pieces)
-    first = np.fromiter(map(bytes.find, pieces, itertools.repeat(key, count)), np.int64, count)
-    last = np.fromiter(map(bytes.rfind, pieces, itertools.repeat(key, count)), np.int64, count)
-    return starts + first + len(key), (first >= 0) & (first == last)
+def occurrences(data: np.ndarray, pattern: bytes) -> np.ndarray:
+    """Sorted start offsets of `pattern` in `data` (a pattern that cannot overlap itself, such as a
+    separator or a quoted key). Its first bytes are compared as one machine word at each alignment, so the
+    whole buffer is read about once, in numpy, whatever the pattern."""
+    width = next(w for w in (4, 2, 1) if w <= len(pattern))
+    word = np.frombuffer(pattern[:width], f"u{width}")[0]
+    size = len(data) - len(pattern) + 1
+    if size <= 0:
+        return np.empty(0, np.int64)
+    hits = []
+    for align in range(width):
+        words = data[align: align + (len(data) - align) // width * width].view(f"u{width}")
+        hits.append(np.flatnonzero(words == word) * width + align)
+    found = np.sort(np.concatenate(hits))
+    found = found[found < size]
+    for k in range(width, len(pattern)):
+        found = found[data[found + k] == pattern[k]]
+    return found
+
+
+def _trimmed(block: bytes | memoryview) -> tuple[int, int]:
+    """Offsets of the first and just past the last non-blank byte of a block (blank as `bytes.strip`)."""
+    head, tail = bytes(block[:64]), bytes(block[-64:])
+    return len(head) - len(head.lstrip()), len(block) - len(tail) + len(tail.rstrip())
+
+
+def _only_key(data: np.ndarray, starts: np.ndarray, key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Per piece (pieces begin at `starts`): the offset just after `key`, and whether it occurs exactly once."""
+    at = occurrences(data, key)
+    piece = np.searchsorted(starts, at, side="right") - 1
+    inside = piece >= 0
+    at, piece = at[inside], piece[inside]
+    after = np.zeros(len(starts), np.int64)
+    after[piece] = at + len(key)  # read only where the key occurs once
+    return after, np.bincount(piece, minlength=len(starts)) == 1
 
 
 def _droppable(data: np.ndarray, after_key: np.ndarray, once: np.ndarray, prefixes: tuple[bytes, ...]) -> np.ndarray:
@@ -86,18 +128,41 @@ def _droppable(data: np.ndarray, after_key: np.ndarray, once: np.ndarray, prefix
     if not prefixes:
         drop[rows] = True
         return drop
-    last = len(data) - 1
-    at = after_key[rows]
-    byte = lambda offset: data[np.minimum(at + offset, last)]  # noqa: E731
-    colon = byte(0) == ord(":")
-    tight, spaced = colon & (byte(1) == ord('"')), colon & (byte(1) == ord(" ")) & (byte(2) == ord('"'))
-    width = max(map(len, prefixes))
-    window = data[np.minimum(np.where(tight, at + 2, at + 3)[:, None] + np.arange(width), last)]
+    width = -(-max(map(len, prefixes)) // 8) * 8
+    text = _bytes_at(data, after_key[rows], 3 + width)
+    colon = text[:, 0] == ord(":")
+    tight = colon & (text[:, 1] == ord('"'))
+    spaced = colon & (text[:, 1] == ord(" ")) & (text[:, 2] == ord('"'))
+    value = np.where(tight[:, None], text[:, 2:2 + width], text[:, 3:3 + width])
+    words = np.ascontiguousarray(value).view(np.uint64)
     matched = np.zeros(len(rows), dtype=bool)
     for prefix in prefixes:
-        matched |= (window[:, : len(prefix)] == np.frombuffer(prefix, np.uint8)).all(axis=1)
+        matched |= _starts_with(words, prefix)
     drop[rows] = (tight | spaced) & ~matched
     return drop
+
+
+def _bytes_at(data: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
+    """`width` bytes from each offset in `at`, one row each; bytes past the end of `data` read as 0."""
+    windows = (np.lib.stride_tricks.sliding_window_view(data, width) if len(data) >= width
+               else np.zeros((0, width), np.uint8))
+    inside = at < len(windows)
+    out = np.zeros((len(at), width), np.uint8)
+    out[inside] = windows[at[inside]]
+    for row in np.flatnonzero(~inside):  # the few offsets within `width` of the end
+        tail = data[at[row]:]
+        out[row, :len(tail)] = tail
+    return out
+
+
+def _starts_with(words: np.ndarray, prefix: bytes) -> np.ndarray:
+    """Per row of 8-byte `words` (text as uint64, in the machine's byte order): whether it starts with `prefix`."""
+    found = np.ones(len(words), dtype=bool)
+    for offset in range(0, len(prefix), 8):
+        chunk = prefix[offset: offset + 8]
+        mask = np.frombuffer(bytes([255] * len(chunk)).ljust(8, b"\0"), np.uint64)[0]
+        found &= (words[:, offset // 8] & mask) == np.frombuffer(chunk.ljust(8, b"\0"), np.uint64)[0]
+    return found
 
 
 def _balanced(text: bytes) -> bool:
@@ -123,25 +188,29 @@ class TraceEventStream:
     def __iter__(self) -> Iterator[list[dict]]:
         try:
             with _open(self.path) as f:
-                yield from self._events(f)
+                blocks = read_ahead(iter(functools.partial(f.read, self.block_bytes), b""))
+                try:
+                    yield from self._events(blocks)
+                finally:
+                    blocks.close()
         except (OSError, EOFError, zlib.error) as exc:
             raise UserError(f"{self.path}: cannot read the trace ({exc})") from None
 
-    def _read(self, f: BinaryIO) -> bytes:
-        data = f.read(self.block_bytes)
+    def _read(self, blocks: Iterator[bytes]) -> bytes:
+        data = next(blocks, b"")
         self.bytes_read += len(data)
         if self.progress is not None and data:
             self.progress(self.bytes_read)
         return data
 
-    def _events(self, f: BinaryIO) -> Iterator[list[dict]]:
-        data, start = self._find_array(f)
+    def _events(self, blocks: Iterator[bytes]) -> Iterator[list[dict]]:
+        data, start = self._find_array(blocks)
         pending = data[start:]
         spellings = _SEPARATOR.findall(pending[:_SNIFF_BYTES])
         if spellings:
             self._separator = max(set(spellings), key=spellings.count)
         while True:
-            block = self._read(f)
+            block = self._read(blocks)
             if not block:
                 break
             pending += block
@@ -153,11 +222,11 @@ class TraceEventStream:
             yield events
         self.meta.update(_parse_tail(self.path, tail))
 
-    def _find_array(self, f: BinaryIO) -> tuple[bytes, int]:
+    def _find_array(self, blocks: Iterator[bytes]) -> tuple[bytes, int]:
         """Read until the start of the events array; parse the keys before it into `meta`."""
         data = b""
         while True:
-            block = self._read(f)
+            block = self._read(blocks)
             data += block
             stripped = data.lstrip()
             if stripped.startswith(b"["):  # the bare "JSON Array Format" of Chrome traces
@@ -180,24 +249,24 @@ class TraceEventStream:
             end = cut
             if not after.startswith(b","):
                 continue
-            events = self._parse(pending[: cut + 1])
+            events = self._parse(memoryview(pending)[: cut + 1])
             if events is None:
                 continue
             rest = pending[cut + 1:].lstrip()
             return events, rest[1:]
         return [], pending
 
-    def _parse(self, block: bytes) -> list[dict] | None:
+    def _parse(self, block: bytes | memoryview) -> list[dict] | None:
         """The events of a run of whole events (with a filter: the wanted ones); None if it is not one."""
-        starts_an_object = block[:64].lstrip()[:1] == b"{"
+        starts_an_object = bytes(block[:64]).lstrip()[:1] == b"{"
         selected = self.only.select(block, self._separator) if self.only and starts_an_object else None
         if selected is not None:
             try:
-                return orjson.loads(selected)
+                return _loads(selected)
             except orjson.JSONDecodeError:
                 pass  # a piece was misjudged: parse the block whole, which also checks the cut
         try:
-            return orjson.loads(b"[" + block + b"]")
+            return _loads(b"[" + block + b"]")
         except orjson.JSONDecodeError:
             return None
 
@@ -214,6 +283,57 @@ class TraceEventStream:
             f"{self.path}: truncated or invalid JSON: the traceEvents array does not end "
             f"(read {self.bytes_read} bytes)"
         )
+
+
+def _loads(text: bytes) -> list:
+    """orjson.loads with the cycle collector paused: parsed JSON is a tree of new dicts and lists without
+    cycles, so the collections its allocations would trigger (every few hundred) find nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return orjson.loads(text)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def read_ahead(items: Iterator[_T], depth: int = 2) -> Generator[_T, None, None]:
+    """The items of `items`, produced up to `depth` ahead in a background thread, so that producing them
+    (reading, decompressing: zlib releases the GIL) overlaps the caller's work on the previous ones. An
+    exception in the producer is raised in the caller; closing the generator stops the producer."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                ready.put((item, None))
+                if stop.is_set():
+                    break
+            else:
+                ready.put((_END, None))
+        except BaseException as exc:  # handed to the caller, raised there
+            ready.put((_END, exc))
+        finally:
+            if isinstance(items, Generator):
+                items.close()  # its files are closed in the thread that used them
+
+    worker = threading.Thread(target=produce, name="read-ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                return
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # unblock a producer waiting on a full queue
+            with contextlib.suppress(queue.Empty):
+                ready.get(timeout=0.01)
+        worker.join()
 
 
 def _open(path: str) -> BinaryIO:

@@ -20,7 +20,7 @@ import numpy as np
 
 from gpuwatch.collector.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P, UNKNOWN, RankTimeline
 from gpuwatch.collector.traces.collectives import P2P_TYPES, canonical_type, is_comm_kernel
-from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream
+from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream, read_ahead
 from gpuwatch.errors import UserError
 
 _GPU_CATS = {"kernel": COMPUTE, "gpu_memcpy": MEMCPY, "gpu_memset": MEMCPY}
@@ -163,7 +163,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
     `default_rank`; without any of them the file is rejected."""
     stream = TraceEventStream(path, progress=progress, only=_WANTED)
     got = _Collected()
-    for events in stream:
+    for events in read_ahead(iter(stream)):
         got.add(events)
     if not got.gpu_ts:
         raise UserError(f"{path}: no GPU activity in the trace (no kernel, gpu_memcpy or gpu_memset events)")
@@ -269,7 +269,7 @@ def _enclosing(op_thread: np.ndarray, op_ts: np.ndarray, op_end: np.ndarray,
                thread: np.ndarray, t: np.ndarray) -> np.ndarray:
     """Index of the latest-starting op on the same thread whose [ts, end] holds time t, else -1."""
     found = np.full(t.shape, -1, dtype=np.int64)
-    for th in np.unique(thread[thread >= 0]):
+    for th in np.flatnonzero(np.bincount(thread[thread >= 0])):  # each launching thread (dense ids)
         ops = np.flatnonzero(op_thread == th)
         if not len(ops):
             continue
