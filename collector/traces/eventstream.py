@@ -37,7 +37,7 @@ from gpuwatch.errors import UserError
 
 _T = TypeVar("_T")
 _END = object()
-BLOCK_BYTES = 4 << 20
+BLOCK_BYTES = 1 << 20
 _ARRAY_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _HEAD_LIMIT = 256 << 20
 _CUT_TRIES = 64

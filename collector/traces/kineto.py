@@ -78,6 +78,15 @@ class _CommMeta:
             "nbytes": np.frombuffer(self.nbytes, dtype=np.int64).copy(),
         }
 
+    def spread(self, at: array, size: int) -> dict[str, np.ndarray]:
+        """The columns for `size` rows, where row `at[i]` holds entry i and every other row is UNKNOWN."""
+        rows = np.frombuffer(at, dtype=np.int64)
+        columns = {}
+        for name, values in self.arrays().items():
+            columns[name] = np.full(size, UNKNOWN, dtype=values.dtype)
+            columns[name][rows] = values
+        return columns
+
 
 class _Collected:
     """The columns gathered while the trace streams by."""
@@ -86,7 +95,9 @@ class _Collected:
         self.types, self.groups, self.threads = _Interner(), _Interner(), _Interner()
         self.gpu_ts, self.gpu_dur, self.gpu_kind = array("d"), array("d"), array("b")
         self.gpu_stream, self.gpu_corr = array("i"), array("q")
-        self.gpu_meta = _CommMeta(self.types, self.groups)
+        # Communication kernels only (most GPU activities are not): their index and collective metadata.
+        self.comm_at = array("q")
+        self.comm_meta = _CommMeta(self.types, self.groups)
         self.launch_corr, self.launch_ts, self.launch_thread = array("q"), array("d"), array("i")
         self.step_id, self.step_ts, self.step_end = array("q"), array("d"), array("d")
         self.op_thread, self.op_ts, self.op_end = array("i"), array("d"), array("d")
@@ -124,12 +135,13 @@ class _Collected:
 
     def _add_gpu(self, e: dict, kind: int) -> None:
         args = e.get("args", {})
-        name = e.get("name", "")
         if kind == COMPUTE:
-            is_comm, name_type = self._classify(name)
+            is_comm, name_type = self._classify(e.get("name", ""))
             if is_comm or "Collective name" in args:
                 kind = _COMM
+                self.comm_at.append(len(self.gpu_ts))
                 self.comm_name_type.append(name_type)
+                self.comm_meta.add(args, None)
         self.gpu_ts.append(e["ts"])
         self.gpu_dur.append(e.get("dur", 0))
         self.gpu_kind.append(kind)
@@ -137,13 +149,6 @@ class _Collected:
         self.gpu_stream.append(stream if isinstance(stream, int) else UNKNOWN)
         corr = args.get("correlation")
         self.gpu_corr.append(corr if isinstance(corr, int) else UNKNOWN)
-        if kind == _COMM:
-            self.gpu_meta.add(args, None)
-        else:
-            self.gpu_meta.type.append(UNKNOWN)
-            self.gpu_meta.group.append(UNKNOWN)
-            self.gpu_meta.seq.append(UNKNOWN)
-            self.gpu_meta.nbytes.append(UNKNOWN)
 
     def _classify(self, name: str) -> tuple[bool, int]:
         """(is a communication kernel, type id from the name alone), cached per kernel name."""
@@ -188,7 +193,7 @@ def _timeline(path: str, got: _Collected, rank: int, world: int | None) -> RankT
     start = np.frombuffer(got.gpu_ts, dtype=np.float64)
     end = start + np.frombuffer(got.gpu_dur, dtype=np.float64)
     kind = np.frombuffer(got.gpu_kind, dtype=np.int8).copy()
-    meta = got.gpu_meta.arrays()
+    meta = got.comm_meta.spread(got.comm_at, len(kind))
     launch, launch_thread = _join_launches(got, np.frombuffer(got.gpu_corr, dtype=np.int64))
     step = _steps_of(got, launch)
     comm = np.flatnonzero(kind == _COMM)
