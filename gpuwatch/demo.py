@@ -195,7 +195,7 @@ def _start_agent(address: str, workdir: Path, plan: DemoPlan, i: int, origin: fl
     node = node_name(i)
     command = [sys.executable, "-m", "gpuwatch", "agent", "--collector", address, "--simulate", str(plan.gpus),
                "--node", node, "--interval", str(plan.interval_s), "--spool", str(workdir / "spool" / node),
-               "--slow-interval", str(plan.interval_s), "--batch-interval", str(max(1.0, plan.interval_s)),
+               "--slow-interval", str(plan.interval_s), "--batch-interval", str(max(0.5, plan.interval_s)),
                "--sim-speed", str(plan.sim_speed), "--sim-start", str(sim_start), "--sim-origin", str(origin)]
     if node == plan.fault_node and plan.fault_spec():
         command += ["--sim-fault", plan.fault_spec()]
@@ -324,8 +324,8 @@ def summary_text(result: DemoResult) -> str:
             lines.append(f"  GPU {f['gpu_index']} on node {f['node']} failed at {_clock(f['failed_ms'])} UTC "
                          "(simulated) without an alert before it")
         else:
-            lines.append(f"  GPU {f['gpu_index']} on node {f['node']} flagged at {_clock(f['flagged_ms'])}, failed at "
-                         f"{_clock(f['failed_ms'])}: lead time {f['lead_time_s'] / 60:.0f} minutes (simulated, UTC)")
+            lines.append(f"  GPU {f['gpu_index']} on node {f['node']} flagged at {_clock(f['flagged_ms'])} UTC, failed at "
+                         f"{_clock(f['failed_ms'])} UTC: lead time {f['lead_time_s'] / 60:.0f} minutes (simulated)")
     if not result.report["failed"]:
         lines.append("  no GPU failed")
     lines.append(f"  alerts on GPUs that did not fail: {len(result.report['false_alarms'])}")
