@@ -21,7 +21,7 @@ from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.config import Option, non_negative, positive
 from gpuwatch.models.model import default_model_path, load_model
 from gpuwatch.models.policy import AlertPolicy
-from gpuwatch.security import read_token
+from gpuwatch.security import check_listen_policy, read_token
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
 
 def start_collector(cfg: config.Config) -> CollectorServer:
     """Start a collector with everything ``cfg`` (from :func:`gpuwatch.config.load_config` over OPTIONS) asks."""
+    check_listen_policy(cfg.listen, cfg.tls_cert is not None or cfg.tls_key is not None, cfg.insecure)  # fail fast
     model = _model(cfg.model)
     hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, _senders(cfg))
     scorer = scoring.Scorer(model, hub, interval_s=cfg.score_interval)

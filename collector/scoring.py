@@ -2,7 +2,7 @@
 
 Each round reads the last ``HISTORY_S`` of every GPU from the store at one-minute resolution (the
 resolution the model is trained on: last value of counters and levels, mean of gauges, min/max of PCIe
-link state), computes the feature rows with :func:`gpuwatch.models.features.features` (the function
+link state; minutes are aggregated once and kept, see :class:`MinuteHistory`), computes the feature rows with :func:`gpuwatch.models.features.features` (the function
 training and evaluation call), scores them, explains them with the top signals, derives the rule-based
 health state, and hands one :class:`RiskObservation` per GPU to the :class:`AlertHub`. Without a model the
 health states are still computed, and no risk alerts are raised.
@@ -41,31 +41,63 @@ def _history_sql() -> str:
             "max(gpu_pcie_link_width_max) AS gpu_pcie_link_width_max",
             "max(gpu_pcie_link_gen_max) AS gpu_pcie_link_gen_max"]
     return f"""
-        SELECT node, gpu_index, max(ts) AS ts, arg_max(job_id, ts) AS job_id, arg_max(rank, ts) AS rank,
-               {', '.join(last + means + link)}
-        FROM gpu_samples WHERE ts > $since AND ts <= $until
-        GROUP BY node, gpu_index, date_trunc('minute', ts) ORDER BY node, gpu_index, ts"""
+        SELECT node, gpu_index, date_trunc('minute', ts) AS minute, max(ts) AS ts, arg_max(job_id, ts) AS job_id,
+               arg_max(rank, ts) AS rank, {', '.join(last + means + link)}
+        FROM gpu_samples WHERE ts >= $since AND ts <= $until
+        GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts"""
 
 
 _HISTORY_SQL = _history_sql()
+_MINUTE_MS = 60_000
+#: Minutes re-aggregated every round even without late data (a batch in flight during the last round).
+REREAD_S = 120.0
 
 
-def history(store: DuckDBStore, until_ms: int, history_s: float = feature_module.HISTORY_S
-            ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(samples per GPU and minute, XID events) of the ``history_s`` before ``until_ms``."""
-    window = {"since": ms_to_datetime(int(until_ms - history_s * 1000)), "until": ms_to_datetime(until_ms)}
-    samples = store.query_df(_HISTORY_SQL, window)
-    events = store.query_df(f"""
+class MinuteHistory:
+    """Every GPU's samples per minute over the last ``history_s``, kept between rounds so that a round
+    aggregates only the recent minutes instead of the whole window of raw samples. When the store committed
+    samples older than that (an agent replaying its spool, a replay), the whole window is read again."""
+
+    def __init__(self, history_s: float = feature_module.HISTORY_S) -> None:
+        self.history_s = history_s
+        self._rows: pd.DataFrame | None = None
+        self._until_ms = 0
+
+    def samples(self, store: DuckDBStore, until_ms: int) -> pd.DataFrame:
+        """Per-minute rows (node, gpu_index, minute, ts, job_id, rank, the feature inputs) up to ``until_ms``."""
+        since_ms = int(until_ms - self.history_s * 1000)
+        start_ms = max(since_ms, (int(self._until_ms - REREAD_S * 1000) // _MINUTE_MS) * _MINUTE_MS)
+        oldest_new = store.counters.take_oldest_sample_ms()
+        if self._rows is None or until_ms < self._until_ms or (oldest_new is not None and oldest_new < start_ms):
+            rows = _minutes(store, since_ms, until_ms)
+        else:
+            old = self._rows
+            kept = old[(old["minute"] < ms_to_datetime(start_ms)) & (old["ts"] >= ms_to_datetime(since_ms))]
+            rows = pd.concat([kept, _minutes(store, start_ms, until_ms)], ignore_index=True).sort_values(
+                ["node", "gpu_index", "ts"], kind="stable")
+        self._rows, self._until_ms = rows.reset_index(drop=True), until_ms
+        return self._rows
+
+
+def _minutes(store: DuckDBStore, since_ms: int, until_ms: int) -> pd.DataFrame:
+    return store.query_df(_HISTORY_SQL, {"since": ms_to_datetime(since_ms), "until": ms_to_datetime(until_ms)})
+
+
+def xid_events(store: DuckDBStore, until_ms: int, history_s: float = feature_module.HISTORY_S) -> pd.DataFrame:
+    """XID events of the ``history_s`` before ``until_ms`` (what the event features read)."""
+    return store.query_df(f"""
         SELECT node, gpu_index, ts, kind, code FROM events
-        WHERE kind = '{event_kinds.XID}' AND ts > $since AND ts <= $until""", window)
-    return samples, events
+        WHERE kind = '{event_kinds.XID}' AND ts > $since AND ts <= $until""",
+        {"since": ms_to_datetime(int(until_ms - history_s * 1000)), "until": ms_to_datetime(until_ms)})
 
 
-def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int,
-               history_s: float = feature_module.HISTORY_S) -> list[dict[str, Any]]:
+def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int, history: MinuteHistory | None = None
+               ) -> list[dict[str, Any]]:
     """One dict per GPU with samples in the window: identity, job and rank, risk (None without a model),
     top signals, health state and the rules' reasons."""
-    samples, events = history(store, now_ms, history_s)
+    history = history or MinuteHistory()
+    samples = history.samples(store, now_ms)
+    events = xid_events(store, now_ms, history.history_s)
     if samples.empty:
         return []
     step_s = int(model["step_s"]) if model else feature_module.DEFAULT_STEP_S
@@ -107,7 +139,7 @@ class Scorer(PeriodicService):
         super().__init__(interval_s)
         self.model = model
         self.hub = hub
-        self.history_s = history_s
+        self.history = MinuteHistory(history_s)
         self.rounds = 0
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
@@ -119,7 +151,7 @@ class Scorer(PeriodicService):
         """Score every GPU at ``now_ms`` (default now), feed the alerts, keep the result for metrics."""
         now = int(time.time() * 1000) if now_ms is None else now_ms
         started = time.perf_counter()
-        gpus = score_gpus(self._store, self.model, now, self.history_s)
+        gpus = score_gpus(self._store, self.model, now, self.history)
         if self.hub is not None and self.model is not None:
             self.hub.observe_risk([observation(g, now) for g in gpus], now_ms=now)
         with self._lock:

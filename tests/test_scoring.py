@@ -11,7 +11,7 @@ from gpuwatch import cli
 from gpuwatch.collector.alert_hub import AlertHub, list_alerts
 from gpuwatch.collector.alerts import ALERT_NAME
 from gpuwatch.collector.cli import OPTIONS, start_collector
-from gpuwatch.collector.scoring import Scorer
+from gpuwatch.collector.scoring import MinuteHistory, Scorer, score_gpus
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.config import load_config
 from gpuwatch.models.failsim import HOUR_MS
@@ -107,3 +107,32 @@ def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp
         assert [a["gpu_index"] for a in _alerts(reopened)] == [FAILING]
     finally:
         reopened.close()
+
+
+def test_rounds_that_reuse_aggregated_minutes_score_like_a_fresh_read(store, model):
+    history = MinuteHistory()
+    for hours in (26, 27.5, 27.9):  # the later rounds re-read only the recent minutes
+        kept = score_gpus(store, model, T0 + int(hours * HOUR_MS), history)
+    fresh = score_gpus(store, model, T0 + int(27.9 * HOUR_MS))
+    assert [g["risk"] for g in kept] == [g["risk"] for g in fresh] and [g["health"] for g in kept] == [
+        g["health"] for g in fresh]
+    assert kept[FAILING]["signals"] == fresh[FAILING]["signals"]
+
+
+def test_samples_arriving_late_are_read_again(tmp_path, model):
+    store = DuckDBStore(str(tmp_path / "late.duckdb"))
+    try:
+        gpu, events = degrading_node(T0, hours=28, fault_after_h=29, failing_gpu=FAILING)
+        cut = gpu["ts"] < gpu["ts"].min() + (gpu["ts"].max() - gpu["ts"].min()) / 2
+        for batch in frames_to_batches(gpu[cut], events.iloc[:0]):
+            store.write(batch)
+        history, now = MinuteHistory(), T0 + 28 * HOUR_MS
+        before = score_gpus(store, model, now, history)
+        for batch in frames_to_batches(gpu[~cut], events, agent="agent-replaying-its-spool"):
+            store.write(batch)
+        after = score_gpus(store, model, now + 60_000, history)
+        assert after[FAILING]["risk"] > before[FAILING]["risk"]
+        fresh = score_gpus(store, model, now + 60_000)
+        assert [g["risk"] for g in after] == [g["risk"] for g in fresh]
+    finally:
+        store.close()

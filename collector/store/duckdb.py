@@ -126,15 +126,27 @@ class IngestCounters:
     def __init__(self) -> None:
         self.batches = self.samples = self.duplicates = self.rejected = 0
         self.commit_seconds = LatencyHistogram()
+        self._oldest_sample_ms: int | None = None
         self._lock = threading.Lock()
 
     def committed(self, batches: Sequence[pb.TelemetryBatch], duplicates: int, seconds: float) -> None:
-        rows = sum(len(s.ts_ms) for b in batches for s in b.samples)
+        blocks = [s.ts_ms for b in batches for s in b.samples if len(s.ts_ms)]
+        rows = sum(len(ts) for ts in blocks)
+        oldest = min(min(ts) for ts in blocks) if blocks else None
         with self._lock:
             self.batches += len(batches)
             self.samples += rows
             self.duplicates += duplicates
+            if oldest is not None and (self._oldest_sample_ms is None or oldest < self._oldest_sample_ms):
+                self._oldest_sample_ms = oldest
         self.commit_seconds.observe(seconds)
+
+    def take_oldest_sample_ms(self) -> int | None:
+        """The oldest GPU sample time committed since the last call (None: no samples since), so a reader
+        that keeps aggregates of recent data (the scorer) knows when late data (a spool replay) needs a re-read."""
+        with self._lock:
+            oldest, self._oldest_sample_ms = self._oldest_sample_ms, None
+        return oldest
 
     def reject(self) -> None:
         """The server refused a batch before it reached the store (malformed, oversized, wrong version)."""
@@ -261,7 +273,7 @@ class DuckDBStore:
 
     def _retention_cutoff(self, now_ms: int | None = None) -> dt.datetime:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        return _ms_to_datetime(now_ms - int(self.retention_days * 86_400_000))
+        return ms_to_datetime(now_ms - int(self.retention_days * 86_400_000))
 
     def _drain(self) -> Iterable:
         for _ in range(self._max_group - 1):
@@ -467,7 +479,7 @@ class DuckDBStore:
 # ------------------------------------------------------------------------------ columnar conversion
 def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatch]) -> None:
     """Insert a group of fresh batches: one Arrow table and one INSERT ... SELECT per target table."""
-    now = _ms_to_datetime(int(time.time() * 1000))
+    now = ms_to_datetime(int(time.time() * 1000))
     tables = {
         "gpu_samples": _gpu_samples_table(batches),
         "host_samples": _host_samples_table(batches),
@@ -657,13 +669,13 @@ def _resolve(future: Future, fn: Callable, *args: Any) -> None:
         future.set_exception(exc)
 
 
-def _ms_to_datetime(ms: int) -> dt.datetime:
+def ms_to_datetime(ms: int) -> dt.datetime:
     """Epoch ms as a naive UTC datetime (DuckDB TIMESTAMP has no zone)."""
     return dt.datetime(1970, 1, 1) + dt.timedelta(milliseconds=ms)
 
 
 def _ms_or_none(ms: int | None) -> dt.datetime | None:
-    return None if ms is None else _ms_to_datetime(ms)
+    return None if ms is None else ms_to_datetime(ms)
 
 
 def _table_name(statement: str) -> str:
