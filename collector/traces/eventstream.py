@@ -72,8 +72,8 @@ class EventFilter:
         if not _balanced(bytes(block[starts[-1]:end])):
             return None
         drop = _droppable(data, *_only_key(data, starts, b'"cat"'), self.categories)
-        drop &= _droppable(data, *_only_key(data, starts, b'"name"'), self.name_prefixes)
-        kept = ~drop
+        after_name, one_name = _only_key(data, starts, b'"name"')
+        kept = ~_droppable(data, after_name, one_name & drop, self.name_prefixes)
         if not kept.any():
             return b"[]"
         # Runs of consecutive kept pieces are copied as they are (braces and separators included).
@@ -121,48 +121,54 @@ def _only_key(data: np.ndarray, starts: np.ndarray, key: bytes) -> tuple[np.ndar
 
 
 def _droppable(data: np.ndarray, after_key: np.ndarray, once: np.ndarray, prefixes: tuple[bytes, ...]) -> np.ndarray:
-    """Per piece: true when its only key is followed by a string (`: "` or `:"`) that starts with none of
-    `prefixes`. A piece without the key, with it twice, or spelled otherwise is not droppable."""
+    """Per piece: true when `once` (its key occurs once, and the caller has no other reason to keep it) and
+    the key is followed by a string (`: "` or `:"`) that starts with none of `prefixes`. A piece without
+    the key, with it twice, or spelled otherwise is not droppable."""
     drop = np.zeros(len(once), dtype=bool)
     rows = np.flatnonzero(once)
     if not prefixes:
         drop[rows] = True
         return drop
-    width = -(-max(map(len, prefixes)) // 8) * 8
+    chunks = _word_chunks(prefixes)
+    width = 8 * max(map(len, chunks))
     text = _bytes_at(data, after_key[rows], 3 + width)
     colon = text[:, 0] == ord(":")
     tight = colon & (text[:, 1] == ord('"'))
     spaced = colon & (text[:, 1] == ord(" ")) & (text[:, 2] == ord('"'))
     value = np.where(tight[:, None], text[:, 2:2 + width], text[:, 3:3 + width])
-    words = np.ascontiguousarray(value).view(np.uint64)
+    words = np.ascontiguousarray(value).view(np.uint64)  # the value's text, 8 bytes a word
     matched = np.zeros(len(rows), dtype=bool)
-    for prefix in prefixes:
-        matched |= _starts_with(words, prefix)
+    for prefix in chunks:
+        found = np.ones(len(rows), dtype=bool)
+        for column, (mask, want) in enumerate(prefix):
+            found &= (words[:, column] & mask) == want
+        matched |= found
     drop[rows] = (tight | spaced) & ~matched
     return drop
 
 
+@functools.lru_cache
+def _word_chunks(prefixes: tuple[bytes, ...]) -> list[list[tuple[np.uint64, np.uint64]]]:
+    """Each prefix as 8-byte words (machine byte order) with the mask of the bytes it sets: a text starts
+    with the prefix when, word by word, `text & mask == word`."""
+    def word(chunk: bytes) -> np.uint64:
+        return np.frombuffer(chunk.ljust(8, b"\0"), np.uint64)[0]
+
+    return [[(word(b"\xff" * len(prefix[i:i + 8])), word(prefix[i:i + 8])) for i in range(0, len(prefix), 8)]
+            for prefix in prefixes]
+
+
 def _bytes_at(data: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
     """`width` bytes from each offset in `at`, one row each; bytes past the end of `data` read as 0."""
-    windows = (np.lib.stride_tricks.sliding_window_view(data, width) if len(data) >= width
-               else np.zeros((0, width), np.uint8))
-    inside = at < len(windows)
-    out = np.zeros((len(at), width), np.uint8)
-    out[inside] = windows[at[inside]]
-    for row in np.flatnonzero(~inside):  # the few offsets within `width` of the end
+    if len(data) < width:
+        data = np.concatenate((data, np.zeros(width - len(data), np.uint8)))
+    windows = np.lib.stride_tricks.sliding_window_view(data, width)
+    out = windows[np.minimum(at, len(windows) - 1)]
+    for row in np.flatnonzero(at >= len(windows)):  # the few offsets within `width` of the end
         tail = data[at[row]:]
+        out[row] = 0
         out[row, :len(tail)] = tail
     return out
-
-
-def _starts_with(words: np.ndarray, prefix: bytes) -> np.ndarray:
-    """Per row of 8-byte `words` (text as uint64, in the machine's byte order): whether it starts with `prefix`."""
-    found = np.ones(len(words), dtype=bool)
-    for offset in range(0, len(prefix), 8):
-        chunk = prefix[offset: offset + 8]
-        mask = np.frombuffer(bytes([255] * len(chunk)).ljust(8, b"\0"), np.uint64)[0]
-        found &= (words[:, offset // 8] & mask) == np.frombuffer(chunk.ljust(8, b"\0"), np.uint64)[0]
-    return found
 
 
 def _balanced(text: bytes) -> bool:

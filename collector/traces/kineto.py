@@ -20,7 +20,7 @@ import numpy as np
 
 from gpuwatch.collector.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P, UNKNOWN, RankTimeline
 from gpuwatch.collector.traces.collectives import P2P_TYPES, canonical_type, is_comm_kernel
-from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream, read_ahead
+from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream
 from gpuwatch.errors import UserError
 
 _GPU_CATS = {"kernel": COMPUTE, "gpu_memcpy": MEMCPY, "gpu_memset": MEMCPY}
@@ -168,7 +168,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
     `default_rank`; without any of them the file is rejected."""
     stream = TraceEventStream(path, progress=progress, only=_WANTED)
     got = _Collected()
-    for events in read_ahead(iter(stream)):
+    for events in stream:
         got.add(events)
     if not got.gpu_ts:
         raise UserError(f"{path}: no GPU activity in the trace (no kernel, gpu_memcpy or gpu_memset events)")
