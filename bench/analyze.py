@@ -1,14 +1,15 @@
 """Benchmark `gpuwatch analyze` against HolisticTraceAnalysis 0.5.0 on the same real Kineto trace.
 
 Prints, side by side in one run: whole-process wall time and peak RSS of each tool (each run as its own
-subprocess, measured from a wrapper with getrusage(RUSAGE_CHILDREN)), the agreement of compute and idle
+subprocess, measured from a wrapper with getrusage(RUSAGE_CHILDREN); the tools take turns and the best of
+`--runs` counts, with the load average before and after, as the machine may be shared), the agreement of compute and idle
 with HTA's temporal breakdown over the same window (as % of the window), and then the wall time and peak
 RSS of gpuwatch on a ~500 MB, 8-rank synthetic trace set built by replicating the real trace.
 
 HTA is installed into a venv under ~/.cache/gpuwatch-bench (created on first use). Targets: >= 5x faster,
 <= 0.5x peak memory, agreement within 0.5 % of the window.
 
-    python bench/analyze.py [--trace FILE] [--synthetic-mb 500] [--no-hta] [--keep DIR]
+    python bench/analyze.py [--trace FILE] [--runs 5] [--synthetic-mb 500] [--no-hta] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -79,41 +80,55 @@ def ensure_hta() -> str | None:
     return python
 
 
-def best_of(runs: int, cmd: list[str]) -> dict:
-    """The fastest of `runs` runs (the machine is shared; the minimum is the least disturbed)."""
-    results = [measure(cmd) for _ in range(runs)]
-    for r in results:
-        if r["rc"] != 0:
-            raise SystemExit(f"command failed: {' '.join(cmd)}")
-    return min(results, key=lambda r: r["wall_s"])
+def best_of(runs: int, cmds: dict[str, list[str]]) -> dict[str, dict]:
+    """The fastest of `runs` runs of each command, the commands taking turns (so that each sees the same
+    load on a shared machine; the minimum is the least disturbed run)."""
+    results: dict[str, list[dict]] = {name: [] for name in cmds}
+    for _ in range(runs):
+        for name, cmd in cmds.items():
+            result = measure(cmd)
+            if result["rc"] != 0:
+                raise SystemExit(f"command failed: {' '.join(cmd)}")
+            results[name].append(result)
+    return {name: min(found, key=lambda r: r["wall_s"]) for name, found in results.items()}
 
 
 def compare(trace: str, runs: int, use_hta: bool) -> None:
     folder = tempfile.mkdtemp(prefix="gw-bench-")
     try:
         os.symlink(os.path.abspath(trace), os.path.join(folder, os.path.basename(trace)))
-        gw_cli = [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"]
-        gw = best_of(runs, gw_cli)
+        load_before = _load()
+        python = ensure_hta() if use_hta else None
+        cmds = {"gpuwatch": [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"],
+                "bare": [sys.executable, "-c", "pass"], "numpy": [sys.executable, "-c", "import numpy"]}
+        if python:
+            cmds["hta"] = [python, "-c", HTA_SCRIPT, folder]
+        best = best_of(runs, cmds)
+        gw, hta = best["gpuwatch"], best.get("hta")
+        load_after = _load()
         gw_window = json.loads(measure([sys.executable, "-c", GPUWATCH_WINDOW, folder])["stdout"])[0]
-        print(f"trace: {trace} ({os.path.getsize(trace) / 1e6:.1f} MB on disk)")
+        print(f"trace: {trace} ({os.path.getsize(trace) / 1e6:.1f} MB on disk); best of {runs}, taking turns; "
+              f"load average before {load_before}, after {load_after}")
         print(f"{'tool':<28}{'wall s':>10}{'peak RSS MB':>14}")
         print(f"{'gpuwatch analyze --json':<28}{gw['wall_s']:>10.2f}{gw['peak_rss_mb']:>14.0f}")
-        python = ensure_hta() if use_hta else None
-        if python is None:
+        if hta is None:
             print("(HTA not run)")
             _print_window(gw_window, None)
             return
-        hta = best_of(runs, [python, "-c", HTA_SCRIPT, folder])
         print(f"{'HTA 0.5.0 temporal':<28}{hta['wall_s']:>10.2f}{hta['peak_rss_mb']:>14.0f}")
         print(f"speed-up {hta['wall_s'] / gw['wall_s']:.1f}x (target >= 5x); "
               f"memory {gw['peak_rss_mb'] / hta['peak_rss_mb']:.2f}x of HTA (target <= 0.5x)")
-        bare = best_of(runs, [sys.executable, "-c", "pass"])["wall_s"]
-        numpy = best_of(runs, [sys.executable, "-c", "import numpy"])["wall_s"]
+        bare, numpy = best["bare"]["wall_s"], best["numpy"]["wall_s"]
         print(f"fixed cost inside gpuwatch's time: interpreter start-up {bare:.2f} s, start-up + numpy import "
               f"{numpy:.2f} s; analysis work {gw['wall_s'] - numpy:.2f} s")
         _print_window(gw_window, json.loads(hta["stdout"])[0])
     finally:
         shutil.rmtree(folder)
+
+
+def _load() -> str:
+    """The 1-minute load average: the machine may be shared, and timings mean little without it."""
+    return f"{os.getloadavg()[0]:.2f}"
 
 
 def _print_window(gw: dict, hta: dict | None) -> None:
@@ -185,7 +200,7 @@ def synthetic(trace: str, target_mb: int, keep: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=DEFAULT_TRACE)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--synthetic-mb", type=int, default=500, help="0 skips the synthetic set")
     parser.add_argument("--no-hta", action="store_true")
     parser.add_argument("--keep", help="write the synthetic set here and keep it")

@@ -1,6 +1,7 @@
 """The event stream's byte-level prefilter: it must only ever drop events the Kineto reader ignores."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -131,3 +132,14 @@ def test_read_ahead_hands_on_items_and_errors_and_stops_early():
     ahead.close()
     assert len(produced) <= 5
     assert not [t for t in threading.enumerate() if t.name == "read-ahead"]
+
+
+def test_parsing_leaves_the_cycle_collector_as_it_found_it():
+    assert gc.isenabled()
+    assert _all_events(REAL[1], kineto._WANTED) and gc.isenabled()
+    gc.disable()
+    try:
+        _all_events(REAL[1], kineto._WANTED)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
