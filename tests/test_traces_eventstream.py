@@ -143,3 +143,39 @@ def test_parsing_leaves_the_cycle_collector_as_it_found_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def _select_reference(block, separator, wanted):
+    """The filter's rule, one piece at a time with plain bytes methods."""
+    def droppable(piece, key, prefixes):
+        at = piece.find(key)
+        if at < 0 or at != piece.rfind(key):
+            return False
+        rest = piece[at + len(key):]
+        value = rest[2:] if rest.startswith(b':"') else rest[3:] if rest.startswith(b': "') else None
+        return value is not None and not any(value.startswith(p) for p in prefixes)
+
+    pieces = block.strip()[1:-1].split(separator)
+    last = pieces[-1]
+    if last.count(b"{") != last.count(b"}") or last.count(b"[") != last.count(b"]"):
+        return None  # a cut inside an event: the caller parses the block whole
+    kept = [p for p in pieces if not (droppable(p, b'"cat"', wanted.categories)
+                                      and droppable(p, b'"name"', wanted.name_prefixes))]
+    return b"[{" + separator.join(kept) + b"}]" if kept else b"[]"
+
+
+@pytest.mark.parametrize("spacing", [(",", ":"), (", ", ": ")])
+def test_select_agrees_with_a_piece_by_piece_reading(spacing):
+    rng = np.random.default_rng(7)
+    pool = TRICKY + [
+        {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 1, "args": {"Seq": 3}},
+        {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 2},
+        {"ph": "X", "cat": "kernel_like", "name": "kernel", "ts": 3},
+        {"name": "ProfilerStep#3", "cat": "user_annotation", "ts": 4, "args": {"name": "x"}},
+        {"ph": "X", "cat": "cpu_op", "name": "a" * 40, "ts": 5},
+    ]
+    separator = b"}" + spacing[0].encode() + b"{"
+    for _ in range(200):
+        events = [pool[i] for i in rng.integers(0, len(pool), rng.integers(1, 12))]
+        block = json.dumps(events, separators=spacing).encode()[1:-1]
+        assert WANTED.select(block, separator) == _select_reference(block, separator, WANTED), block

@@ -84,9 +84,9 @@ class EventFilter:
 
 
 def occurrences(data: np.ndarray, pattern: bytes) -> np.ndarray:
-    """Sorted start offsets of `pattern` in `data` (a pattern that cannot overlap itself, such as a
-    separator or a quoted key). Its first bytes are compared as one machine word at each alignment, so the
-    whole buffer is read about once, in numpy, whatever the pattern."""
+    """Sorted start offsets of every occurrence of `pattern` in `data`, overlapping ones included (as
+    `bytes.rfind` would see them; a separator cannot overlap itself). The pattern's first bytes are compared
+    as one machine word at each alignment: each pass reads the buffer once, in numpy."""
     width = next(w for w in (4, 2, 1) if w <= len(pattern))
     word = np.frombuffer(pattern[:width], f"u{width}")[0]
     size = len(data) - len(pattern) + 1
