@@ -17,7 +17,6 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 import pandas as pd
@@ -29,7 +28,7 @@ from gpuwatch.collector.efficiency.timeline import RankTimeline
 from gpuwatch.collector.live import ENGINE_KINDS
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.collector.traces.spans import timelines_from_spans
-from gpuwatch.errors import UserError
+from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 
 TRACES, LIVE = "traces", "live"
@@ -48,14 +47,8 @@ TABLES = (
 )
 
 
-class UnknownJob(UserError):
-    """The collector has neither submitted traces nor probe spans for the job."""
-
-
-def run_write(store: DuckDBStore, fn: Callable[[Any], Any]) -> Any:
-    """Run `fn(connection)` on the store's writer thread (the one place that knows how to ask for it)."""
-    public = getattr(store, "run_write", None)
-    return public(fn) if public is not None else store._run_on_writer(fn, None)
+class UnknownJob(NotFound):
+    """The collector has neither submitted traces nor probe spans for the job (answered NOT_FOUND)."""
 
 
 class BreakdownService:
@@ -110,7 +103,7 @@ class BreakdownService:
                 con.rollback()
                 raise
 
-        run_write(store, write)
+        store.run_write(write)
         return q.SubmitTraceResponse(job_id=job_id, ranks=len(doc["ranks"]), json=_dumps(without_steps(doc)))
 
     def breakdown(self, request: q.BreakdownRequest, store: DuckDBStore) -> q.JsonResponse:
@@ -121,14 +114,14 @@ class BreakdownService:
         if doc is None:
             doc = _analyze(job_id, live_timelines(store, job_id), LIVE)
             now = _now()
-            run_write(store, lambda con: _replace_breakdown(con, job_id, LIVE, doc, now))
+            store.run_write(lambda con: _replace_breakdown(con, job_id, LIVE, doc, now))
         return q.JsonResponse(json=_dumps(doc if request.per_step else without_steps(doc)))
 
     def _ensure_tables(self, store: DuckDBStore) -> None:
         with self._lock:
             if store in self._ready:
                 return
-            run_write(store, lambda con: [con.execute(statement) for statement in TABLES])
+            store.run_write(lambda con: [con.execute(statement) for statement in TABLES])
             self._ready.add(store)
 
 
@@ -207,7 +200,7 @@ def _analyze(job_id: str, timelines: list[RankTimeline], source: str) -> dict:
     try:
         doc = analyze(timelines, per_step=True)
     except UserError as exc:
-        raise UserError(f"job {job_id!r}: {exc}") from None
+        raise type(exc)(f"job {job_id!r}: {exc}") from None  # keeps NotFound a NOT_FOUND
     return {**doc, "source": source}
 
 

@@ -126,10 +126,11 @@ def test_unknown_job_and_missing_job_id(collector):
     _, stub = collector
     with pytest.raises(grpc.RpcError) as err:
         fetch_breakdown(stub, "no-such-job")
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "no-such-job" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         fetch_breakdown(stub, " ")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "a job id is required" in err.value.details()
 
 
@@ -162,4 +163,4 @@ def test_cli_submit_and_breakdown(collector, tmp_path, capsys, monkeypatch):
 
     assert cli.main(["breakdown", "nope", "--collector", server.address]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "job 'nope': unknown" in err and "INVALID_ARGUMENT" in err
+    assert err.count("\n") == 1 and "job 'nope': unknown" in err and "NOT_FOUND" in err
