@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import os
 import sys
 from collections.abc import Callable
 
 import grpc
 import orjson
 
-from gpuwatch.collector.client import connect
+from gpuwatch.collector.client import add_connection_arguments, connect_args
 from gpuwatch.collector.efficiency.cli import format_table
 from gpuwatch.collector.efficiency.load import expand_paths
 from gpuwatch.collector.query_cli import DEFAULT_COLLECTOR
@@ -57,8 +56,7 @@ def _file_content(path: str) -> bytes:
 
 
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--collector", default=os.environ.get("GPUWATCH_COLLECTOR", DEFAULT_COLLECTOR),
-                        help=f"collector HOST:PORT (default $GPUWATCH_COLLECTOR or {DEFAULT_COLLECTOR})")
+    add_connection_arguments(parser, DEFAULT_COLLECTOR)
     parser.add_argument("--json", action="store_true", help="print the breakdown document as JSON")
     if command == "submit-trace":
         parser.add_argument("--job", required=True, help="job id the traces belong to")
@@ -70,7 +68,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
-    stub = connect(args.collector)
+    stub = connect_args(args)
     try:
         if command == "submit-trace":
             doc = submit_traces(stub, args.job, args.paths, progress=_progress)

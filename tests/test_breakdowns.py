@@ -164,3 +164,20 @@ def test_cli_submit_and_breakdown(collector, tmp_path, capsys, monkeypatch):
     assert cli.main(["breakdown", "nope", "--collector", server.address]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "job 'nope': unknown" in err and "NOT_FOUND" in err
+
+
+def test_cli_with_a_token_collector(tmp_path, capsys, monkeypatch):
+    _route_to_breakdown_cli(monkeypatch)
+    token_file = tmp_path / "token"
+    token_file.write_text("breakdown-token\n")
+    server = serve("127.0.0.1:0", str(tmp_path / "t.duckdb"), token="breakdown-token")
+    try:
+        flags = ["--collector", server.address, "--json"]
+        assert cli.main(["submit-trace", "--job", "T", RANKS[0], *flags]) == 2
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert cli.main(["submit-trace", "--job", "T", RANKS[0], *flags, "--token-file", str(token_file)]) == 0
+        capsys.readouterr()
+        assert cli.main(["breakdown", "T", *flags, "--token-file", str(token_file)]) == 0
+        assert orjson.loads(capsys.readouterr().out)["source"] == "traces"
+    finally:
+        server.stop()
