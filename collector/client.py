@@ -60,11 +60,17 @@ def add_connection_arguments(parser: argparse.ArgumentParser, default_collector:
                         help="allow sending the token in plaintext to a non-loopback collector")
 
 
+def channel_args(args: argparse.Namespace, timeout: float = 3.0) -> grpc.Channel:
+    """A connected channel from the flags of :func:`add_connection_arguments` (``collector``, ``tls_ca``,
+    ``tls_cert``, ``tls_key``, ``token_file``, ``insecure``)."""
+    token = security.read_token(args.token_file) if args.token_file else None
+    return channel(args.collector, timeout, ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token=token,
+                   insecure=args.insecure)
+
+
 def connect_args(args: argparse.Namespace) -> query_pb2_grpc.QueryStub:
     """A Query stub from the flags of :func:`add_connection_arguments`."""
-    token = security.read_token(args.token_file) if args.token_file else None
-    return connect(args.collector, ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token=token,
-                   insecure=args.insecure)
+    return query_pb2_grpc.QueryStub(channel_args(args))
 
 
 def _serialize(batch: bytes | pb.TelemetryBatch) -> bytes:

@@ -30,8 +30,9 @@ import grpc
 import numpy as np
 import pandas as pd
 
-from gpuwatch import __version__, security
+from gpuwatch import __version__
 from gpuwatch.batches import BatchBuilder
+from gpuwatch.collector import client
 from gpuwatch.errors import UserError
 from gpuwatch.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
 from gpuwatch.progress import Progress
@@ -264,8 +265,6 @@ def replay(rec: Recording, channel: grpc.Channel, *, speed: float | None = None,
     the collector acknowledges. A batch the collector refuses ends the replay with a UserError; what was
     acknowledged before stays stored, and running the replay again resumes without duplicates.
     """
-    from gpuwatch.collector.client import stream_batches
-
     if speed is not None and speed <= 0:
         raise UserError(f"--speed {speed:g}: must be > 0 (times real time)")
     result = ReplayResult(str(rec.path), recording_id(rec))
@@ -285,7 +284,7 @@ def replay(rec: Recording, channel: grpc.Channel, *, speed: float | None = None,
 
     with Progress("replay", unit="batches", quiet=quiet) as progress:
         try:
-            for ack in stream_batches(channel, send(), window=window):
+            for ack in client.stream_batches(channel, send(), window=window):
                 result.batches += 1
                 result.duplicates += ack.duplicate
                 progress.advance()
@@ -294,21 +293,6 @@ def replay(rec: Recording, channel: grpc.Channel, *, speed: float | None = None,
                             f"{exc.details()} ({exc.code().name}); run the replay again to resume") from None
     result.seconds = time.monotonic() - started
     return result
-
-
-def open_channel(address: str, *, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, token_file: str | None = None, timeout: float = 5.0) -> grpc.Channel:
-    """A connected channel to a collector (TLS and bearer token as the agent uses them), or a UserError."""
-    token = security.read_token(token_file) if token_file else None
-    ch = security.open_channel(address, ca=tls_ca, cert=tls_cert, key=tls_key, token=token,
-                               options=[("grpc.max_send_message_length", -1)])
-    try:
-        grpc.channel_ready_future(ch).result(timeout=timeout)
-    except grpc.FutureTimeoutError:
-        ch.close()
-        raise UserError(f"cannot reach the collector at {address} (no answer within {timeout:g} s); "
-                        "is `gpuwatch collector` running there?") from None
-    return ch
 
 
 # --------------------------------------------------------------------------------- offline results
@@ -324,7 +308,7 @@ def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: flo
     with tempfile.TemporaryDirectory(prefix="gpuwatch-replay-") as tmp:
         server = serve("127.0.0.1:0", str(db or Path(tmp) / "replay.duckdb"))
         try:
-            ch = open_channel(server.address)
+            ch = client.channel(server.address)
             try:
                 result = replay(rec, ch, speed=speed, ticks_per_batch=ticks_per_batch, quiet=quiet).as_dict()
             finally:
@@ -446,6 +430,8 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="with --collector: client certificate for mutual TLS")
     p.add_argument("--tls-key", help="with --collector: client key for mutual TLS")
     p.add_argument("--token-file", help="with --collector: file holding the collector's bearer token")
+    p.add_argument("--insecure", action="store_true",
+                   help="with --collector: allow sending the token in plaintext to a non-loopback collector")
 
 
 def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
@@ -458,8 +444,7 @@ def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError("--db and --model are for --offline; with --collector the collector keeps its own store "
                         "and scores with its own model")
     rec = open_recording(args.path)
-    ch = open_channel(args.collector, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                      token_file=args.token_file)
+    ch = client.channel_args(args, timeout=5.0)
     try:
         return replay(rec, ch, speed=args.speed, ticks_per_batch=args.ticks_per_batch, quiet=args.quiet).as_dict()
     finally:
