@@ -18,29 +18,18 @@ from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
 from gpuwatch.collector.server import CollectorServer, serve
 from gpuwatch.collector.snapshot import MetricsService
-from gpuwatch.config import Option, non_negative, positive
 from gpuwatch.models.model import default_model_path, load_model
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.security import check_listen_policy, read_token
 
 log = logging.getLogger(__name__)
 
-# The shared collector schema plus the cadences of the scorer and the jobs monitor.
-OPTIONS: tuple[Option, ...] = config.COLLECTOR_OPTIONS + (
-    Option("score_interval", float, scoring.DEFAULT_INTERVAL_S, "seconds between failure-scoring rounds", positive),
-    Option("jobs_interval", float, jobs.DEFAULT_INTERVAL_S, "seconds between jobs-monitor rounds", positive),
-    Option("jobs_window", float, jobs.DEFAULT_WINDOW_S, "seconds of recent spans analysed per job", positive),
-    Option("hang_threshold", float, jobs.DEFAULT_HANG_S,
-           "seconds without a completed step or op before a job counts as hung", non_negative),
-)
-
-
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    config.add_arguments(parser, OPTIONS)
+    config.add_arguments(parser, config.COLLECTOR_OPTIONS)
 
 
 def start_collector(cfg: config.Config) -> CollectorServer:
-    """Start a collector with everything ``cfg`` (from :func:`gpuwatch.config.load_config` over OPTIONS) asks."""
+    """Start a collector with everything ``cfg`` (:func:`gpuwatch.config.load_config` over COLLECTOR_OPTIONS) asks."""
     check_listen_policy(cfg.listen, cfg.tls_cert is not None or cfg.tls_key is not None, cfg.insecure)  # fail fast
     model = _model(cfg.model)
     hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, _senders(cfg))
@@ -82,7 +71,7 @@ def _senders(cfg: config.Config) -> list[AlertSender]:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
-    cfg = config.load_config(OPTIONS, args)
+    cfg = config.load_config(config.COLLECTOR_OPTIONS, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = start_collector(cfg)
     stop = threading.Event()

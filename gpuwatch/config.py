@@ -99,6 +99,10 @@ def one_of(*choices: str) -> Check:
 # ---- component schemas --------------------------------------------------------------------------------
 
 DEFAULT_COLLECTOR_PORT = 7700  # gpuwatch.collector.server.DEFAULT_PORT
+DEFAULT_SCORE_INTERVAL_S = 60.0  # gpuwatch.collector.scoring.DEFAULT_INTERVAL_S
+DEFAULT_JOBS_INTERVAL_S = 30.0  # gpuwatch.collector.jobs.DEFAULT_INTERVAL_S
+DEFAULT_JOBS_WINDOW_S = 300.0  # gpuwatch.collector.jobs.DEFAULT_WINDOW_S
+DEFAULT_HANG_S = 300.0  # gpuwatch.collector.jobs.DEFAULT_HANG_S
 LOG_LEVEL = Option("log_level", str, "info", "log level", one_of("debug", "info", "warning", "error"))
 
 AGENT_OPTIONS: tuple[Option, ...] = (
@@ -123,7 +127,8 @@ AGENT_OPTIONS: tuple[Option, ...] = (
 COLLECTOR_OPTIONS: tuple[Option, ...] = (
     Option("listen", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}", "gRPC listen address HOST:PORT", address),
     Option("db", str, "gpuwatch.duckdb", "DuckDB database file"),
-    Option("retention_days", float, 30.0, "delete samples and events older than this", positive),
+    Option("retention_days", float, 30.0, "delete samples and events older than this (0 keeps everything)",
+           non_negative),
     Option("max_workers", int, 256, "gRPC worker threads (each connected agent stream holds one)", positive),
     Option("metrics_listen", str, None, "Prometheus /metrics listen address HOST:PORT", address),
     Option("metrics_token_file", str, None, "bearer token Prometheus must send to /metrics"),
@@ -135,6 +140,11 @@ COLLECTOR_OPTIONS: tuple[Option, ...] = (
     Option("alertmanager_url", str, None, "Prometheus Alertmanager base URL", http_url),
     Option("webhook_url", str, None, "generic JSON webhook for alerts", http_url),
     Option("model", str, None, "failure model file (default: the bundled model)"),
+    Option("score_interval", float, DEFAULT_SCORE_INTERVAL_S, "seconds between failure-scoring rounds", positive),
+    Option("jobs_interval", float, DEFAULT_JOBS_INTERVAL_S, "seconds between jobs-monitor rounds", positive),
+    Option("jobs_window", float, DEFAULT_JOBS_WINDOW_S, "seconds of recent spans analysed per job", positive),
+    Option("hang_threshold", float, DEFAULT_HANG_S,
+           "seconds without a completed step or op before a job counts as hung", non_negative),
     LOG_LEVEL,
 )
 

@@ -9,9 +9,9 @@ import urllib.request
 
 import pytest
 
-from gpuwatch.collector.cli import OPTIONS, start_collector
+from gpuwatch.collector.cli import start_collector
 from gpuwatch.collector.snapshot import CachedSnapshot, MetricsService
-from gpuwatch.config import load_config
+from gpuwatch.config import COLLECTOR_OPTIONS, load_config
 from gpuwatch.models.failsim import HOUR_MS
 from test_collector_support import degrading_node, frames_to_batches, make_batch
 from test_e2e_pipeline import poll
@@ -22,7 +22,7 @@ PROMTOOL = shutil.which("promtool")
 
 @pytest.fixture
 def collector(tmp_path):
-    cfg = load_config(OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "m.duckdb"),
+    cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "m.duckdb"),
                                 "metrics_listen": "127.0.0.1:0", "score_interval": 0.2, "jobs_interval": 0.2},
                       env={})
     server = start_collector(cfg)

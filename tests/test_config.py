@@ -106,3 +106,18 @@ def test_component_schemas_build_flags_and_load_defaults(schema):
 def test_collector_url_check():
     with pytest.raises(UserError, match=r"alertmanager_url \(from flag --alertmanager-url\): 'am:9093' is not"):
         load_config(COLLECTOR_OPTIONS, _parse(["--alertmanager-url", "am:9093"], COLLECTOR_OPTIONS), env={})
+
+
+def test_collector_defaults_match_the_components():
+    from gpuwatch.collector import jobs, scoring, server
+
+    assert config.DEFAULT_COLLECTOR_PORT == server.DEFAULT_PORT
+    assert config.DEFAULT_SCORE_INTERVAL_S == scoring.DEFAULT_INTERVAL_S
+    assert (config.DEFAULT_JOBS_INTERVAL_S, config.DEFAULT_JOBS_WINDOW_S, config.DEFAULT_HANG_S) == \
+        (jobs.DEFAULT_INTERVAL_S, jobs.DEFAULT_WINDOW_S, jobs.DEFAULT_HANG_S)
+
+
+def test_retention_zero_keeps_everything_and_negative_is_refused():
+    assert load_config(COLLECTOR_OPTIONS, {"retention_days": 0.0}, env={}).retention_days == 0.0
+    with pytest.raises(UserError, match=r"retention_days \(from flag --retention-days\): must not be negative"):
+        load_config(COLLECTOR_OPTIONS, {"retention_days": -1.0}, env={})

@@ -13,8 +13,8 @@ import torch.distributed as dist  # noqa: E402
 
 import gpuwatch.probe  # noqa: E402
 from gpuwatch import cli  # noqa: E402
-from gpuwatch.collector.cli import OPTIONS, start_collector  # noqa: E402
-from gpuwatch.config import load_config  # noqa: E402
+from gpuwatch.collector.cli import start_collector  # noqa: E402
+from gpuwatch.config import COLLECTOR_OPTIONS, load_config  # noqa: E402
 from test_e2e_pipeline import poll  # noqa: E402
 from test_jobs import SPAN_FIELDS  # noqa: E402
 from test_probe_distributed import _finish, _init, _run_job, pipeline_worker  # noqa: E402
@@ -43,7 +43,7 @@ def balanced_worker(rank: int, world: int, port: int, sock: str, out_dir: str) -
 
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
-    cfg = load_config(OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path_factory.mktemp("c") / "c.duckdb"),
+    cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path_factory.mktemp("c") / "c.duckdb"),
                                 "jobs_interval": 0.2}, env={})
     server = start_collector(cfg)
     yield server

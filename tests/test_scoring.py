@@ -10,10 +10,10 @@ import pytest
 from gpuwatch import cli
 from gpuwatch.collector.alert_hub import AlertHub, list_alerts
 from gpuwatch.collector.alerts import ALERT_NAME
-from gpuwatch.collector.cli import OPTIONS, start_collector
+from gpuwatch.collector.cli import start_collector
 from gpuwatch.collector.scoring import MinuteHistory, Scorer, score_gpus
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.config import load_config
+from gpuwatch.config import COLLECTOR_OPTIONS, load_config
 from gpuwatch.models.failsim import HOUR_MS
 from gpuwatch.models.model import load_model
 from gpuwatch.models.policy import AlertPolicy
@@ -83,7 +83,7 @@ def test_without_a_model_health_is_still_scored_and_no_risk_alerts(store):
 def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp_path, alertmanager, capsys):
     now = int(time.time() * 1000)
     gpu, events = degrading_node(now - 28 * HOUR_MS, hours=28, fault_after_h=29, failing_gpu=FAILING)
-    cfg = load_config(OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
+    cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
                                             "alertmanager_url": alertmanager, "score_interval": 0.5}, env={})
     server = start_collector(cfg)
     try:
