@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import skops.io as sio
 
 from gpuwatch.errors import UserError
 
@@ -44,12 +43,22 @@ def default_model_path() -> Path:
     return Path(str(resources.files("gpuwatch.models") / "data" / "default_model.skops"))
 
 
+def _skops_io() -> Any:
+    """skops.io, imported on first use: it imports all of sklearn (~2.4 s), which the collector's start,
+    its CLI help and the commands that never load a model should not pay."""
+    import skops.io
+
+    return skops.io
+
+
 def save_model(model: dict, path: str | os.PathLike) -> None:
+    sio = _skops_io()
     sio.dump(model, path, compression=zipfile.ZIP_DEFLATED, compresslevel=9)
 
 
 def load_model(path: str | os.PathLike | None = None) -> dict:
     """Load a model file (the shipped simulated-fleet model when ``path`` is None)."""
+    sio = _skops_io()
     p = Path(path) if path is not None else default_model_path()
     if not p.is_file():
         raise UserError(f"{p}: no such model file")
