@@ -40,8 +40,9 @@ _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
-def parse_time_ms(text: str, now_ms: int | None = None) -> int:
-    """A point in time as epoch ms from "15m"/"2h"/"7d" (ago), an ISO 8601 time (UTC if no zone) or epoch ms."""
+def parse_time_ms(text: str, now_ms: int | None = None, flag: str = "--since") -> int:
+    """A point in time as epoch ms from "15m"/"2h"/"7d" (ago), an ISO 8601 time (UTC if no zone) or epoch ms;
+    a UserError naming ``flag`` otherwise."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     if m := _RELATIVE.match(text):
         return now_ms - int(float(m.group(1)) * _UNIT_MS[m.group(2)])
@@ -50,7 +51,7 @@ def parse_time_ms(text: str, now_ms: int | None = None) -> int:
     try:
         when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise UserError(f"--since {text!r} is not a duration like 15m/2h/7d, an ISO 8601 time or epoch ms") from None
+        raise UserError(f"{flag} {text!r} is not a duration like 15m/2h/7d, an ISO 8601 time or epoch ms") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.timezone.utc)
     return int(when.timestamp() * 1000)

@@ -482,10 +482,7 @@ def _run_export(args: argparse.Namespace) -> dict[str, Any]:
     from gpuwatch.collector.query_cli import parse_time_ms
 
     def time_ms(flag: str, text: str | None) -> int | None:
-        try:
-            return None if text is None else parse_time_ms(text)
-        except UserError as exc:  # parse_time_ms names --since; say which flag it was
-            raise UserError(str(exc).replace("--since", flag)) from None
+        return None if text is None else parse_time_ms(text, flag=flag)
 
     return export_store(args.db, args.out, since_ms=time_ms("--since", args.since),
                         until_ms=time_ms("--until", args.until), quiet=args.quiet)

@@ -7,6 +7,7 @@ import sys
 import pandas as pd
 import pytest
 
+from gpuwatch import cli
 from gpuwatch.collector.export import export_store
 from gpuwatch.errors import UserError
 from gpuwatch.recording import open_recording
@@ -72,3 +73,10 @@ def test_bad_stores(tmp_path):
     with pytest.raises(UserError, match="junk.duckdb"):
         export_store(tmp_path / "junk.duckdb", tmp_path / "E")
     assert not (tmp_path / "E").exists()
+
+
+def test_a_bad_until_is_named(tmp_path, capsys):
+    assert cli.main(["export", "--db", str(tmp_path / "x.duckdb"), "--out", str(tmp_path / "E"),
+                     "--until", "yesterday"]) == 2
+    err = capsys.readouterr().err
+    assert "--until 'yesterday' is not a duration" in err and "--since" not in err
