@@ -25,9 +25,8 @@ import pyarrow as pa
 from gpuwatch.collector.efficiency.engine import analyze
 from gpuwatch.collector.efficiency.load import SPAN_ENDINGS, TRACE_ENDINGS, load_file
 from gpuwatch.collector.efficiency.timeline import RankTimeline
-from gpuwatch.collector.live import ENGINE_KINDS
+from gpuwatch.collector.live import probe_timelines
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.collector.traces.spans import timelines_from_spans
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 
@@ -156,10 +155,10 @@ def live_timelines(store: DuckDBStore, job_id: str) -> list[RankTimeline]:
     spans = store.spans(job_id)
     if spans.empty:
         raise UnknownJob(f"job {job_id!r}: unknown to this collector (no submitted traces and no probe spans)")
-    usable = spans[spans["kind"].isin(ENGINE_KINDS) & (spans["dur_us"] >= 0)]
-    # The store writes -1 for "not sent"; the span reader treats a missing world size as NaN.
-    usable = usable.assign(world_size=usable["world_size"].where(usable["world_size"] > 0))
-    return timelines_from_spans(usable, source=f"job {job_id} probe spans")
+    timelines = probe_timelines(spans, source=f"job {job_id} probe spans")
+    if timelines is None:
+        raise UserError(f"job {job_id} probe spans: no activity rows yet (only step marks)")
+    return timelines
 
 
 def stored_doc(store: DuckDBStore, job_id: str, source: str) -> dict | None:

@@ -22,11 +22,10 @@ import pandas as pd
 
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, JobFinding
 from gpuwatch.collector.efficiency.engine import analyze
-from gpuwatch.collector.live import ENGINE_KINDS, detect_hangs, job_summaries
+from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
 from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.collector.query_cli import iso_utc
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.collector.traces.spans import timelines_from_spans
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
 
@@ -63,12 +62,9 @@ def _json_response(jobs: list[dict[str, Any]]) -> q.JsonResponse:
 
 def analyse_spans(rows: pd.DataFrame, job_id: str) -> dict | None:
     """The engine's document for some of a job's span rows; None when they hold nothing it can analyse."""
-    usable = rows[rows["kind"].isin(ENGINE_KINDS) & (rows["dur_us"] >= 0)]
-    if not (usable["kind"] != "step").any():
-        return None
-    usable = usable.assign(world_size=usable["world_size"].where(usable["world_size"] > 0))  # -1: not sent
     try:
-        return analyze(timelines_from_spans(usable, source=f"job {job_id} probe spans"))
+        timelines = probe_timelines(rows, source=f"job {job_id} probe spans")
+        return analyze(timelines) if timelines is not None else None
     except UserError as exc:
         log.warning("job %s: cannot analyse its recent spans: %s", job_id, exc)
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from gpuwatch.collector.efficiency.engine import analyze
+from gpuwatch.collector.efficiency.timeline import RankTimeline
 from gpuwatch.collector.traces.spans import timelines_from_spans
 from gpuwatch.errors import UserError
 
@@ -55,13 +56,28 @@ def _summary(job_id: str, rows: pd.DataFrame, now_us: float, window_s: float) ->
     }
 
 
-def _lost_fraction(rows: pd.DataFrame, job_id: str) -> float | None:
-    """Share of the recent window that was not compute, from the efficiency engine; None without activity."""
+def probe_timelines(rows: pd.DataFrame, source: str) -> list[RankTimeline] | None:
+    """Engine timelines from probe span rows: finished spans of the kinds the engine reads.
+
+    Running (-1) and "end" rows are probe bookkeeping, and a stored world size of -1 means "not sent".
+    None when the rows hold no activity beyond step marks (nothing to analyse yet).
+    """
     usable = rows[rows["kind"].isin(ENGINE_KINDS) & (rows["dur_us"] >= 0)]
     if not (usable["kind"] != "step").any():
         return None
+    usable = usable.drop(columns=["end_us"], errors="ignore")
+    if "world_size" in usable.columns:
+        usable = usable.assign(world_size=usable["world_size"].where(usable["world_size"] > 0))
+    return timelines_from_spans(usable, source=source)
+
+
+def _lost_fraction(rows: pd.DataFrame, job_id: str) -> float | None:
+    """Share of the recent window that was not compute, from the efficiency engine; None without activity."""
     try:
-        job = analyze(timelines_from_spans(usable.drop(columns="end_us"), source=f"job {job_id}"))["job"]
+        timelines = probe_timelines(rows, source=f"job {job_id}")
+        if timelines is None:
+            return None
+        job = analyze(timelines)["job"]
     except UserError:
         return None
     return job["lost_us"] / job["window_us"] if job["window_us"] else None
