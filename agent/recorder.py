@@ -12,47 +12,9 @@ from collections import defaultdict
 
 import pandas as pd
 
+from gpuwatch.frames import batch_tables, inventory_table
 from gpuwatch.recording import RecordingWriter
 from gpuwatch.v1 import telemetry_pb2 as pb
-
-_SPAN_COLUMNS = tuple(pb.SpanTable.DESCRIPTOR.fields_by_name)
-_SPAN_DEFAULTS = {"process_group": "", "node": "", "job_id": "", "kind": "", "name": ""}  # numeric ones: -1
-
-
-def batch_tables(batch: pb.TelemetryBatch) -> dict[str, pd.DataFrame]:
-    """The batch's rows as DataFrames in the recording's tables (``ts`` as epoch ms; absent fields left out)."""
-    node = batch.node.node
-    tables = {"gpu_samples": pd.concat([_gpu_frame(node, s) for s in batch.samples], ignore_index=True)
-              if batch.samples else pd.DataFrame()}
-    if len(batch.host.ts_ms):
-        tables["host_samples"] = pd.DataFrame(
-            {"node": node, "ts": list(batch.host.ts_ms), **{c.field: list(c.values) for c in batch.host.columns}})
-    if batch.events:
-        tables["events"] = pd.DataFrame([
-            {"node": node, "gpu_index": e.gpu_index, "ts": e.ts_ms, "kind": e.kind, "code": e.code,
-             "message": e.message, "attrs": dict(e.attrs)} for e in batch.events])
-    n_spans = len(batch.spans.start_us)
-    if n_spans:
-        tables["spans"] = pd.DataFrame({
-            name: list(getattr(batch.spans, name)) or [_SPAN_DEFAULTS.get(name, -1)] * n_spans
-            for name in _SPAN_COLUMNS})
-    return tables
-
-
-def _gpu_frame(node: str, s: pb.GpuSamples) -> pd.DataFrame:
-    n = len(s.ts_ms)
-    return pd.DataFrame({
-        "node": node, "gpu_index": s.gpu_index, "ts": list(s.ts_ms),
-        "job_id": list(s.job_id) or [""] * n, "rank": list(s.rank) or [-1] * n,
-        "local_rank": list(s.local_rank) or [-1] * n,
-        **{c.field: list(c.values) for c in s.columns},
-    })
-
-
-def inventory_table(node: str, gpus: list[pb.GpuInfo]) -> pd.DataFrame:
-    return pd.DataFrame([{"node": node, "index": g.index, "uuid": g.uuid, "name": g.name, "pci_bus_id": g.pci_bus_id,
-                          "serial": g.serial, "memory_total_bytes": g.memory_total_bytes,
-                          "architecture": g.architecture, "gpm_supported": g.gpm_supported} for g in gpus])
 
 
 class BatchRecorder:

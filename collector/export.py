@@ -18,7 +18,7 @@ import pandas as pd
 from gpuwatch.errors import UserError
 from gpuwatch.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
 from gpuwatch.progress import Progress
-from gpuwatch.replay import check_new_recording, new_recording
+from gpuwatch.recording import check_new_recording, new_recording
 
 SOURCE = "gpuwatch collector export"
 

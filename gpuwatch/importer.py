@@ -29,7 +29,7 @@ from gpuwatch import events as event_kinds
 from gpuwatch.errors import UserError
 from gpuwatch.fields import GPU_FIELD_NAMES
 from gpuwatch.progress import Progress
-from gpuwatch.replay import check_new_recording, new_recording
+from gpuwatch.recording import check_new_recording, new_recording
 
 FORMATS = ("auto", "wide", "long")
 SOURCE = "gpuwatch import"

@@ -7,8 +7,10 @@ the columns of the collector's ``gpu_samples`` store table, so rows go from one 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,14 @@ def _conform(table: str, df: pd.DataFrame) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+def conform(table: str, df: pd.DataFrame | None) -> pd.DataFrame:
+    """``df`` (None: no rows) in ``table``'s exact schema, as a reader of a recording gets it back: missing
+    optional columns filled as a writer fills them, timestamps as UTC; a UserError for rows that do not fit."""
+    if df is None or df.empty:
+        return SCHEMAS[table].empty_table().to_pandas()
+    return _conform(table, df).to_pandas()
+
+
 def _to_utc_ms(col: pd.Series, where: str) -> pd.Series:
     """Timestamps as UTC; integers are read as epoch milliseconds."""
     if pd.api.types.is_integer_dtype(col):
@@ -154,8 +164,8 @@ class RecordingWriter:
         part = folder / f"part-{n:05d}.parquet"
         pq.write_table(arrow, part, compression="zstd")
         self._manifest["tables"][table] = n + 1
-        if "node" in df.columns:
-            self._nodes.update(df["node"].astype(str).unique())
+        if "node" in df.columns:  # spans may have no node (NULL or ""): not a node of the recording
+            self._nodes.update(n for n in df["node"].dropna().astype(str).unique() if n)
         if "ts" in arrow.column_names:
             ms = arrow.column("ts").cast(pa.int64())
             lo, hi = pc.min(ms).as_py(), pc.max(ms).as_py()
@@ -229,6 +239,27 @@ def _read_manifest(path: Path) -> dict:
 def open_recording(path: str | os.PathLike) -> Recording:
     """Open a recording directory; a clear UserError if it is not one or is from a newer gpuwatch."""
     p = Path(path)
+    if p.is_file():
+        raise UserError(f"{p} is a file, not a recording directory")
     if not p.is_dir():
         raise UserError(f"{p}: not a gpuwatch recording (no such directory)")
     return Recording(p, _read_manifest(p))
+
+
+def check_new_recording(out: Path) -> None:
+    """Refuse to write over anything: a recording is written into a new or empty directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: already exists and is not an empty directory; write the recording to a new one")
+
+
+@contextlib.contextmanager
+def new_recording(out: Path, *, source: str, extra: dict[str, Any]) -> Iterator[RecordingWriter]:
+    """A writer for a new recording at ``out`` that removes it again if writing fails, so a failed import
+    or export never leaves a recording that looks complete."""
+    check_new_recording(out)
+    try:
+        with RecordingWriter(out, source=source, extra=extra) as writer:
+            yield writer
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise

@@ -13,37 +13,26 @@ because all three move recordings and share their flags and output.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import heapq
 import json
-import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pandas as pd
 
-from gpuwatch import __version__
-from gpuwatch.batches import BatchBuilder
 from gpuwatch.collector import client
 from gpuwatch.errors import UserError
-from gpuwatch.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
+from gpuwatch.frames import DEFAULT_TICKS_PER_BATCH, TimedBatch, frames_batches
 from gpuwatch.progress import Progress
-from gpuwatch.recording import Recording, RecordingWriter, open_recording, ts_ms
+from gpuwatch.recording import Recording, open_recording
 from gpuwatch.v1 import telemetry_pb2 as pb
-
-#: Sample ticks per batch: a 1 Hz agent recording replays as one-minute batches (what an agent sends).
-DEFAULT_TICKS_PER_BATCH = 60
-#: Probe spans per batch; a busy tick's spans beyond this follow in extra batches of the same time.
-SPANS_PER_BATCH = 50_000
-_SPAN_FILL = {"job_id": "", "kind": "", "name": "", "process_group": "", "node": ""}  # numbers: -1
 
 
 # ------------------------------------------------------------------------------ recording -> batches
@@ -63,55 +52,18 @@ def replay_agent_id(node: str, rec_id: str) -> str:
     return f"replay-{node}-{rec_id}"
 
 
-@dataclass(frozen=True)
-class TimedBatch:
-    """A batch and the recorded time (epoch ms) at which its agent would have sent it."""
-
-    ts_ms: int
-    batch: pb.TelemetryBatch
-
-
 def node_batches(rec: Recording, node: str, *, agent_id: str, ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH,
                  extra_spans: pd.DataFrame | None = None) -> Iterator[TimedBatch]:
-    """The node's recorded rows as batches, sequence 1, 2, ... in time order.
-
-    Rows are cut every ``ticks_per_batch`` sample timestamps; events and spans go into the batch covering
-    their time. Values recorded as NaN/NULL stay missing (a field never set in a batch is left out of it).
-    ``extra_spans`` are spans without a recorded node that this node's batches carry.
-    """
+    """The node's recorded rows as batches (see :func:`gpuwatch.frames.frames_batches`); ``extra_spans`` are
+    spans without a recorded node that this node's batches carry."""
     where = [("node", "==", node)]
-    gpus = rec.table("gpu_samples", filters=where).sort_values(["ts", "gpu_index"], kind="stable")
-    host = rec.table("host_samples", filters=where).sort_values("ts", kind="stable")
-    events = rec.table("events", filters=where).sort_values("ts", kind="stable")
     spans = rec.table("spans", filters=where)
     if extra_spans is not None:
         spans = pd.concat([spans, extra_spans], ignore_index=True)
-    spans = spans.sort_values("start_us", kind="stable")
-    times = {"gpus": ts_ms(gpus["ts"]), "host": ts_ms(host["ts"]), "events": ts_ms(events["ts"]),
-             "spans": (spans["start_us"].to_numpy(dtype=float) // 1000).astype(np.int64)}
-    ticks = np.unique(np.concatenate([times["gpus"], times["host"]]))
-    if not len(ticks):  # a node that only has events or spans
-        ticks = np.unique(np.concatenate([times["events"], times["spans"]]))
-    if not len(ticks):
-        return
-    starts = ticks[::ticks_per_batch]
-    chunk_of = {name: np.clip(np.searchsorted(starts, t, side="right") - 1, 0, None) for name, t in times.items()}
-    bounds = {name: np.searchsorted(c, np.arange(len(starts) + 1)) for name, c in chunk_of.items()}
-    identity = pb.NodeIdentity(node=node, agent_version=f"gpuwatch {__version__} replay")
-    builder = BatchBuilder(identity, agent_id, _inventory(rec, node, gpus["gpu_index"].unique()))
-    sequence = 0
-    for i in range(len(starts)):
-        part = {name: slice(b[i], b[i + 1]) for name, b in bounds.items()}
-        _add_gpu_rows(builder, gpus.iloc[part["gpus"]], times["gpus"][part["gpus"]])
-        _add_host_rows(builder, host.iloc[part["host"]], times["host"][part["host"]])
-        _add_events(builder, events.iloc[part["events"]], times["events"][part["events"]])
-        chunk_spans = spans.iloc[part["spans"]]
-        sent_at = int(ticks[min((i + 1) * ticks_per_batch, len(ticks)) - 1])
-        for first in range(0, max(len(chunk_spans), 1), SPANS_PER_BATCH):
-            if len(chunk_spans):
-                builder.add_spans(_span_table(chunk_spans.iloc[first:first + SPANS_PER_BATCH]))
-            sequence += 1
-            yield TimedBatch(sent_at, builder.build(sequence, created_ms=sent_at))
+    yield from frames_batches(
+        node, agent_id, gpu_samples=rec.table("gpu_samples", filters=where),
+        host_samples=rec.table("host_samples", filters=where), events=rec.table("events", filters=where),
+        spans=spans, gpus=rec.table("gpus", filters=where), ticks_per_batch=ticks_per_batch)
 
 
 def recording_batches(rec: Recording, *, ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH,
@@ -122,7 +74,7 @@ def recording_batches(rec: Recording, *, ticks_per_batch: int = DEFAULT_TICKS_PE
     Spans recorded without a known node travel with the first node's batches.
     """
     rec_id = recording_id(rec)
-    nodes = sorted(n for n in rec.manifest.get("nodes") or [] if n)  # spans without a node list "" as one
+    nodes = sorted(n for n in rec.manifest.get("nodes") or [] if n)  # earlier writers listed "" for node-less spans
     orphans = rec.table("spans")
     orphans = orphans[~orphans["node"].isin(nodes)]
     if not nodes and len(orphans):
@@ -135,99 +87,6 @@ def recording_batches(rec: Recording, *, ticks_per_batch: int = DEFAULT_TICKS_PE
     else:
         for batches in per_node:
             yield from batches
-
-
-def _inventory(rec: Recording, node: str, sampled: Iterable[int]) -> list[pb.GpuInfo]:
-    """The node's last recorded inventory entry per GPU, plus bare entries for sampled GPUs it lacks
-    (the collector refuses samples of a GPU missing from a batch's inventory)."""
-    table = rec.table("gpus", filters=[("node", "==", node)]).drop_duplicates("index", keep="last")
-    info = {}
-    for row in table.itertuples(index=False):
-        info[int(row.index)] = pb.GpuInfo(
-            index=int(row.index), uuid=_text(row.uuid), name=_text(row.name), pci_bus_id=_text(row.pci_bus_id),
-            serial=_text(row.serial), architecture=_text(row.architecture),
-            memory_total_bytes=0 if pd.isna(row.memory_total_bytes) else int(row.memory_total_bytes),
-            gpm_supported=bool(row.gpm_supported) if not pd.isna(row.gpm_supported) else False)
-    for index in sampled:
-        info.setdefault(int(index), pb.GpuInfo(index=int(index)))
-    return [info[i] for i in sorted(info)]
-
-
-def _add_gpu_rows(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
-    names = _sampled_columns(rows, GPU_FIELD_NAMES)
-    values = rows[names].to_numpy(dtype=float)
-    job_ids = rows["job_id"].fillna("").astype(str).to_numpy()
-    ranks = rows["rank"].fillna(-1).astype(int).to_numpy()
-    local_ranks = rows["local_rank"].fillna(-1).astype(int).to_numpy()
-    for i, gpu_index in enumerate(rows["gpu_index"].to_numpy()):
-        builder.add_gpu_row(int(gpu_index), int(ts[i]), dict(zip(names, values[i])), job_id=job_ids[i],
-                            rank=int(ranks[i]), local_rank=int(local_ranks[i]))
-
-
-def _add_host_rows(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
-    names = _sampled_columns(rows, HOST_FIELD_NAMES)
-    values = rows[names].to_numpy(dtype=float)
-    for i in range(len(rows)):
-        builder.add_host_row(int(ts[i]), dict(zip(names, values[i])))
-
-
-def _sampled_columns(rows: pd.DataFrame, names: Sequence[str]) -> list[str]:
-    """Fields with at least one value in ``rows``; the others stay out of the batch (missing, not NaN-filled)."""
-    return [n for n in names if rows[n].notna().any()]
-
-
-def _add_events(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
-    for i, row in enumerate(rows.itertuples(index=False)):
-        builder.add_event(_text(row.kind), int(ts[i]), gpu_index=int(row.gpu_index),
-                          code=0 if pd.isna(row.code) else int(row.code), message=_text(row.message),
-                          attrs=_attrs(row.attrs))
-
-
-def _attrs(text: Any) -> dict[str, str]:
-    if not isinstance(text, str) or not text:
-        return {}
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return {"attrs": text}
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()} if isinstance(parsed, dict) else {}
-
-
-def _span_table(rows: pd.DataFrame) -> pb.SpanTable:
-    columns = {}
-    for name in pb.SpanTable.DESCRIPTOR.fields_by_name:
-        col = rows[name]
-        if name in _SPAN_FILL:
-            columns[name] = col.fillna("").astype(str).tolist()
-        elif name in ("start_us", "dur_us"):
-            columns[name] = col.astype(float).tolist()
-        else:
-            columns[name] = col.fillna(-1).astype(np.int64).tolist()
-    return pb.SpanTable(**columns)
-
-
-def _text(value: Any) -> str:
-    return "" if value is None or (isinstance(value, float) and np.isnan(value)) else str(value)
-
-
-# ------------------------------------------------------------------------------ writing recordings
-def check_new_recording(out: Path) -> None:
-    """Refuse to write over anything: a recording is written into a new or empty directory."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: already exists and is not an empty directory; write the recording to a new one")
-
-
-@contextlib.contextmanager
-def new_recording(out: Path, *, source: str, extra: dict[str, Any]) -> Iterator[RecordingWriter]:
-    """A writer for a new recording at ``out`` that removes it again if writing fails, so a failed import
-    or export never leaves a recording that looks complete."""
-    check_new_recording(out)
-    try:
-        with RecordingWriter(out, source=source, extra=extra) as writer:
-            yield writer
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
 
 
 # ----------------------------------------------------------------------------------- streaming

@@ -54,9 +54,22 @@ def test_reopen_appends_parts_and_merges_manifest(tmp_path):
     assert rec.manifest["nodes"] == ["n1", "n3"] and len(rec.table("gpu_samples")) == 4
 
 
+def test_spans_without_a_node_add_no_node(tmp_path):
+    spans = pd.DataFrame({"job_id": "j", "rank": [0, 1], "step": 1, "kind": "step", "name": "", "start_us": 1e15,
+                          "dur_us": 10.0, "process_group": "", "seq": -1, "bytes": -1, "world_size": 2,
+                          "node": ["", None], "peer": -1})
+    with RecordingWriter(tmp_path, source="t") as w:
+        w.append("spans", spans)
+        w.append("gpu_samples", gpu_rows("n1", 2))
+    assert open_recording(tmp_path).manifest["nodes"] == ["n1"]
+
+
 def test_bad_input_is_named(tmp_path):
     with pytest.raises(UserError, match="not a gpuwatch recording"):
         open_recording(tmp_path)
+    (tmp_path / "plain.txt").write_text("x")
+    with pytest.raises(UserError, match="plain.txt is a file, not a recording directory"):
+        open_recording(tmp_path / "plain.txt")
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "gpuwatch-recording", "version": 99}))
     with pytest.raises(UserError, match="version 99 is newer"):
         open_recording(tmp_path)
