@@ -9,17 +9,8 @@ import pytest
 from gpuwatch import events as ev
 from gpuwatch.agent.daemon import Agent, AgentConfig, span_chunks
 from gpuwatch.agent.simfleet import SimulatedFleet
-from gpuwatch.agent.sink import IngestSink
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
-
-
-@pytest.fixture
-def sink():
-    s = IngestSink()
-    port = s.start()
-    yield s, f"127.0.0.1:{port}"
-    s.stop()
 
 
 def _events(store):

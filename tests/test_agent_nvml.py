@@ -12,6 +12,7 @@ from gpuwatch.agent.nvml import NoGpuDriverError, NvmlSampler
 from gpuwatch.agent.simdegrade import Degradation, parse_fault_spec
 from gpuwatch.agent.simfleet import SimulatedFleet
 from gpuwatch.agent.xid import XidDeduper, XidWatcher, normalize_bus_id, parse_kmsg_line
+from helpers import poll
 
 
 class Clock:
@@ -141,15 +142,6 @@ def test_faults_show_in_the_slow_tier(rig):
     assert (v["gpu_pcie_link_gen"], v["gpu_pcie_link_width"], v["gpu_pcie_link_width_max"]) == (3, 8, 16)
 
 
-def _poll(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def test_xid_arrives_through_nvml_event_wait_and_kmsg_copy_is_deduplicated(rig):
     fleet, sampler, clock = rig
     got = []
@@ -157,12 +149,12 @@ def test_xid_arrives_through_nvml_event_wait_and_kmsg_copy_is_deduplicated(rig):
     watcher.start()
     try:
         fleet.inject_xid(2, 48, "DBE")
-        assert _poll(lambda: got)
+        poll(lambda: got, 5, "the XID event")
         [xid] = got
         assert (xid.kind, xid.gpu_index, xid.code, xid.attrs["source"]) == (ev.XID, 2, 48, "nvml")
         watcher.kmsg_line(fleet.kernel_log[-1])  # the same XID from the kernel log: not reported twice
         fleet.lose_gpu(5)
-        assert _poll(lambda: len(got) == 2)
+        poll(lambda: len(got) == 2, 5, "the gpu_lost XID")
         assert (got[1].gpu_index, got[1].code) == (5, 79)
     finally:
         watcher.stop()
@@ -178,7 +170,7 @@ def test_kmsg_source_reads_new_lines_from_a_log_file(rig, tmp_path):
     try:
         with open(log_file, "a") as f:
             f.write("4,2,2,-;NVRM: Xid (PCI:0000:28:00): 94, pid=1234, Contained: SM (0x1).\n")
-        assert _poll(lambda: got)
+        poll(lambda: got, 5, "the XID event")
         assert [(e.gpu_index, e.code, e.attrs["source"]) for e in got] == [(1, 94, "kmsg")]
         assert "Contained" in got[0].message
     finally:

@@ -8,7 +8,6 @@ import pandas as pd
 import pytest
 
 from gpuwatch.recording import SCHEMAS, open_recording
-from test_agent_daemon import sink  # noqa: F401  (an in-memory Ingest server on a free loopback port)
 
 
 def _agent(*argv, timeout=120):
@@ -31,7 +30,7 @@ def test_record_only_writes_a_recording_pandas_reads(tmp_path):
     assert not (tmp_path / "spool").exists()
 
 
-def test_record_alongside_a_collector_holds_what_the_collector_got(tmp_path, sink):  # noqa: F811
+def test_record_alongside_a_collector_holds_what_the_collector_got(tmp_path, sink):
     server, address = sink
     rec = tmp_path / "R"
     run = _agent("--collector", address, "--simulate", "2", "--ticks", "4", "--interval", "0.05", "--record", str(rec),
@@ -48,7 +47,7 @@ def _check(*argv):
     return run.returncode, json.loads(run.stdout)
 
 
-def test_check_passes_on_a_simulated_node_with_a_reachable_collector(tmp_path, sink):  # noqa: F811
+def test_check_passes_on_a_simulated_node_with_a_reachable_collector(tmp_path, sink):
     _, address = sink
     rc, report = _check("--simulate", "2", "--collector", address, "--spool", str(tmp_path / "spool"))
     assert rc == 0 and report["ok"], report

@@ -2,13 +2,13 @@
 import argparse
 
 import pytest
-from test_security import TOKEN, pki  # noqa: F401  (the test PKI fixture: CA, server and client certificates)
 
 from gpuwatch.agent import cli
 from gpuwatch.agent.daemon import Agent, AgentConfig
 from gpuwatch.agent.sink import IngestSink
 from gpuwatch.agent.uplink import ChannelSecurity
 from gpuwatch.errors import UserError
+from helpers import TOKEN
 
 
 def _args(*argv):

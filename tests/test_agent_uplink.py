@@ -1,5 +1,4 @@
 """The gRPC uplink against a real Ingest server on loopback: acks, reconnects, refused batches."""
-import pytest
 
 from gpuwatch.agent.sink import IngestSink, SinkStore
 from gpuwatch.agent.spool import Spool
@@ -19,16 +18,8 @@ def _spool_batches(spool, n, bad=()):
         spool.append(seq, batch.SerializeToString())
 
 
-@pytest.fixture
-def sink():
-    s = IngestSink()
-    port = s.start()
-    yield s, f"127.0.0.1:{port}", port
-    s.stop()
-
-
 def test_batches_are_sent_in_order_acked_and_deleted(tmp_path, sink):
-    server, address, _ = sink
+    server, address = sink
     spool = Spool(tmp_path)
     _spool_batches(spool, 50)
     uplink = Uplink(spool, address, window=8)
@@ -69,7 +60,7 @@ def test_reconnects_after_the_collector_comes_back_nothing_lost_nothing_duplicat
 
 
 def test_refused_batch_is_quarantined_and_the_rest_go_through(tmp_path, sink):
-    server, address, _ = sink
+    server, address = sink
     spool = Spool(tmp_path)
     _spool_batches(spool, 6, bad={3})
     uplink = Uplink(spool, address, window=4, backoff_initial_s=0.05)

@@ -2,37 +2,20 @@
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pytest
 
 from gpuwatch.collector.alerts import AlertEngine, AlertmanagerSender, RiskObservation, WebhookSender, suggest_action
 from gpuwatch.models.advisor import advise
 from gpuwatch.models.policy import AlertPolicy
-
-ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
-T0 = 1_767_225_600_000
+from helpers import T0, alertmanager_alerts, free_port, poll
 
 
 def obs(risk: float, ts_ms: int, uuid: str = "GPU-a", index: int = 3) -> RiskObservation:
     return RiskObservation(uuid, index, "node-7", risk, jobs=("job-1",), ranks=(11,),
                            signals=({"signal": "sbe_d1h", "value": 420.0},), ts_ms=ts_ms)
-
-
-def wait_for(check, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_fire_once_hysteresis_and_keep_firing():
@@ -67,61 +50,19 @@ def test_suggested_action_follows_the_advisor():
     assert suggest_action(0.8, "n1", advice) == "checkpoint now, then drain node n1 after the checkpoint"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
-
-
-@pytest.fixture
-def alertmanager(tmp_path):
-    if not shutil.which(ALERTMANAGER):
-        pytest.skip(f"{ALERTMANAGER} is not installed (Debian package prometheus-alertmanager)")
-    config = tmp_path / "alertmanager.yml"
-    config.write_text("route:\n  receiver: blackhole\nreceivers:\n  - name: blackhole\n")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [ALERTMANAGER, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
-         "--cluster.listen-address=", f"--storage.path={tmp_path / 'data'}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"alertmanager exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            return _get_json(url + "/api/v2/status")
-        except OSError:
-            return None
-
-    wait_for(ready, 20, "alertmanager to start")
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
 def test_fire_and_resolve_through_real_alertmanager(alertmanager):
     sender = AlertmanagerSender(alertmanager, backoff_s=0.1)
     engine = AlertEngine(AlertPolicy(0.4, keep_firing_for_s=0), senders=[sender])
     now = int(time.time() * 1000)
     engine.observe([obs(0.8, now)], now_ms=now)
 
-    def ours(active: bool):
-        alerts = _get_json(f"{alertmanager}/api/v2/alerts?active={str(active).lower()}")
-        return [a for a in alerts if a["labels"].get("alertname") == "GPUFailureRisk"]
-
-    got = wait_for(lambda: ours(True), what="alert in Alertmanager")
+    got = poll(lambda: alertmanager_alerts(alertmanager, "GPUFailureRisk"), 10, "alert in Alertmanager")
     assert got[0]["labels"]["node"] == "node-7" and got[0]["labels"]["gpu"] == "3"
     assert got[0]["labels"]["uuid"] == "GPU-a" and got[0]["status"]["state"] == "active"
     assert "checkpoint now" in got[0]["annotations"]["action"] and got[0]["annotations"]["jobs"] == "job-1"
 
     engine.observe([obs(0.05, now + 1000)], now_ms=now + 1000)
-    wait_for(lambda: not ours(True), what="alert to be resolved in Alertmanager")
+    poll(lambda: not alertmanager_alerts(alertmanager, "GPUFailureRisk"), 10, "alert to be resolved in Alertmanager")
     engine.close()
     assert sender.sent == 2 and sender.failed == 0
 
@@ -152,7 +93,7 @@ def test_webhook_delivery_retries_and_never_blocks():
         sender = WebhookSender(f"http://127.0.0.1:{server.server_port}/hook", backoff_s=0.05)
         engine = AlertEngine(AlertPolicy(0.4, keep_firing_for_s=0), senders=[sender])
         engine.observe([obs(0.9, T0)])
-        batch = wait_for(lambda: _Hook.received, what="webhook delivery")[0]
+        batch = poll(lambda: _Hook.received, 10, "webhook delivery")[0]
         assert batch["source"] == "gpuwatch" and batch["alerts"][0]["status"] == "firing"
         assert batch["alerts"][0]["gpu_uuid"] == "GPU-a" and batch["alerts"][0]["signals"][0]["signal"] == "sbe_d1h"
         engine.close()
@@ -162,7 +103,7 @@ def test_webhook_delivery_retries_and_never_blocks():
 
 
 def test_dead_receiver_does_not_block_and_queue_is_bounded():
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     sender = WebhookSender(dead, queue_size=2, retries=0, timeout_s=0.5)
     engine = AlertEngine(AlertPolicy(0.4, keep_firing_for_s=0), senders=[sender], resend_interval_s=0)
     started = time.monotonic()

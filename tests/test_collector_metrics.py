@@ -13,9 +13,7 @@ from gpuwatch.collector.cli import start_collector
 from gpuwatch.collector.snapshot import CachedSnapshot, MetricsService
 from gpuwatch.config import COLLECTOR_OPTIONS, load_config
 from gpuwatch.models.failsim import HOUR_MS
-from test_collector_support import degrading_node, frames_to_batches, make_batch
-from test_e2e_pipeline import poll
-from test_jobs import data_parallel_job, write_spans
+from helpers import data_parallel_job, degrading_node, make_batch, poll, sim_batches, write_spans
 
 PROMTOOL = shutil.which("promtool")
 
@@ -51,7 +49,7 @@ def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(
         collector.store.write(make_batch(seq, t0_ms=now - 60_000))
     collector.store.write(make_batch(2))  # a duplicate
     gpu, events = degrading_node(now - 28 * HOUR_MS, hours=28, fault_after_h=29)
-    for batch in frames_to_batches(gpu, events):
+    for batch in sim_batches(gpu, events):
         collector.store.write(batch)
     write_spans(collector.store, data_parallel_job("slow-job", now * 1000.0, slow_rank=2), 1)
     (metrics,) = [s for s in collector.services if isinstance(s, MetricsService)]
@@ -72,7 +70,7 @@ def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(
     assert _value(text, "gpuwatch_job_straggler_lateness_seconds", job_id="slow-job", rank="2") > 0.02
     assert 0 < _value(text, "gpuwatch_job_breakdown_ratio", job_id="slow-job", category="comm_wait") < 1
     assert _value(text, "gpuwatch_job_lost_gpu_seconds_total", job_id="slow-job") > 0
-    batches = 3 + len(frames_to_batches(gpu, events))
+    batches = 3 + len(sim_batches(gpu, events))
     assert _value(text, "gpuwatch_ingest_batches_total") == batches
     assert _value(text, "gpuwatch_ingest_duplicates_total") == 1
     assert _value(text, "gpuwatch_ingest_commit_seconds_count") == batches + 1

@@ -1,5 +1,4 @@
 """`gpuwatch collector` as a real process: durable acks, SIGKILL mid-stream with resend, SIGTERM flush."""
-import signal
 import threading
 
 import grpc
@@ -7,7 +6,7 @@ import pytest
 
 from gpuwatch.collector import client
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from test_collector_support import ROWS_PER_BATCH, kill_process, make_batch, start_collector_process
+from helpers import ROWS_PER_BATCH, CollectorProcess, make_batch
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +23,10 @@ def _stored_rows(db_path: str) -> tuple[int, int]:
 
 def test_an_acked_batch_survives_sigkill(tmp_path):
     db = str(tmp_path / "c.duckdb")
-    proc, address = start_collector_process(db)
-    ch = client.channel(address)
+    collector = CollectorProcess(db).start()
+    ch = client.channel(collector.address)
     assert not client.push(ch, make_batch(1)).duplicate
-    kill_process(proc)
+    collector.kill()
     ch.close()
     assert _stored_rows(db) == (ROWS_PER_BATCH, ROWS_PER_BATCH)
 
@@ -36,24 +35,24 @@ def test_sigkill_mid_stream_then_resend_stores_every_sample_exactly_once(tmp_pat
     db = str(tmp_path / "c.duckdb")
     total = 400
     batches = [make_batch(seq).SerializeToString() for seq in range(1, total + 1)]
-    proc, address = start_collector_process(db)
+    collector = CollectorProcess(db).start()
     acked: set[int] = set()
-    ch = client.channel(address)
+    ch = client.channel(collector.address)
     killed = threading.Event()
     with pytest.raises(grpc.RpcError):  # the stream dies with the collector
         for ack in client.stream_batches(ch, batches, window=32):
             acked.add(ack.sequence)
             if len(acked) == 50 and not killed.is_set():
                 killed.set()
-                kill_process(proc)
+                collector.kill()
     ch.close()
     assert 50 <= len(acked) < total
 
-    proc, address = start_collector_process(db)  # restart on the same store
-    ch = client.channel(address)
+    collector.start()  # restart on the same port and store
+    ch = client.channel(collector.address)
     unacked = [b for seq, b in enumerate(batches, start=1) if seq not in acked]
     resent = list(client.stream_batches(ch, unacked, window=32))
     assert len(resent) == len(unacked)
     ch.close()
-    assert kill_process(proc, signal.SIGTERM) == 0
+    collector.stop()
     assert _stored_rows(db) == (total * ROWS_PER_BATCH, total * ROWS_PER_BATCH)

@@ -12,8 +12,7 @@ from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
-from test_collector_support import ROWS_PER_BATCH, make_batch
-from test_security import TOKEN, pki  # noqa: F401 (fixture: CA, server, client and rogue certificates)
+from helpers import ROWS_PER_BATCH, TOKEN, make_batch
 
 
 @pytest.fixture

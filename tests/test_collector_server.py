@@ -1,6 +1,5 @@
 """The collector over real gRPC on loopback: ingest, dedup, rejections, queries, plug-in handlers, query CLI."""
 import json
-import socket
 
 import grpc
 import pytest
@@ -12,7 +11,7 @@ from gpuwatch.collector.server import serve
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
-from test_collector_support import ROWS_PER_BATCH, TICKS, make_batch
+from helpers import ROWS_PER_BATCH, TICKS, free_port, make_batch
 
 
 def _not_found(request, store):
@@ -148,9 +147,7 @@ def test_query_cli_prints_json_with_the_documented_keys(collector, channel, caps
 
 
 def test_query_cli_reports_an_unreachable_collector_in_one_line(capsys):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
     assert cli.main(["nodes", "--collector", address]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach the collector at {address}" in err and len(err.strip().splitlines()) == 1

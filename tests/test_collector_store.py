@@ -4,7 +4,7 @@ import pytest
 from gpuwatch import fields
 from gpuwatch.collector.store.duckdb import DDL, DuckDBStore
 from gpuwatch.errors import UserError
-from test_collector_support import ROWS_PER_BATCH, T0_MS, TICKS, make_batch
+from helpers import ROWS_PER_BATCH, T0_MS, TICKS, make_batch
 
 
 @pytest.fixture

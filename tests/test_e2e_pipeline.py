@@ -3,16 +3,12 @@ a real `gpuwatch collector` process with its DuckDB store; restarts and kills on
 and store nothing twice."""
 import json
 import os
-import select
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import duckdb
 import pytest
 
 from gpuwatch import events as ev
@@ -22,64 +18,9 @@ from gpuwatch.collector.client import connect
 from gpuwatch.collector.query_cli import parse_time_ms
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
+from helpers import CollectorProcess, free_port, poll
 
 GPUS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def poll(predicate, timeout: float, what: str, every: float = 0.05):
-    """Call ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()  # never set: its wait() is the pause between polls
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        pause.wait(every)
-
-
-class Collector:
-    """`gpuwatch collector` as a child process on a fixed loopback port and DuckDB file."""
-
-    def __init__(self, db: Path, port: int) -> None:
-        self.db, self.port, self.proc = db, port, None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> "Collector":
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatch", "collector", "--listen", self.address, "--db", str(self.db),
-             "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
-        line = self.proc.stdout.readline() if ready else ""
-        assert "listening on" in line, f"collector did not start: {line!r} (exit {self.proc.poll()})"
-        return self
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            assert self.proc.wait(60) == 0
-
-    def rows(self, sql: str) -> list[tuple]:
-        """Query the store after stop() (DuckDB lets one process write or several read)."""
-        con = duckdb.connect(str(self.db), read_only=True)
-        try:
-            return con.execute(sql).fetchall()
-        finally:
-            con.close()
 
 
 def agent_cmd(address: str, node: str, spool: Path, *extra: str, interval: float = 0.05) -> list[str]:
@@ -97,7 +38,7 @@ def samples_by_node(address: str) -> dict[str, int]:
 
 
 def test_collector_killed_mid_stream_and_restarted_stores_every_sample_once(tmp_path):
-    collector = Collector(tmp_path / "store.duckdb", free_port()).start()
+    collector = CollectorProcess(tmp_path / "store.duckdb").start()
     ticks, nodes = 60, ("kill-a", "kill-b")
     agents = [subprocess.Popen(agent_cmd(collector.address, node, tmp_path / node, "--ticks", str(ticks)))
               for node in nodes]
@@ -105,7 +46,7 @@ def test_collector_killed_mid_stream_and_restarted_stores_every_sample_once(tmp_
         poll(lambda: all(samples_by_node(collector.address).get(n) for n in nodes), 60, "first samples stored")
         collector.kill()
         assert all(a.poll() is None for a in agents), "the agents should still be sampling"
-        collector = Collector(collector.db, collector.port).start()
+        collector.start()  # on the same port and store
         assert [a.wait(120) for a in agents] == [0, 0]
     finally:
         for a in agents:
@@ -129,7 +70,7 @@ def test_agent_restarted_with_a_full_spool_drains_it_in_order_once(tmp_path):
         first.wait(30)
     spooled = [pb.TelemetryBatch.FromString(p.read_bytes()) for p in sorted((spool / "batches").glob("*.pb"))]
     spooled_rows = sum(len(s.ts_ms) for b in spooled for s in b.samples if s.gpu_index == 0)
-    collector = Collector(tmp_path / "store.duckdb", port).start()
+    collector = CollectorProcess(tmp_path / "store.duckdb", port).start()
     try:
         second = subprocess.run(agent_cmd(address, "spool-node", spool, "--ticks", "3", interval=0.02), timeout=120)
         assert second.returncode == 0
@@ -144,7 +85,7 @@ def test_agent_restarted_with_a_full_spool_drains_it_in_order_once(tmp_path):
 
 @pytest.fixture(scope="module")
 def shared_collector(tmp_path_factory):
-    collector = Collector(tmp_path_factory.mktemp("collector") / "store.duckdb", free_port()).start()
+    collector = CollectorProcess(tmp_path_factory.mktemp("collector") / "store.duckdb").start()
     yield collector
     collector.stop()
 

@@ -4,11 +4,11 @@ import threading
 
 import gpuwatch.probe
 from gpuwatch.agent.daemon import Agent, AgentConfig
-from test_e2e_pipeline import Collector, free_port, poll
+from helpers import CollectorProcess, poll
 
 
 def test_probe_steps_reach_the_collector_store_through_the_agent(tmp_path):
-    collector = Collector(tmp_path / "store.duckdb", free_port()).start()
+    collector = CollectorProcess(tmp_path / "store.duckdb").start()
     socket_path = str(tmp_path / "probe.sock")
     cfg = AgentConfig(collector=collector.address, node="probe-node", interval=0.05, batch_interval=0.05,
                       spool_dir=tmp_path / "spool", simulate=1, probe_socket=socket_path)

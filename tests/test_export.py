@@ -1,6 +1,5 @@
 """`gpuwatch export`: a collector store out as a recording, and back in through replay."""
 import json
-import signal
 import subprocess
 import sys
 
@@ -12,15 +11,14 @@ from gpuwatch.collector.export import export_store
 from gpuwatch.errors import UserError
 from gpuwatch.recording import open_recording
 from gpuwatch.replay import replay_offline
-from test_collector_support import kill_process, start_collector_process
-from test_replay import T0, _sorted_samples, _two_rank_spans, _write_small_recording
+from helpers import T0, CollectorProcess, sorted_samples, two_rank_spans, write_small_recording
 
 
 @pytest.fixture(scope="module")
 def store_db(tmp_path_factory):
     """A collector store holding the small recording (2 GPUs, an XID, a 2-rank job's spans)."""
     folder = tmp_path_factory.mktemp("export")
-    _write_small_recording(folder / "R", _two_rank_spans())
+    write_small_recording(folder / "R", two_rank_spans())
     replay_offline(folder / "R", db=folder / "c.duckdb", quiet=True)
     return folder
 
@@ -35,8 +33,8 @@ def test_store_to_recording_to_replay_gives_the_same_counts_and_rows(store_db, t
     exported = open_recording(tmp_path / "E")
     assert exported.manifest["source"] == "gpuwatch collector export" and exported.manifest["nodes"] == ["n1"]
     original = open_recording(store_db / "R")
-    pd.testing.assert_frame_equal(_sorted_samples(exported.table("gpu_samples")),
-                                  _sorted_samples(original.table("gpu_samples")), check_dtype=False)
+    pd.testing.assert_frame_equal(sorted_samples(exported.table("gpu_samples")),
+                                  sorted_samples(original.table("gpu_samples")), check_dtype=False)
     assert exported.table("events")["attrs"].tolist() == ['{"pid": "42"}']
     again = replay_offline(tmp_path / "E", quiet=True)
     first = replay_offline(store_db / "R", quiet=True)
@@ -51,7 +49,7 @@ def test_since_and_until_select_a_time_range(store_db, tmp_path):
 
 def test_cli_and_a_store_held_by_a_running_collector(store_db, tmp_path):
     db = str(tmp_path / "live.duckdb")
-    proc, _ = start_collector_process(db)
+    collector = CollectorProcess(db).start()
     try:
         run = subprocess.run([sys.executable, "-m", "gpuwatch", "export", "--db", db, "--out", str(tmp_path / "E")],
                              capture_output=True, text=True, timeout=60)
@@ -59,7 +57,7 @@ def test_cli_and_a_store_held_by_a_running_collector(store_db, tmp_path):
         assert "export a copy" in run.stderr and len(run.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "E").exists()
     finally:
-        assert kill_process(proc, signal.SIGTERM) == 0
+        collector.stop()
     run = subprocess.run([sys.executable, "-m", "gpuwatch", "export", "--db", str(store_db / "c.duckdb"), "--out",
                           str(tmp_path / "E"), "--json"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr

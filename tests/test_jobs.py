@@ -3,57 +3,15 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 
-import numpy as np
 import pytest
 
-from gpuwatch.batches import BatchBuilder
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, list_alerts
 from gpuwatch.collector.alerts import AlertmanagerSender
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.v1 import query_pb2 as q
-from gpuwatch.v1 import telemetry_pb2 as pb
-from test_alerts import alertmanager  # noqa: F401 (fixture: a real Alertmanager on loopback)
-from test_e2e_pipeline import poll
-
-WORLD = 4
-STEP_US = 100_000.0
-SPAN_FIELDS = ("job_id", "rank", "step", "kind", "name", "start_us", "dur_us", "process_group", "seq", "bytes",
-               "world_size", "node", "peer")
-
-
-def _span(job, rank, step, kind, name, start, dur, seq=-1):
-    return (job, rank, step, kind, name, float(start), float(dur), "0" if kind == "collective" else "", seq,
-            1024 if kind == "collective" else -1, WORLD, f"node-{rank // 2}", -1)
-
-
-def data_parallel_job(job: str, end_us: float, steps: int = 20, slow_rank: int | None = None,
-                      seed: int = 0) -> list[tuple]:
-    """Span rows of a 4-rank job: per step a 100 ms step span and one all_reduce; ``slow_rank`` computes 30 ms
-    longer, so it arrives last and the others wait for it. Without one, arrivals jitter at random."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for s in range(steps):
-        t = end_us - (steps - s) * STEP_US
-        arrivals = 50_000 + rng.uniform(0, 2_000, WORLD)
-        if slow_rank is not None:
-            arrivals[slow_rank] += 30_000
-        done = t + arrivals.max() + 5_000
-        for rank in range(WORLD):
-            rows.append(_span(job, rank, s, "step", "step", t, STEP_US))
-            rows.append(_span(job, rank, s, "collective", "all_reduce", t + arrivals[rank],
-                              done - t - arrivals[rank], seq=s))
-    return rows
-
-
-def write_spans(store: DuckDBStore, rows: list[tuple], seq: int, agent: str = "agent-spans") -> None:
-    builder = BatchBuilder(pb.NodeIdentity(node="node-0"), agent)
-    columns = list(zip(*rows))
-    builder.add_spans(pb.SpanTable(**{name: list(values) for name, values in zip(SPAN_FIELDS, columns)}))
-    store.write(builder.build(seq))
-
+from helpers import STEP_US, WORLD, alertmanager_alerts, data_parallel_job, poll, span_row, write_spans
 
 @pytest.fixture
 def store(tmp_path):
@@ -101,11 +59,7 @@ def test_slow_rank_is_flagged_with_evidence_and_alerted_balanced_job_is_not(stor
     assert alert["alertname"] == SLOW_RANK and alert["job_id"] == "slow-job" and alert["rank"] == "2"
     assert alert["details"]["busy_ratio"] == slow["busy_ratio"] and "rank 2 of job slow-job" in alert["summary"]
 
-    def in_alertmanager():
-        with urllib.request.urlopen(f"{alertmanager}/api/v2/alerts?active=true", timeout=5) as r:
-            return [a for a in json.loads(r.read()) if a["labels"]["alertname"] == SLOW_RANK]
-
-    (received,) = poll(in_alertmanager, 20, "the SlowRank alert in Alertmanager", every=0.1)
+    (received,) = poll(lambda: alertmanager_alerts(alertmanager, SLOW_RANK), 20, "the SlowRank alert in Alertmanager", every=0.1)
     assert received["labels"]["job_id"] == "slow-job" and received["labels"]["rank"] == "2"
     hub.stop()
 
@@ -116,7 +70,7 @@ def test_slow_rank_alert_resolves_when_the_job_ends(store):
     monitor = _monitor(store)
     monitor.check_once(now)
     assert [a["alertname"] for a in _alerts(store)] == [SLOW_RANK]
-    write_spans(store, [_span("slow-job", r, 20, "end", "end", now + 1, 0) for r in range(WORLD)], 2)
+    write_spans(store, [span_row("slow-job", r, 20, "end", "end", now + 1, 0) for r in range(WORLD)], 2)
     flags = monitor.check_once(now + 5e6)["slow-job"]
     assert flags["finished"] and flags["stragglers"][0]["rank"] == 1  # still shown for the finished job
     assert _alerts(store) == [] and _alerts(store, include_resolved=True)[0]["status"] == "resolved"
@@ -127,7 +81,7 @@ def test_hang_names_the_stuck_rank_and_collective_then_clears(store):
     stop = now - 600e6  # the job stopped 10 minutes ago
     rows = data_parallel_job("hung-job", stop, steps=10)
     for rank in (0, 1, 3):  # ranks 0, 1, 3 entered all_reduce 10 and wait there; rank 2 never arrived
-        rows.append(_span("hung-job", rank, 10, "collective", "all_reduce", stop + 50_000, -1, seq=10))
+        rows.append(span_row("hung-job", rank, 10, "collective", "all_reduce", stop + 50_000, -1, seq=10))
     write_spans(store, rows, 1)
     monitor = _monitor(store, hang_threshold_s=120)
     hang = monitor.check_once(now)["hung-job"]["hang"]

@@ -15,22 +15,21 @@ import gpuwatch.probe  # noqa: E402
 from gpuwatch import cli  # noqa: E402
 from gpuwatch.collector.cli import start_collector  # noqa: E402
 from gpuwatch.config import COLLECTOR_OPTIONS, load_config  # noqa: E402
-from test_e2e_pipeline import poll  # noqa: E402
-from test_jobs import SPAN_FIELDS  # noqa: E402
-from test_probe_distributed import _finish, _init, _run_job, pipeline_worker  # noqa: E402
+from gloo_jobs import finish_rank, init_rank, pipeline_worker, run_job  # noqa: E402
+from helpers import SPAN_FIELDS, poll  # noqa: E402
 
 STEPS = 12
 SLOW_RANK = 3
 
 
 def _data_parallel(rank: int, world: int, port: int, sock: str, out_dir: str, job: str, slow_rank: int) -> None:
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     probe = gpuwatch.probe.start(job=job, endpoint=sock)
     for _ in range(STEPS):
         time.sleep(0.06 if rank == slow_rank else 0.01)  # compute; one rank is slow on purpose
         dist.all_reduce(torch.ones(256))
         probe.step()
-    _finish(probe, out_dir, rank)
+    finish_rank(probe, out_dir, rank)
 
 
 def slow_worker(rank: int, world: int, port: int, sock: str, out_dir: str) -> None:
@@ -80,7 +79,7 @@ def _job(collector, capsys, job_id: str, until=lambda job: True) -> dict:
 
 @pytest.mark.slow
 def test_slow_rank_shows_as_comm_wait_and_is_flagged(tmp_path, collector, capsys):
-    _, rows = _run_job(slow_worker, 4, tmp_path)
+    _, rows = run_job(slow_worker, 4, tmp_path)
     _send(collector, rows)
     doc = _cli_json(capsys, "breakdown", "dp-slow", "--collector", collector.address)
     wait = {r["rank"]: r["breakdown_us"]["comm_wait"] for r in doc["ranks"]}
@@ -95,7 +94,7 @@ def test_slow_rank_shows_as_comm_wait_and_is_flagged(tmp_path, collector, capsys
 
 @pytest.mark.slow
 def test_balanced_run_flags_no_rank(tmp_path, collector, capsys):
-    _, rows = _run_job(balanced_worker, 4, tmp_path)
+    _, rows = run_job(balanced_worker, 4, tmp_path)
     _send(collector, rows)
     job = _job(collector, capsys, "dp-even")
     assert job["ranks"] == 4 and job["stragglers"] == []
@@ -103,7 +102,7 @@ def test_balanced_run_flags_no_rank(tmp_path, collector, capsys):
 
 @pytest.mark.slow
 def test_two_stage_pipeline_shows_bubble(tmp_path, collector, capsys):
-    _, rows = _run_job(pipeline_worker, 2, tmp_path)
+    _, rows = run_job(pipeline_worker, 2, tmp_path)
     _send(collector, rows)
     doc = _cli_json(capsys, "breakdown", "job-pipe", "--collector", collector.address)
     assert doc["job"]["breakdown_us"]["bubble"] > 0

@@ -4,30 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from gpuwatch.fields import GPU_FIELD_NAMES
 from gpuwatch.models.faults import fault_events, xid_class
-
-T0 = 1_767_225_600_000
-MIN = 60_000
-
-
-def events(*rows) -> pd.DataFrame:
-    return pd.DataFrame([{"node": n, "gpu_index": g, "ts": pd.Timestamp(t, unit="ms", tz="UTC"), "kind": k,
-                          "code": c, "message": "", "attrs": "{}"} for n, g, t, k, c in rows],
-                        columns=["node", "gpu_index", "ts", "kind", "code", "message", "attrs"])
-
-
-def samples(node: str, gpu: int, minutes: int, **series) -> pd.DataFrame:
-    df = pd.DataFrame({"node": node, "gpu_index": gpu,
-                       "ts": pd.to_datetime(T0 + MIN * np.arange(minutes), unit="ms", utc=True),
-                       "job_id": "", "rank": -1, "local_rank": -1})
-    for f in GPU_FIELD_NAMES:
-        df[f] = 0.0
-    df["gpu_pcie_link_width"] = df["gpu_pcie_link_width_max"] = 16.0
-    for name, values in series.items():
-        df[name] = values
-    return df
-
+from helpers import MIN, T0, event_rows, minute_samples
 
 def test_xid_classes_follow_the_catalog():
     assert [xid_class(c) for c in (48, 64, 74, 79, 119, 120, 95)] == ["fatal"] * 7
@@ -37,11 +15,11 @@ def test_xid_classes_follow_the_catalog():
 
 
 def test_fatal_xids_coalesce_per_gpu_and_application_xids_are_not_faults():
-    ev = events(("n1", 0, T0, "xid", 79), ("n1", 0, T0 + 1000, "gpu_lost", 0), ("n1", 0, T0 + 40 * MIN, "xid", 79),
+    ev = event_rows(("n1", 0, T0, "xid", 79), ("n1", 0, T0 + 1000, "gpu_lost", 0), ("n1", 0, T0 + 40 * MIN, "xid", 79),
                 ("n1", 0, T0 + 200 * MIN, "xid", 48),  # > 1 h later: a new episode
                 ("n1", 1, T0, "xid", 13), ("n1", 1, T0, "xid", 43),  # application: features only
                 ("n2", 0, T0, "xid", 74))
-    ep = fault_events(ev, samples("n1", 0, 1))
+    ep = fault_events(ev, minute_samples("n1", 0, 1))
     assert list(zip(ep["node"], ep["gpu_index"], ep["start_ms"])) == [
         ("n1", 0, T0), ("n1", 0, T0 + 200 * MIN), ("n2", 0, T0)]
     assert ep["kinds"].tolist() == ["gpu_lost,xid_79", "xid_48", "xid_74"]
@@ -51,16 +29,16 @@ def test_fatal_xids_coalesce_per_gpu_and_application_xids_are_not_faults():
 def test_counter_evidence_dbe_and_remap_failure():
     dbe = np.r_[np.zeros(30), np.ones(30)]
     failure = np.r_[np.zeros(45), np.ones(15)]
-    s = pd.concat([samples("n1", 0, 60, gpu_ecc_dbe_volatile_total=dbe),
-                   samples("n1", 1, 60, gpu_remapped_rows_failure=failure)])
-    ep = fault_events(events(), s)
+    s = pd.concat([minute_samples("n1", 0, 60, gpu_ecc_dbe_volatile_total=dbe),
+                   minute_samples("n1", 1, 60, gpu_remapped_rows_failure=failure)])
+    ep = fault_events(event_rows(), s)
     assert ep[["gpu_index", "start_ms", "kinds"]].values.tolist() == [[0, T0 + 30 * MIN, "dbe"],
                                                                       [1, T0 + 45 * MIN, "remap_failure"]]
 
 
 def test_had_precursor_separates_warned_from_sudden_faults():
     sbe = np.r_[np.zeros(100), np.cumsum(np.arange(140))]  # rising correctable errors before the fault
-    s = pd.concat([samples("n1", 0, 240, gpu_ecc_sbe_volatile_total=sbe), samples("n1", 1, 240)])
-    ev = events(("n1", 0, T0 + 240 * MIN, "xid", 48), ("n1", 1, T0 + 240 * MIN, "xid", 119))
+    s = pd.concat([minute_samples("n1", 0, 240, gpu_ecc_sbe_volatile_total=sbe), minute_samples("n1", 1, 240)])
+    ev = event_rows(("n1", 0, T0 + 240 * MIN, "xid", 48), ("n1", 1, T0 + 240 * MIN, "xid", 119))
     ep = fault_events(ev, s)
     assert ep.set_index("gpu_index")["had_precursor"].to_dict() == {0: True, 1: False}

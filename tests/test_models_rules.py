@@ -6,7 +6,7 @@ import pandas as pd
 
 from gpuwatch.models.features import features
 from gpuwatch.models.rules import health, pcie_replay_limit_per_min, rule_scores
-from test_models_faults import MIN, T0, events, samples
+from helpers import MIN, T0, event_rows, minute_samples
 
 HOURS = 26 * 60  # minutes of history: a day of look-back plus the last hours
 
@@ -15,18 +15,18 @@ def fleet() -> pd.DataFrame:
     ramp = np.r_[np.zeros(HOURS - 30), np.arange(30)]
     replays = np.r_[np.zeros(HOURS - 60), np.cumsum(np.full(60, 40.0))]  # 40/min > the Gen5 x16 limit of 31
     return pd.concat([
-        samples("n1", 0, HOURS),
-        samples("n1", 1, HOURS, gpu_remapped_rows_pending=np.r_[np.zeros(HOURS - 5), np.ones(5)]),
-        samples("n1", 2, HOURS, gpu_remapped_rows_failure=np.r_[np.zeros(HOURS - 5), np.ones(5)]),
-        samples("n1", 3, HOURS, gpu_pcie_replay_total=replays, gpu_pcie_link_gen=5.0, gpu_pcie_link_gen_max=5.0),
-        samples("n1", 4, HOURS, gpu_pcie_link_width=np.r_[np.full(HOURS - 10, 16.0), np.full(10, 8.0)]),
-        samples("n1", 5, HOURS, gpu_throttle_thermal_seconds_total=ramp * 30),
-        samples("n1", 6, HOURS, gpu_ecc_dbe_volatile_total=np.r_[np.zeros(HOURS - 10), np.ones(10)]),
+        minute_samples("n1", 0, HOURS),
+        minute_samples("n1", 1, HOURS, gpu_remapped_rows_pending=np.r_[np.zeros(HOURS - 5), np.ones(5)]),
+        minute_samples("n1", 2, HOURS, gpu_remapped_rows_failure=np.r_[np.zeros(HOURS - 5), np.ones(5)]),
+        minute_samples("n1", 3, HOURS, gpu_pcie_replay_total=replays, gpu_pcie_link_gen=5.0, gpu_pcie_link_gen_max=5.0),
+        minute_samples("n1", 4, HOURS, gpu_pcie_link_width=np.r_[np.full(HOURS - 10, 16.0), np.full(10, 8.0)]),
+        minute_samples("n1", 5, HOURS, gpu_throttle_thermal_seconds_total=ramp * 30),
+        minute_samples("n1", 6, HOURS, gpu_ecc_dbe_volatile_total=np.r_[np.zeros(HOURS - 10), np.ones(10)]),
     ], ignore_index=True)
 
 
 def test_health_states_and_reasons():
-    ev = events(("n1", 0, T0 + (HOURS - 20) * MIN, "xid", 13))
+    ev = event_rows(("n1", 0, T0 + (HOURS - 20) * MIN, "xid", 13))
     h = health(fleet(), ev, at=T0 + (HOURS - 1) * MIN).set_index("gpu_index")
     assert h.loc[0, "state"] == "warn" and h.loc[0, "reasons"] == ["XID 31/32/43/63/94 in the last hour"]
     assert h.loc[1, "state"] == "warn" and "row remap or page retirement pending" in h.loc[1, "reasons"]
@@ -38,7 +38,7 @@ def test_health_states_and_reasons():
 
 
 def test_healthy_gpu_is_ok_and_scores_are_per_row():
-    feats = features(fleet(), events())
+    feats = features(fleet(), event_rows())
     scores = rule_scores(feats)
     assert len(scores) == len(feats)
     healthy = feats["gpu_index"].to_numpy() == 0

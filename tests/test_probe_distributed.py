@@ -1,9 +1,6 @@
 """Real multi-process torch.distributed (gloo, CPU) jobs with the probe on, received by a real ProbeListener."""
 from __future__ import annotations
 
-import json
-import os
-import socket
 import time
 from collections import defaultdict
 
@@ -11,41 +8,22 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import pandas as pd  # noqa: E402
 
 import gpuwatch.probe  # noqa: E402
-from gpuwatch.agent.probe_socket import ProbeListener  # noqa: E402
 from gpuwatch.collector.efficiency.engine import analyze  # noqa: E402
 from gpuwatch.collector.live import detect_hangs, job_summaries  # noqa: E402
 from gpuwatch.collector.traces.spans import timelines_from_spans  # noqa: E402
+from gloo_jobs import PIPELINE_STEPS, finish_rank, init_rank, pipeline_worker, run_job  # noqa: E402
 
 STEPS = 4
 SLOW_RANK = 3
 SLOW_S = 0.15
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def _finish(probe, out_dir: str, rank: int, extra: dict | None = None) -> None:
-    probe.close()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"stats": probe.stats(), **(extra or {})}, f)
-    dist.destroy_process_group()
-
-
 def collectives_worker(rank: int, world: int, port: int, sock: str, out_dir: str) -> None:
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     pair = dist.new_group([0, 1])
     probe = gpuwatch.probe.start(job="job-coll", endpoint=sock)
     for _ in range(STEPS):
@@ -57,56 +35,7 @@ def collectives_worker(rank: int, world: int, port: int, sock: str, out_dir: str
         dist.all_reduce(torch.ones(4), async_op=True).wait()                   # 16 B, future callback
         dist.all_reduce(torch.ones(2), group=pair)                             # ranks 0, 1 only
         probe.step()
-    _finish(probe, out_dir, rank, {"pair_group": dist.distributed_c10d._get_process_group_name(pair)})
-
-
-def pipeline_worker(rank: int, world: int, port: int, sock: str, out_dir: str) -> None:
-    _init(rank, world, port)
-    probe = gpuwatch.probe.start(job="job-pipe", endpoint=sock, stall_report_s=0.3)
-    other = 1 - rank
-    for _ in range(STEPS):
-        activation = torch.ones(32)                                            # 128 B
-        if rank == 0:
-            dist.send(activation, 1)
-            dist.recv(torch.zeros(32))                                         # any source
-            dist.irecv(torch.zeros(32), src=1).wait()                          # no future on gloo: timed wait
-        else:
-            dist.recv(activation, 0)
-            dist.send(activation, 0)
-            dist.isend(activation, dst=0).wait()
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(8), other),
-                                        dist.P2POp(dist.irecv, torch.zeros(8), other)])
-        for work in works:
-            work.wait()
-        probe.step()
-    if rank == 1:
-        time.sleep(1.0)  # arrive late at the barrier: rank 0 reports its barrier as still running
-    dist.barrier()
-    _finish(probe, out_dir, rank)
-
-
-def _run_job(worker, world: int, tmp_path) -> tuple[dict, list[dict]]:
-    sock = str(tmp_path / "probe.sock")
-    listener = ProbeListener(sock)
-    try:
-        mp.spawn(worker, args=(world, _free_port(), sock, str(tmp_path)), nprocs=world)
-        rows = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            table = listener.drain()
-            rows += [dict(zip(("job_id", "rank", "step", "kind", "name", "start_us", "dur_us", "process_group",
-                               "seq", "bytes", "world_size", "node", "peer"), values))
-                     for values in zip(table.job_id, table.rank, table.step, table.kind, table.name,
-                                       table.start_us, table.dur_us, table.process_group, table.seq, table.bytes,
-                                       table.world_size, table.node, table.peer)]
-            if sum(r["kind"] == "end" for r in rows) == world:
-                break
-            time.sleep(0.02)  # poll interval of the deadline loop
-        assert listener.malformed == 0
-    finally:
-        listener.close()
-    results = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)}
-    return results, rows
+    finish_rank(probe, out_dir, rank, {"pair_group": dist.distributed_c10d._get_process_group_name(pair)})
 
 
 def _by_rank(rows: list[dict], kind: str) -> dict[int, list[dict]]:
@@ -122,7 +51,7 @@ def _by_rank(rows: list[dict], kind: str) -> dict[int, list[dict]]:
 @pytest.mark.slow
 def test_collectives_of_four_ranks_align_and_show_the_slow_rank(tmp_path):
     world = 4
-    results, rows = _run_job(collectives_worker, world, tmp_path)
+    results, rows = run_job(collectives_worker, world, tmp_path)
     for rank, result in results.items():
         stats = result["stats"]
         assert stats["steps"] == STEPS and stats["dropped"] == 0 and stats["errors"] == 0
@@ -175,21 +104,21 @@ def test_collectives_of_four_ranks_align_and_show_the_slow_rank(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_p2p_rows_name_their_peer(tmp_path):
-    results, rows = _run_job(pipeline_worker, 2, tmp_path)
+    results, rows = run_job(pipeline_worker, 2, tmp_path)
     for result in results.values():
-        assert result["stats"]["steps"] == STEPS and result["stats"]["dropped"] == 0
+        assert result["stats"]["steps"] == PIPELINE_STEPS and result["stats"]["dropped"] == 0
     p2p = _by_rank(rows, "p2p")
     for rank in (0, 1):
         other = 1 - rank
         mine = p2p[rank]
         assert {r["peer"] for r in mine} == {other}
-        assert sorted({r["seq"] for r in mine}) == list(range(4 * STEPS))  # 3 ops + 1 batch per step
+        assert sorted({r["seq"] for r in mine}) == list(range(4 * PIPELINE_STEPS))  # 3 ops + 1 batch per step
         batches = [r for r in mine if r["seq"] % 4 == 3]
-        assert sorted(r["name"] for r in batches) == ["recv"] * STEPS + ["send"] * STEPS
+        assert sorted(r["name"] for r in batches) == ["recv"] * PIPELINE_STEPS + ["send"] * PIPELINE_STEPS
         assert all(r["bytes"] == 32 for r in batches)
     names = {rank: [r["name"] for r in p2p[rank] if r["seq"] % 4 != 3] for rank in (0, 1)}
-    assert names[0] == ["send", "recv", "recv"] * STEPS
-    assert names[1] == ["recv", "send", "send"] * STEPS
+    assert names[0] == ["send", "recv", "recv"] * PIPELINE_STEPS
+    assert names[1] == ["recv", "send", "send"] * PIPELINE_STEPS
     assert all(r["bytes"] == 128 for rank in (0, 1) for r in p2p[rank] if r["seq"] % 4 != 3)
     # rank 0 waited > stall_report_s in the final barrier: reported once while running, then completed
     barrier = [r for r in rows if r["rank"] == 0 and r["name"] == "barrier"]

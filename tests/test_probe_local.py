@@ -17,19 +17,13 @@ from gpuwatch.probe.flight_recorder import FlightRecorderHarvester, entry_to_row
 from gpuwatch.probe.identity import identity_from_environment
 from gpuwatch.probe.sender import DatagramSender
 from gpuwatch.probe.wire import SpanRow, decode_datagram, encode_datagrams
+from helpers import poll
 
 HEADER = {"job": "j1", "rank": 3, "ws": 8, "node": "n1"}
 
 
 def _row(i: int) -> SpanRow:
     return SpanRow(i, "collective", "all_reduce", 1.7e15 + i, 12.5, "0", i, 4096, -1)
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.01)  # poll interval of the deadline loop
 
 
 def test_importing_the_probe_pulls_in_nothing_heavy():
@@ -86,7 +80,7 @@ def test_listener_survives_garbage_and_drains_a_span_table(tmp_path):
         assert sender.send(b"garbage")
         for data, _ in encode_datagrams(HEADER, [_row(i) for i in range(5)]):
             assert sender.send(data)
-        _wait_for(lambda: listener.pending() == 5 and listener.malformed == 1)
+        poll(lambda: listener.pending() == 5 and listener.malformed == 1, 5, "5 rows and 1 malformed datagram")
         table = listener.drain()
         assert list(table.step) == list(range(5)) and set(table.job_id) == {"j1"} and set(table.rank) == {3}
         assert set(table.node) == {"n1"} and set(table.world_size) == {8} and list(table.bytes) == [4096] * 5
@@ -140,7 +134,7 @@ def test_probe_start_is_idempotent_and_step_scope_times_the_body(tmp_path):
             with probe.step_scope():
                 time.sleep(0.01)  # the "training step" being timed
         probe.close()
-        _wait_for(lambda: listener.pending() == 4)
+        poll(lambda: listener.pending() == 4, 5, "4 rows")
         table = listener.drain()
     finally:
         listener.close()
@@ -197,7 +191,7 @@ def test_profiler_window_ships_compact_span_rows(tmp_path):
             kinds.extend(table.kind), names.extend(table.name), steps.extend(table.step)
             return "end" in kinds
 
-        _wait_for(received_end)
+        poll(received_end, 5, "the end row")
     finally:
         dist.destroy_process_group()
         listener.close()

@@ -1,7 +1,6 @@
 """`gpuwatch replay`: recordings back into batches, streamed to a real collector (process or in-process)."""
 import json
 import math
-import signal
 import subprocess
 import sys
 
@@ -12,18 +11,15 @@ import pytest
 from gpuwatch import cli
 from gpuwatch.batches import validate
 from gpuwatch.collector.efficiency.engine import analyze
+from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.collector.traces.spans import timelines_from_spans
 from gpuwatch.errors import UserError
-from gpuwatch.fields import GPU_FIELD_NAMES
-from gpuwatch.recording import RecordingWriter, open_recording, ts_ms
-from gpuwatch.replay import node_batches, recording_batches, replay_agent_id, recording_id, replay_offline
-from gpuwatch.collector.scoring import Scorer
 from gpuwatch.models.model import load_model
-from test_collector_support import frames_to_batches, kill_process, start_collector_process
-
-T0 = 1_767_225_600_000
+from gpuwatch.recording import RecordingWriter, open_recording, ts_ms
+from gpuwatch.replay import node_batches, recording_batches, recording_id, replay_agent_id, replay_offline
+from helpers import T0, CollectorProcess, sim_batches, sorted_samples, two_rank_spans, write_small_recording
 
 
 def _gpuwatch(*argv, timeout=120):
@@ -46,15 +42,10 @@ def _recorded_counts(rec) -> dict:
     return {node: {"gpus": int(g["gpu_index"].nunique()), "samples": len(g)} for node, g in df.groupby("node")}
 
 
-def _sorted_samples(df: pd.DataFrame) -> pd.DataFrame:
-    df = df.assign(ts=ts_ms(df["ts"]), job_id=df["job_id"].fillna(""), rank=df["rank"].fillna(-1).astype(int))
-    return df[["node", "gpu_index", "ts", "job_id", "rank", *GPU_FIELD_NAMES]].sort_values(
-        ["node", "gpu_index", "ts"]).reset_index(drop=True)
-
-
 def test_fast_replay_into_a_collector_process_stores_the_recorded_samples_once(agent_recording, tmp_path):
     db = str(tmp_path / "c.duckdb")
-    proc, address = start_collector_process(db)
+    collector = CollectorProcess(db).start()
+    address = collector.address
     try:
         first = _gpuwatch("replay", str(agent_recording), "--fast", "--collector", address, "--ticks-per-batch", "2",
                           "--json")
@@ -70,15 +61,15 @@ def test_fast_replay_into_a_collector_process_stores_the_recorded_samples_once(a
         assert again["duplicates"] == again["batches"] == sent["batches"] and again["stored"] == 0
         assert json.loads(_gpuwatch("nodes", "--collector", address, "--json").stdout) == nodes
     finally:
-        assert kill_process(proc, signal.SIGTERM) == 0
+        collector.stop()
     store = DuckDBStore(db)
     try:
-        stored = _sorted_samples(store.gpu_samples())
+        stored = sorted_samples(store.gpu_samples())
         events = store.count("events")
     finally:
         store.close()
     rec = open_recording(agent_recording)
-    pd.testing.assert_frame_equal(stored, _sorted_samples(rec.table("gpu_samples")), check_dtype=False)
+    pd.testing.assert_frame_equal(stored, sorted_samples(rec.table("gpu_samples")), check_dtype=False)
     assert events == len(rec.table("events"))
 
 
@@ -112,7 +103,7 @@ def test_a_simulated_fleet_recording_replays(tmp_path):
     assert scoring["model"] and scoring["rounds"] == 3
     live = DuckDBStore(str(tmp_path / "live.duckdb"))
     try:
-        for batch in frames_to_batches(rec.table("gpu_samples"), rec.table("events")):
+        for batch in sim_batches(rec.table("gpu_samples"), rec.table("events")):
             live.write(batch)
         scorer = Scorer(load_model(None))
         scorer.bind(live)
@@ -123,28 +114,8 @@ def test_a_simulated_fleet_recording_replays(tmp_path):
     assert got == pytest.approx({(g["node"], g["gpu_index"]): (g["risk"], g["health"]) for g in expected})
 
 
-def _write_small_recording(path, spans: pd.DataFrame | None = None):
-    """Node n1: 2 GPUs x 5 ticks 1 s apart; GPU power never sampled, temperature only on even ticks; one
-    XID at tick 3."""
-    rows = []
-    for t in range(5):
-        for g in range(2):
-            rows.append({"node": "n1", "gpu_index": g, "ts": T0 + t * 1000, "gpu_utilization_ratio": 0.1 * t,
-                         "gpu_temperature_celsius": 40.0 + t if t % 2 == 0 else math.nan,
-                         "job_id": "j1" if g == 0 else "", "rank": 0 if g == 0 else -1})
-    with RecordingWriter(path, source="test", resolution_s=1.0) as w:
-        w.append("gpu_samples", pd.DataFrame(rows))
-        w.append("events", pd.DataFrame([{"node": "n1", "gpu_index": 1, "ts": T0 + 3000, "kind": "xid", "code": 79,
-                                          "attrs": {"pid": "42"}}]))
-        w.append("gpus", pd.DataFrame([{"node": "n1", "index": g, "uuid": f"GPU-{g}", "name": "H100",
-                                        "pci_bus_id": "", "serial": "", "memory_total_bytes": 80 << 30,
-                                        "architecture": "hopper", "gpm_supported": True} for g in range(2)]))
-        if spans is not None:
-            w.append("spans", spans)
-
-
 def test_batches_keep_missing_values_missing_and_events_in_the_batch_of_their_time(tmp_path):
-    _write_small_recording(tmp_path / "R")
+    write_small_recording(tmp_path / "R")
     rec = open_recording(tmp_path / "R")
     timed = list(node_batches(rec, "n1", agent_id="a", ticks_per_batch=2))
     batches = [tb.batch for tb in timed]
@@ -163,29 +134,16 @@ def test_batches_keep_missing_values_missing_and_events_in_the_batch_of_their_ti
 
 
 def test_agent_ids_are_stable_per_recording_and_node(tmp_path, agent_recording):
-    _write_small_recording(tmp_path / "R")
+    write_small_recording(tmp_path / "R")
     rec = open_recording(tmp_path / "R")
     ids = {tb.batch.agent_id for tb in recording_batches(rec)}
     assert ids == {replay_agent_id("n1", recording_id(rec))} == {f"replay-n1-{recording_id(open_recording(tmp_path / 'R'))}"}
     assert recording_id(rec) != recording_id(open_recording(agent_recording))
 
 
-def _two_rank_spans() -> pd.DataFrame:
-    rows = []
-    for rank in (0, 1):
-        for step in range(3):
-            t0 = T0 * 1000.0 + step * 10_000
-            late = 2_000.0 * rank
-            rows.append(("J", rank, step, "step", "", t0, 10_000.0, "", -1, -1, 2, "n1", -1))
-            rows.append(("J", rank, step, "collective", "all_reduce", t0 + 6_000 + late, 3_000.0 - late, "pg0", step,
-                         1 << 20, 2, "n1" if rank == 0 else "", -1))
-    return pd.DataFrame(rows, columns=["job_id", "rank", "step", "kind", "name", "start_us", "dur_us",
-                                       "process_group", "seq", "bytes", "world_size", "node", "peer"])
-
-
 def test_offline_replay_computes_the_job_breakdown_from_replayed_spans(tmp_path):
-    spans = _two_rank_spans()
-    _write_small_recording(tmp_path / "R", spans)
+    spans = two_rank_spans()
+    write_small_recording(tmp_path / "R", spans)
     result = replay_offline(tmp_path / "R", quiet=True)
     assert result["nodes"]["n1"]["spans"] == len(spans)  # spans without a node travel with n1
     expected = analyze(timelines_from_spans(spans.assign(world_size=2.0), source="spans"))["job"]
@@ -194,7 +152,7 @@ def test_offline_replay_computes_the_job_breakdown_from_replayed_spans(tmp_path)
 
 
 def test_speed_paces_batches_by_recorded_time(tmp_path):
-    _write_small_recording(tmp_path / "R")  # 4 s of recorded time
+    write_small_recording(tmp_path / "R")  # 4 s of recorded time
     result = replay_offline(tmp_path / "R", speed=8.0, ticks_per_batch=1, quiet=True)
     assert result["batches"] == 5 and 0.5 <= result["seconds"] < 5.0
     fast = replay_offline(tmp_path / "R", ticks_per_batch=1, quiet=True)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 
 import pytest
 
@@ -18,11 +17,8 @@ from gpuwatch.models.failsim import HOUR_MS
 from gpuwatch.models.model import load_model
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.v1 import query_pb2 as q
-from test_alerts import alertmanager  # noqa: F401 (fixture: a real Alertmanager on loopback)
-from test_collector_support import degrading_node, frames_to_batches
-from test_e2e_pipeline import poll
+from helpers import T0, alertmanager_alerts, degrading_node, poll, sim_batches
 
-T0 = 1_767_225_600_000  # 2026-01-01T00:00Z
 FAILING = 1
 
 
@@ -35,7 +31,7 @@ def model():
 def store(tmp_path):
     store = DuckDBStore(str(tmp_path / "scoring.duckdb"))
     gpu, events = degrading_node(T0, hours=38, fault_after_h=29, failing_gpu=FAILING)
-    for batch in frames_to_batches(gpu, events):
+    for batch in sim_batches(gpu, events):
         store.write(batch)
     yield store
     store.close()
@@ -87,14 +83,10 @@ def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp
                                             "alertmanager_url": alertmanager, "score_interval": 0.5}, env={})
     server = start_collector(cfg)
     try:
-        for batch in frames_to_batches(gpu, events):
+        for batch in sim_batches(gpu, events):
             server.store.write(batch)
 
-        def ours():
-            with urllib.request.urlopen(f"{alertmanager}/api/v2/alerts?active=true", timeout=5) as r:
-                return [a for a in json.loads(r.read()) if a["labels"].get("alertname") == ALERT_NAME]
-
-        (got,) = poll(ours, 60, "the GPU alert in Alertmanager", every=0.2)
+        (got,) = poll(lambda: alertmanager_alerts(alertmanager, ALERT_NAME), 60, "the GPU alert in Alertmanager", every=0.2)
         assert got["labels"]["node"] == "node-0000" and got["labels"]["gpu"] == str(FAILING)
         assert "checkpoint" in got["annotations"]["action"]
         assert cli.main(["alerts", "--collector", server.address, "--json"]) == 0
@@ -124,11 +116,11 @@ def test_samples_arriving_late_are_read_again(tmp_path, model):
     try:
         gpu, events = degrading_node(T0, hours=28, fault_after_h=29, failing_gpu=FAILING)
         cut = gpu["ts"] < gpu["ts"].min() + (gpu["ts"].max() - gpu["ts"].min()) / 2
-        for batch in frames_to_batches(gpu[cut], events.iloc[:0]):
+        for batch in sim_batches(gpu[cut], events.iloc[:0]):
             store.write(batch)
         history, now = MinuteHistory(), T0 + 28 * HOUR_MS
         before = score_gpus(store, model, now, history)
-        for batch in frames_to_batches(gpu[~cut], events, agent="agent-replaying-its-spool"):
+        for batch in sim_batches(gpu[~cut], events, agent="agent-replaying-its-spool"):
             store.write(batch)
         after = score_gpus(store, model, now + 60_000, history)
         assert after[FAILING]["risk"] > before[FAILING]["risk"]

@@ -1,72 +1,16 @@
 """TLS, mutual TLS and bearer tokens against a real gRPC server on loopback, with certificates made here."""
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import socket
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from gpuwatch import security
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import query_pb2, query_pb2_grpc
-
-TOKEN = "s3cret-token"
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(subject: str, issuer=None, *, ca=False, san=()):
-    """(key, cert) signed by ``issuer`` = (key, cert), or self-signed when None."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
-    signer_key, signer_name = (issuer[0], issuer[1].subject) if issuer else (key, _name(subject))
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(signer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if san:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(san)), critical=False)
-    return key, builder.sign(signer_key, hashes.SHA256())
-
-
-def _write(tmp: Path, name: str, key, cert) -> tuple[str, str]:
-    cert_path, key_path = tmp / f"{name}.crt", tmp / f"{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return str(cert_path), str(key_path)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pki")
-    ca = _issue("gpuwatch test CA", ca=True)
-    rogue_ca = _issue("rogue CA", ca=True)
-    server = _issue("collector", ca, san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    client = _issue("agent-node-1", ca)
-    rogue_client = _issue("intruder", rogue_ca)
-    paths = {"ca": _write(tmp, "ca", *ca)[0], "rogue_ca": _write(tmp, "rogue_ca", *rogue_ca)[0]}
-    for name, pair in (("server", server), ("client", client), ("rogue_client", rogue_client)):
-        paths[name], paths[name + "_key"] = _write(tmp, name, *pair)
-    return paths
-
+from helpers import TOKEN
 
 class _Nodes(query_pb2_grpc.QueryServicer):
     def ListNodes(self, request, context):
