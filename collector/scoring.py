@@ -129,18 +129,35 @@ def observation(gpu: Mapping[str, Any], now_ms: int) -> RiskObservation:
         signals=tuple(gpu["signals"]), ts_ms=now_ms)
 
 
+WALL, DATA = "wall", "data"
+
+
+def newest_sample_ms(store: DuckDBStore) -> int | None:
+    """The time of the newest stored GPU sample (epoch ms), None before the first."""
+    newest = store.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
+    return None if pd.isna(newest) else int(newest)
+
+
 class Scorer(PeriodicService):
-    """Collector service: scores every GPU every ``interval_s`` and feeds the alert hub."""
+    """Collector service: scores every GPU every ``interval_s`` and feeds the alert hub.
+
+    A round scores "now": the wall clock, or with ``clock="data"`` the newest stored sample time, for
+    telemetry on simulated or replayed time (the demo's accelerated agents), where the wall clock would
+    put every GPU hours before or after its data."""
 
     name = "gpu-scorer"
 
     def __init__(self, model: dict | None, hub: AlertHub | None = None, *, interval_s: float = DEFAULT_INTERVAL_S,
-                 history_s: float = feature_module.HISTORY_S) -> None:
+                 history_s: float = feature_module.HISTORY_S, clock: str = WALL) -> None:
+        if clock not in (WALL, DATA):
+            raise ValueError(f"clock {clock!r}: expected {WALL!r} or {DATA!r}")
         super().__init__(interval_s)
         self.model = model
         self.hub = hub
+        self.clock = clock
         self.history = MinuteHistory(history_s)
         self.rounds = 0
+        self.scored_at_ms: int | None = None  # the "now" of the last round
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -148,8 +165,11 @@ class Scorer(PeriodicService):
         return self.score_once()
 
     def score_once(self, now_ms: int | None = None) -> list[dict[str, Any]]:
-        """Score every GPU at ``now_ms`` (default now), feed the alerts, keep the result for metrics."""
-        now = int(time.time() * 1000) if now_ms is None else now_ms
+        """Score every GPU at ``now_ms`` (default: now on the scorer's clock), feed the alerts, keep the result
+        for metrics. On the data clock before any sample is stored there is nothing to score: []."""
+        now = self._now_ms() if now_ms is None else now_ms
+        if now is None:
+            return []
         started = time.perf_counter()
         gpus = score_gpus(self._store, self.model, now, self.history)
         if self.hub is not None and self.model is not None:
@@ -157,8 +177,12 @@ class Scorer(PeriodicService):
         with self._lock:
             self._latest = {(g["node"], g["gpu_index"]): g for g in gpus}
             self.rounds += 1
+            self.scored_at_ms = now
         log.debug("scored %d GPUs in %.3f s", len(gpus), time.perf_counter() - started)
         return gpus
+
+    def _now_ms(self) -> int | None:
+        return int(time.time() * 1000) if self.clock == WALL else newest_sample_ms(self._store)
 
     def latest(self) -> dict[tuple[str, int], dict[str, Any]]:
         """The last round's result per (node, GPU index)."""

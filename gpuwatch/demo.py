@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import pandas as pd
 
 from gpuwatch.v1 import query_pb2, query_pb2_grpc
 
@@ -148,8 +147,8 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[str], None], reco
     model = model if model is not None else load_model(None)
     hub = AlertHub(AlertPolicy(model["threshold"]))
     server = serve("127.0.0.1:0", str(workdir / "gpuwatch.duckdb"), services=[hub])
-    scorer = Scorer(model, hub)
-    scorer.bind(server.store)  # no periodic thread: the demo scores on the data clock below
+    scorer = Scorer(model, hub, clock="data")  # "now" is the agents' simulated time
+    scorer.bind(server.store)  # no periodic thread: the demo scores before each view below
     origin = time.time()
     sim_start = origin - plan.sim_span_s  # the simulated clock reaches the present when the demo ends
     recordings = [workdir / "recordings" / node_name(i) for i in range(plan.nodes)] if record else []
@@ -160,8 +159,8 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[str], None], reco
     started = time.monotonic()
     try:
         while (elapsed := time.monotonic() - started) < plan.duration_s:
-            data_ms = score_on_data_clock(scorer, server.store)
-            show(fleet_view(query, scorer.latest(), elapsed_s=elapsed, plan=plan, data_ms=data_ms))
+            scorer.score_once()
+            show(fleet_view(query, scorer.latest(), elapsed_s=elapsed, plan=plan, data_ms=scorer.scored_at_ms))
             _wait_for_any_exit(agents, timeout=min(plan.score_every_s, plan.duration_s - elapsed))
         for proc in agents:
             proc.terminate()
@@ -169,7 +168,7 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[str], None], reco
             proc.wait(timeout=30)
         _check_agents(agents, workdir)
         server.store.flush()
-        score_on_data_clock(scorer, server.store)
+        scorer.score_once()
         return DemoResult(nodes=[_node_row(n) for n in query.ListNodes(query_pb2.ListNodesRequest(), timeout=5).nodes],
                           events=event_counts(query), report=failure_report(server.store), workdir=str(workdir),
                           recordings=[str(p) for p in recordings])
@@ -179,15 +178,6 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[str], None], reco
                 proc.kill()
         channel.close()
         server.stop()
-
-
-def score_on_data_clock(scorer: Any, store: Any) -> int | None:
-    """Score every GPU at the newest stored sample time (the simulated "now"); returns it, None before data."""
-    newest = store.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
-    if pd.isna(newest):  # no samples yet
-        return None
-    scorer.score_once(now_ms=int(newest))
-    return int(newest)
 
 
 def _start_agent(address: str, workdir: Path, plan: DemoPlan, i: int, origin: float, sim_start: float,
