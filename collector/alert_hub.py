@@ -4,7 +4,7 @@ GPU risk goes through :class:`~gpuwatch.collector.alerts.AlertEngine` (threshold
 suggested action). Job alerts (``SlowRank`` per straggler rank, ``JobHang`` per job) are set by the jobs
 monitor as "what is true now": new ones fire, missing ones resolve. Both reach the same Alertmanager and
 webhook senders, and every alert is kept in the store's ``alerts`` table, so `gpuwatch alerts` answers
-from it, also after a restart (alerts left firing by a previous run are resolved after the first round).
+from it; on start the hub takes back the alerts left firing, so a restart neither resolves nor re-fires them.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from gpuwatch.collector.alerts import ALERT_NAME as GPU_FAILURE_RISK
-from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition
+from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition, iso_ms
 from gpuwatch.collector.query_cli import iso_utc
 from gpuwatch.collector.store.duckdb import DuckDBStore, ms_to_datetime
 from gpuwatch.models.policy import AlertPolicy
@@ -52,6 +52,13 @@ class JobAlert:
                 "job_id": self.job_id, **self.labels, "summary": self.summary, "details": self.details,
                 "starts_at": iso_utc(self.starts_ms), "ends_at": iso_utc(self.ends_ms) if self.ends_ms else None}
 
+    @classmethod
+    def from_json(cls, doc: dict, subject: str) -> JobAlert:
+        """A firing job alert back from its :meth:`to_json` document and its ``subject``."""
+        labels = {k: v for k, v in doc.items() if k not in _JOB_ALERT_KEYS}
+        return cls(doc["alertname"], doc["job_id"], subject, doc["summary"], doc["details"], labels,
+                   iso_ms(doc["starts_at"]))
+
     def to_alertmanager(self) -> dict:
         body = {"labels": {"alertname": self.alertname, "job_id": self.job_id, **self.labels, "severity": "warning"},
                 "annotations": {"summary": self.summary, "details": json.dumps(self.details, sort_keys=True)},
@@ -59,6 +66,9 @@ class JobAlert:
         if self.ends_ms is not None:
             body["endsAt"] = iso_utc(self.ends_ms)
         return body
+
+
+_JOB_ALERT_KEYS = {"alertname", "status", "job_id", "summary", "details", "starts_at", "ends_at"}
 
 
 @dataclass(frozen=True)
@@ -82,13 +92,29 @@ class AlertHub:
         self._jobs: dict[tuple[str, str], JobAlert] = {}
         self._lock = threading.Lock()
         self._store: DuckDBStore | None = None
-        self._left_firing: list[str] = []
 
     # ---- service -----------------------------------------------------------------------------------
     def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+        """Use ``store`` and take back the alerts that were firing when the collector last stopped, so a
+        restart neither resolves nor re-fires what is still true."""
         self._store = store
-        self._left_firing = list(store.query_df("SELECT id FROM alerts WHERE status = 'firing'")["id"])
+        self._restore(store)
         return {"Alerts": list_alerts}
+
+    def _restore(self, store: DuckDBStore) -> None:
+        firing = store.query_df("""
+            SELECT alertname, subject, epoch_ms(updated_at) AS updated_ms, doc FROM alerts WHERE status = 'firing'""")
+        gpu_alerts = []
+        with self._lock:
+            for row in firing.itertuples(index=False):
+                doc = json.loads(row.doc)
+                if row.alertname == GPU_FAILURE_RISK:
+                    # last persisted while firing: the risk was high then, or within keep_firing_for of it
+                    gpu_alerts.append(Alert.from_json(doc, last_high_ms=int(row.updated_ms)))
+                else:
+                    self._jobs[(row.alertname, row.subject)] = JobAlert.from_json(doc, row.subject)
+        if self.engine is not None:
+            self.engine.restore(gpu_alerts)
 
     def stop(self) -> None:
         if self.engine is not None:
@@ -106,7 +132,7 @@ class AlertHub:
         changes = self.engine.observe(observations, now_ms=now)
         rows = [_gpu_row(a) for a in self.engine.active()] + [_gpu_row(c.alert) for c in changes
                                                              if c.kind == "resolve"]
-        self._persist(rows, resolve_left_firing_at=now)
+        self._persist(rows)
         return changes
 
     # ---- jobs --------------------------------------------------------------------------------------
@@ -148,34 +174,21 @@ class AlertHub:
             return list(self._jobs.values())
 
     # ---- persistence -------------------------------------------------------------------------------
-    def _persist(self, rows: list[dict], resolve_left_firing_at: int | None = None) -> None:
-        stale: list[str] = []
-        if resolve_left_firing_at is not None:
-            stale, self._left_firing = self._left_firing, []
-        if self._store is None or not (rows or stale):
+    def _persist(self, rows: list[dict]) -> None:
+        if self._store is None or not rows:
             return
         table = pd.DataFrame(rows, columns=["id", "alertname", "subject", "status", "starts_at", "ends_at",
                                             "updated_at", "doc"])
-        ended = ms_to_datetime(resolve_left_firing_at or 0)
 
         def write(con) -> None:
-            con.begin()
+            con.register("_alert_rows", table)
             try:
-                if stale:
-                    con.execute("UPDATE alerts SET status = 'resolved', ends_at = ?, "
-                                "doc = json_merge_patch(doc, json_object('status', 'resolved')) "
-                                "WHERE list_contains(?, id) AND status = 'firing'", [ended, stale])
-                if len(table):
-                    con.register("_alert_rows", table)
-                    con.execute("""
-                        INSERT INTO alerts BY NAME SELECT * REPLACE (doc::JSON AS doc) FROM _alert_rows
-                        ON CONFLICT (id) DO UPDATE SET status = excluded.status, ends_at = excluded.ends_at,
-                            updated_at = excluded.updated_at, doc = excluded.doc""")
-                    con.unregister("_alert_rows")
-                con.commit()
-            except BaseException:
-                con.rollback()
-                raise
+                con.execute("""
+                    INSERT INTO alerts BY NAME SELECT * REPLACE (doc::JSON AS doc) FROM _alert_rows
+                    ON CONFLICT (id) DO UPDATE SET status = excluded.status, ends_at = excluded.ends_at,
+                        updated_at = excluded.updated_at, doc = excluded.doc""")
+            finally:
+                con.unregister("_alert_rows")
 
         self._store.run_write(write)
 

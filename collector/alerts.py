@@ -77,6 +77,14 @@ class Alert:
                 "starts_at": _iso(self.starts_ms), "ends_at": _iso(self.ends_ms) if self.ends_ms else None,
                 "summary": self.summary()}
 
+    @classmethod
+    def from_json(cls, doc: dict, last_high_ms: int) -> Alert:
+        """A firing alert back from its :meth:`to_json` document (as the alerts table keeps it);
+        ``last_high_ms``: when its risk was last at or above the resolve level, as far as is known."""
+        return cls(doc["gpu_uuid"], int(doc["gpu_index"]), doc["node"], float(doc["risk"]), float(doc["peak_risk"]),
+                   tuple(doc["jobs"]), tuple(doc["ranks"]), tuple(doc["signals"]), doc["action"],
+                   iso_ms(doc["starts_at"]), None, last_high_ms)
+
     def to_alertmanager(self) -> dict:
         """Alertmanager v2 postable alert; a resolved alert carries its endsAt (in the past)."""
         body = {
@@ -100,6 +108,11 @@ class Transition:
 
 def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def iso_ms(text: str) -> int:
+    """Epoch ms of an ISO 8601 UTC time as the alert documents write it ("2026-01-01T00:00:00.000Z")."""
+    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
 
 
 def suggest_action(risk: float, node: str, advice: Advice, drain_at: float = DRAIN_AT) -> str:
@@ -163,6 +176,12 @@ class AlertEngine:
             for sender in self.senders:
                 sender.submit(batch)
         return changes
+
+    def restore(self, alerts: Iterable[Alert]) -> None:
+        """Take back alerts that were firing when the collector stopped: a GPU still at risk keeps its alert
+        (same start, no new notification) and one that recovered resolves under the policy as usual."""
+        with self._lock:
+            self._active.update((a.gpu_uuid, a) for a in alerts)
 
     def active(self) -> list[Alert]:
         with self._lock:

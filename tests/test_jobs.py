@@ -59,7 +59,8 @@ def test_slow_rank_is_flagged_with_evidence_and_alerted_balanced_job_is_not(stor
     assert alert["alertname"] == SLOW_RANK and alert["job_id"] == "slow-job" and alert["rank"] == "2"
     assert alert["details"]["busy_ratio"] == slow["busy_ratio"] and "rank 2 of job slow-job" in alert["summary"]
 
-    (received,) = poll(lambda: alertmanager_alerts(alertmanager, SLOW_RANK), 20, "the SlowRank alert in Alertmanager", every=0.1)
+    (received,) = poll(lambda: alertmanager_alerts(alertmanager, SLOW_RANK), 20, "the SlowRank alert in Alertmanager",
+                       every=0.1)
     assert received["labels"]["job_id"] == "slow-job" and received["labels"]["rank"] == "2"
     hub.stop()
 
@@ -74,6 +75,20 @@ def test_slow_rank_alert_resolves_when_the_job_ends(store):
     flags = monitor.check_once(now + 5e6)["slow-job"]
     assert flags["finished"] and flags["stragglers"][0]["rank"] == 1  # still shown for the finished job
     assert _alerts(store) == [] and _alerts(store, include_resolved=True)[0]["status"] == "resolved"
+
+
+def test_a_restarted_hub_keeps_the_slow_rank_alert_without_a_duplicate(store):
+    now = time.time() * 1e6
+    write_spans(store, data_parallel_job("slow-job", now, slow_rank=1), 1)
+    _monitor(store).check_once(now)
+    (before,) = _alerts(store)
+    restarted = _monitor(store)  # a new hub on the same store, as after a collector restart
+    assert [(a.alertname, a.subject) for a in restarted.hub.active_job_alerts()] == [(SLOW_RANK, "slow-job/1")]
+    restarted.check_once(now + 1e6)
+    (after,) = _alerts(store, include_resolved=True)
+    same = ("alertname", "job_id", "rank", "status", "starts_at")
+    assert [after[k] for k in same] == [before[k] for k in same] == [SLOW_RANK, "slow-job", "1", "firing",
+                                                                       before["starts_at"]]
 
 
 def test_hang_names_the_stuck_rank_and_collective_then_clears(store):

@@ -10,7 +10,7 @@ from gpuwatch import cli
 from gpuwatch.collector.alert_hub import AlertHub, list_alerts
 from gpuwatch.collector.alerts import ALERT_NAME
 from gpuwatch.collector.cli import start_collector
-from gpuwatch.collector.scoring import MinuteHistory, Scorer, score_gpus
+from gpuwatch.collector.scoring import MinuteHistory, Scorer, observation, score_gpus
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.config import COLLECTOR_OPTIONS, load_config
 from gpuwatch.models.failsim import HOUR_MS
@@ -64,6 +64,52 @@ def test_degrading_gpu_alerts_with_signals_and_action_then_resolves(store, model
     assert not hub.engine.active() and _alerts(store) == []
     (resolved,) = _alerts(store, include_resolved=True)
     assert resolved["status"] == "resolved" and resolved["ends_at"] and resolved["gpu_index"] == FAILING
+
+
+def test_a_restarted_hub_keeps_the_firing_alert_without_a_duplicate_then_resolves_it(store, model):
+    scorer = Scorer(model)  # scores only; each round goes to the hub of the collector run below
+    scorer.bind(store)
+
+    def round_(hub, hours):
+        now = T0 + int(hours * HOUR_MS)
+        return hub.observe_risk([observation(g, now) for g in scorer.score_once(now)], now_ms=now)
+
+    def started_hub():
+        hub = AlertHub(AlertPolicy(model["threshold"]))
+        hub.start(store)
+        return hub
+
+    hub = started_hub()
+    assert [c.kind for c in round_(hub, 28)] == ["fire"]
+    (before,) = _alerts(store)
+    hub.stop()
+
+    hub = started_hub()  # the collector restarted on the same store
+    assert [a.gpu_index for a in hub.engine.active()] == [FAILING]
+    assert round_(hub, 28.5) == []  # still at risk: neither resolved nor fired again
+    (after,) = _alerts(store, include_resolved=True)
+    assert after["status"] == "firing" and after["starts_at"] == before["starts_at"]
+    assert [c.kind for c in round_(hub, 36)] == ["resolve"]  # repaired: the restored alert resolves as usual
+    (resolved,) = _alerts(store, include_resolved=True)
+    assert resolved["status"] == "resolved" and resolved["starts_at"] == before["starts_at"]
+    hub.stop()
+
+
+def test_the_data_clock_scores_at_the_newest_sample(store, model, tmp_path):
+    scorer = Scorer(model, clock="data")
+    empty = DuckDBStore(str(tmp_path / "empty.duckdb"))
+    try:
+        scorer.bind(empty)
+        assert scorer.score_once() == [] and scorer.scored_at_ms is None  # nothing stored yet
+    finally:
+        empty.close()
+    scorer.bind(store)
+    newest = store.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
+    scored = scorer.score_once()
+    assert scorer.scored_at_ms == newest and len(scored) == 4
+    assert [g["risk"] for g in scored] == [g["risk"] for g in score_gpus(store, model, int(newest))]
+    with pytest.raises(ValueError, match="clock 'sim'"):
+        Scorer(model, clock="sim")
 
 
 def test_without_a_model_health_is_still_scored_and_no_risk_alerts(store):
