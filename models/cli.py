@@ -40,6 +40,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("-o", "--output", required=True, help="model file to write (.skops)")
     if command == "evaluate":
         p.add_argument("--model", help="model file (default: the shipped simulated-fleet model)")
+    p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
 
 def run(command: str, args: argparse.Namespace) -> int:
@@ -66,7 +67,7 @@ def simulate(args: argparse.Namespace) -> dict:
             raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
     cfg = FleetConfig(nodes=args.nodes, gpus_per_node=args.gpus, days=args.days, resolution_s=args.resolution,
                       seed=args.seed, fault_rate_multiplier=args.fault_rate_multiplier)
-    return {"out": args.out, **simulate_fleet(cfg, args.out)}
+    return {"out": args.out, **simulate_fleet(cfg, args.out, quiet=args.quiet)}
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -74,9 +75,9 @@ def train(args: argparse.Namespace) -> dict:
     from gpuwatch.models.model import save_model
     from gpuwatch.models.train import train_model
 
-    ds = build_dataset(args.data, horizon_s=args.horizon)
+    ds = build_dataset(args.data, horizon_s=args.horizon, quiet=args.quiet)
     model = train_model(ds, false_alarm_budget=args.false_alarm_budget,
-                        description=f"trained on {args.data}")
+                        description=f"trained on {args.data}", quiet=args.quiet)
     save_model(model, args.output)
     return {"model": args.output, "threshold": model["threshold"], "training": model["training"],
             "validation": model["validation_metrics"]}
@@ -89,7 +90,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     model = load_model(args.model)
     ds = build_dataset(args.data, horizon_s=model["horizon_s"], warning_s=model["warning_s"],
-                       step_s=model["step_s"])
+                       step_s=model["step_s"], quiet=args.quiet)
     result = evaluate_model(model, ds)
     if not args.json:
         result["table"] = format_table(result)

@@ -17,6 +17,7 @@ from gpuwatch.errors import UserError
 from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, PRECURSOR_COUNTERS, PRECURSOR_FLAGS, fault_events
 from gpuwatch.models.features import DEFAULT_STEP_S, SAMPLE_COLUMNS, add_peer_features, gpu_window_features
 from gpuwatch.models.labels import DEFAULT_HORIZON_S, DEFAULT_WARNING_S, label
+from gpuwatch.progress import Progress
 from gpuwatch.recording import open_recording
 
 NODES_PER_CHUNK = 8
@@ -35,10 +36,11 @@ class Source:
     end_ms: int
     fingerprint: str
 
-    def chunks(self) -> Iterator[tuple[pd.DataFrame, pd.DataFrame]]:
-        """(samples, events) for a few nodes at a time."""
+    def chunks(self) -> Iterator[tuple[list[str], pd.DataFrame, pd.DataFrame]]:
+        """(nodes, their samples, their events) for a few nodes at a time."""
         for i in range(0, len(self.nodes), NODES_PER_CHUNK):
-            yield self._read(self.nodes[i:i + NODES_PER_CHUNK])
+            nodes = self.nodes[i:i + NODES_PER_CHUNK]
+            yield (nodes, *self._read(nodes))
 
     def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
         raise NotImplementedError
@@ -107,13 +109,16 @@ class Dataset:
 
 
 def build_dataset(path: str | Path, *, horizon_s: float = DEFAULT_HORIZON_S,
-                  warning_s: float = DEFAULT_WARNING_S, step_s: int = DEFAULT_STEP_S) -> Dataset:
-    """Features of every GPU every ``step_s``, with labels for faults within ``horizon_s``."""
+                  warning_s: float = DEFAULT_WARNING_S, step_s: int = DEFAULT_STEP_S, quiet: bool = False) -> Dataset:
+    """Features of every GPU every ``step_s``, with labels for faults within ``horizon_s``; progress by node
+    on a terminal unless ``quiet``."""
     src = open_source(path)
     parts, episodes = [], []
-    for samples, events in src.chunks():
-        parts.append(gpu_window_features(samples, events, step_s=step_s))
-        episodes.append(fault_events(events, samples))
+    with Progress("features", total=len(src.nodes), unit="nodes", quiet=quiet) as progress:
+        for nodes, samples, events in src.chunks():
+            parts.append(gpu_window_features(samples, events, step_s=step_s))
+            episodes.append(fault_events(events, samples))
+            progress.advance(len(nodes))
     feats = add_peer_features(pd.concat(parts, ignore_index=True))
     eps = pd.concat(episodes, ignore_index=True) if episodes else pd.DataFrame()
     rows = label(feats, eps, horizon_s=horizon_s, warning_s=warning_s, data_end_ms=src.end_ms)

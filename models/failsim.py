@@ -18,6 +18,7 @@ import pandas as pd
 
 from gpuwatch.errors import UserError
 from gpuwatch.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
+from gpuwatch.progress import Progress
 from gpuwatch.recording import RecordingWriter
 
 HOUR_MS = 3_600_000
@@ -411,8 +412,9 @@ def _inventory(cfg: FleetConfig) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def simulate_fleet(cfg: FleetConfig, out: str | Path) -> dict:
-    """Write a recording of the simulated fleet to ``out``; returns a summary (faults by mechanism, rows)."""
+def simulate_fleet(cfg: FleetConfig, out: str | Path, quiet: bool = False) -> dict:
+    """Write a recording of the simulated fleet to ``out``; returns a summary (faults by mechanism, rows).
+    Progress by node on a terminal unless ``quiet``."""
     if Path(out).exists() and any(Path(out).iterdir()):
         raise UserError(f"{out}: already exists and is not empty; simulate into a new directory")
     step = int(cfg.resolution_s * 1000)
@@ -423,7 +425,8 @@ def simulate_fleet(cfg: FleetConfig, out: str | Path) -> dict:
     summary = {"faults": {}, "near_misses": 0, "gpu_rows": 0, "events": 0}
     all_plans: list[FaultPlan] = []
     with RecordingWriter(out, source="gpuwatch simulate", resolution_s=cfg.resolution_s,
-                         extra={"simulation": asdict(cfg)}) as writer:
+                         extra={"simulation": asdict(cfg)}) as writer, \
+            Progress("simulate", total=cfg.nodes, unit="nodes", quiet=quiet) as progress:
         writer.append("gpus", _inventory(cfg))
         schedules = {}
         for n in range(cfg.nodes):
@@ -439,6 +442,7 @@ def simulate_fleet(cfg: FleetConfig, out: str | Path) -> dict:
             writer.append("events", ev)
             summary["gpu_rows"] += len(gpu)
             summary["events"] += len(ev)
+            progress.advance()
     for p in all_plans:
         if p.near_miss:
             summary["near_misses"] += 1

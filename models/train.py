@@ -25,6 +25,7 @@ from gpuwatch.models.evaluate import metrics, scored_block, threshold_for_false_
 from gpuwatch.models.features import feature_names
 from gpuwatch.models.labels import Split, in_block, time_split
 from gpuwatch.models.model import MODEL_FORMAT, MODEL_VERSION, score
+from gpuwatch.progress import Progress
 
 DEFAULT_FALSE_ALARM_BUDGET = 2.0  # per 1,000 GPU-days, on the validation block
 #: Alert when P(fault within the horizon) beats the break-even precision of a 5-min extra checkpoint for a
@@ -46,9 +47,14 @@ def _usable(rows: pd.DataFrame, block: tuple[int, int], horizon_s: float) -> pd.
     return rows[in_block(rows, block) & ~rows["censored"].to_numpy() & ~ambiguous]
 
 
+#: What train_model does, in order (its progress counts them).
+STAGES = ("fit", "calibrate", "importance", "threshold")
+
+
 def train_model(ds: Dataset, *, false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET, seed: int = 0,
-                description: str = "") -> dict:
-    """Fit, calibrate and pick the threshold; returns the model dict that save_model writes."""
+                description: str = "", quiet: bool = False) -> dict:
+    """Fit, calibrate and pick the threshold; returns the model dict that save_model writes. Progress by
+    stage (STAGES) on a terminal unless ``quiet``."""
     split = time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s)
     names = feature_names()
     train, val = (_usable(ds.rows, block, ds.horizon_s) for block in (split.train, split.validation))
@@ -56,30 +62,35 @@ def train_model(ds: Dataset, *, false_alarm_budget: float = DEFAULT_FALSE_ALARM_
         if rows["label"].sum() < 2 or (rows["label"] == 0).sum() < 2:
             raise UserError(f"{ds.source.path}: the {block} block has {int(rows['label'].sum())} positive rows; "
                             "need faults in it (more data, or simulate with a higher --fault-rate-multiplier)")
-    started = time.monotonic()
-    y = train["label"].to_numpy()
-    pos_weight = min(MAX_POSITIVE_WEIGHT, (y == 0).sum() / max(y.sum(), 1))
-    clf = HistGradientBoostingClassifier(max_iter=200, learning_rate=0.08, max_leaf_nodes=15,
-                                         min_samples_leaf=40, l2_regularization=1.0,
-                                         class_weight={0: 1.0, 1: pos_weight}, random_state=seed)
-    clf.fit(train[names].to_numpy(float), y)
-    calibrated = CalibratedClassifierCV(FrozenEstimator(clf), method="sigmoid")
-    calibrated.fit(val[names].to_numpy(float), val["label"].to_numpy())
-    model = {
-        "format": MODEL_FORMAT, "version": MODEL_VERSION, "gpuwatch_version": __version__,
-        "estimator": calibrated, "features": names, "horizon_s": ds.horizon_s, "warning_s": ds.warning_s,
-        "step_s": ds.step_s, "description": description,
-        "training": {"source": str(ds.source.path), "fingerprint": ds.source.fingerprint,
-                     "train_ms": list(split.train), "validation_ms": list(split.validation),
-                     "test_ms": list(split.test), "rows": len(train), "positives": int(y.sum())},
-        "reference": _reference(train, names),
-        "importance": _importance(calibrated, val, names, seed),
-    }
-    block = scored_block(ds.rows, ds.episodes, score(model, ds.rows), split.validation,
-                         horizon_s=ds.horizon_s, warning_s=ds.warning_s, step_s=ds.step_s)
-    model["threshold"] = max(COST_THRESHOLD, threshold_for_false_alarms(block, false_alarm_budget))
-    model["validation_metrics"] = metrics(block, model["threshold"])
-    model["training"]["seconds"] = round(time.monotonic() - started, 1)
+    with Progress("train", total=len(STAGES), unit="stages", quiet=quiet) as progress:
+        started = time.monotonic()
+        y = train["label"].to_numpy()
+        pos_weight = min(MAX_POSITIVE_WEIGHT, (y == 0).sum() / max(y.sum(), 1))
+        clf = HistGradientBoostingClassifier(max_iter=200, learning_rate=0.08, max_leaf_nodes=15,
+                                             min_samples_leaf=40, l2_regularization=1.0,
+                                             class_weight={0: 1.0, 1: pos_weight}, random_state=seed)
+        clf.fit(train[names].to_numpy(float), y)
+        progress.advance()
+        calibrated = CalibratedClassifierCV(FrozenEstimator(clf), method="sigmoid")
+        calibrated.fit(val[names].to_numpy(float), val["label"].to_numpy())
+        progress.advance()
+        model = {
+            "format": MODEL_FORMAT, "version": MODEL_VERSION, "gpuwatch_version": __version__,
+            "estimator": calibrated, "features": names, "horizon_s": ds.horizon_s, "warning_s": ds.warning_s,
+            "step_s": ds.step_s, "description": description,
+            "training": {"source": str(ds.source.path), "fingerprint": ds.source.fingerprint,
+                         "train_ms": list(split.train), "validation_ms": list(split.validation),
+                         "test_ms": list(split.test), "rows": len(train), "positives": int(y.sum())},
+            "reference": _reference(train, names),
+            "importance": _importance(calibrated, val, names, seed),
+        }
+        progress.advance()
+        block = scored_block(ds.rows, ds.episodes, score(model, ds.rows), split.validation,
+                             horizon_s=ds.horizon_s, warning_s=ds.warning_s, step_s=ds.step_s)
+        model["threshold"] = max(COST_THRESHOLD, threshold_for_false_alarms(block, false_alarm_budget))
+        model["validation_metrics"] = metrics(block, model["threshold"])
+        model["training"]["seconds"] = round(time.monotonic() - started, 1)
+        progress.advance()
     return model
 
 

@@ -3,6 +3,8 @@ process, test batches and simulated telemetry. Fixtures live in conftest.py."""
 from __future__ import annotations
 
 import json
+import os
+import pty
 import select
 import signal
 import socket
@@ -64,6 +66,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_on_terminal(*argv: str, timeout: float = 300.0) -> tuple[int, str, str]:
+    """Run ``gpuwatch *argv`` with stderr on a pseudo-terminal (where progress lines draw); return the exit
+    status, stdout and everything the terminal showed."""
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "gpuwatch", *argv], stdout=subprocess.PIPE, stderr=slave)
+        os.close(slave)
+        shown = b""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the child closed its end
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            elif proc.poll() is not None:
+                break
+        out = proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
+        return proc.returncode, out.decode(), shown.decode(errors="replace")
+    finally:
+        os.close(master)
 
 
 # ------------------------------------------------------------------------------- collector process

@@ -63,7 +63,7 @@ def test_an_imported_recording_replays_and_the_training_loader_reads_it(tmp_path
     assert {n["node"]: (n["gpus"], n["samples"], n["events"]) for n in replayed["store"]["nodes"]} == \
         {"h1": (2, 24, 1), "h2": (1, 12, 0)}
     source = open_source(tmp_path / "R")
-    samples, events = next(source.chunks())
+    _, samples, events = next(source.chunks())
     assert source.nodes == ["h1", "h2"] and len(samples) == 36 and list(events["code"]) == [79]
 
 

@@ -18,6 +18,7 @@ from gpuwatch.models.labels import label, time_split
 from gpuwatch.models.model import load_model, save_model, score, top_signals
 from gpuwatch.models.train import train_model
 from gpuwatch.recording import SCHEMAS
+from helpers import run_on_terminal
 
 SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=400)
 
@@ -114,6 +115,15 @@ def test_cli_simulate_train_evaluate(fleet, tmp_path, capsys):
     assert "false_alarms_per_1000_gpu_days" in capsys.readouterr().out
     assert main(["train", str(tmp_path / "nope"), "-o", str(tmp_path / "x.skops")]) == 2
     assert "no such recording directory" in capsys.readouterr().err
+
+
+def test_train_shows_progress_on_a_terminal_and_none_with_quiet(fleet, tmp_path):
+    status, out, shown = run_on_terminal("train", str(fleet / "train"), "-o", str(tmp_path / "m.skops"), "--json")
+    assert status == 0 and json.loads(out)["model"] == str(tmp_path / "m.skops")
+    assert f"features: {SMALL['nodes']}/{SMALL['nodes']} nodes" in shown and "train: 4/4 stages" in shown
+    status, _, shown = run_on_terminal("simulate", "--nodes", "2", "--gpus", "2", "--days", "0.2", "--out",
+                                       str(tmp_path / "sim"), "--quiet")
+    assert status == 0 and shown == ""
 
 
 def test_duckdb_store_gives_the_same_dataset_as_the_recording(fleet, trained, tmp_path):
