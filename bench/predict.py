@@ -4,6 +4,7 @@ evaluate against the rule baseline, and print the evaluation table and the simul
     python bench/predict.py                       # 64 nodes x 8 GPUs x 30 days at 60 s (minutes)
     python bench/predict.py --nodes 8 --days 10   # a quick look
     python bench/predict.py --save-default        # also refresh models/data/default_model.skops
+    python bench/predict.py --keep /data/bench    # keep the recordings and model (GBs at full size)
 """
 from __future__ import annotations
 
@@ -39,11 +40,21 @@ def main() -> int:
     p.add_argument("--fault-rate-multiplier", type=float, default=30.0)
     p.add_argument("--train-seed", type=int, default=101)
     p.add_argument("--test-seed", type=int, default=202)
-    p.add_argument("--workdir", help="keep the recordings and model here (default: a temporary directory)")
+    p.add_argument("--keep", metavar="DIR",
+                   help="write the recordings and model here and keep them (default: a temporary directory, deleted)")
     p.add_argument("--save-default", action="store_true", help="ship the trained model as the default model")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="gpuwatch-bench-predict-"))
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gpuwatch-bench-predict-"))
+    try:
+        return run(args, work)
+    finally:
+        if not args.keep:  # a full-size run leaves ~7 GB of recordings
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: Path) -> int:
+    """Simulate, train, evaluate in ``work``."""
     work.mkdir(parents=True, exist_ok=True)
     common = dict(nodes=args.nodes, gpus_per_node=args.gpus, days=args.days, resolution_s=args.resolution,
                   fault_rate_multiplier=args.fault_rate_multiplier)
@@ -72,7 +83,8 @@ def main() -> int:
     print(format_table(result))
     if args.json:
         print(json.dumps({"times": times, "result": result, "simulated": [sim_train, sim_test]}, default=str))
-    print(f"\nrecordings and model in {work}")
+    if args.keep:
+        print(f"\nrecordings and model in {work}")
     return 0
 
 

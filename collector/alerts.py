@@ -106,6 +106,11 @@ class Transition:
     alert: Alert
 
 
+#: The job the alerts' checkpoint/drain advice assumes unless the collector is told (job_gpus, checkpoint_cost).
+DEFAULT_JOB_GPUS = 1024
+DEFAULT_CHECKPOINT_COST_S = 300.0
+
+
 def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -132,7 +137,7 @@ class AlertEngine:
                  resend_interval_s: float = 60.0, keep_resolved: int = 1000) -> None:
         self.policy = policy
         self.senders = list(senders)
-        self.advice = advice or advise(n_gpus=1024, checkpoint_s=300)
+        self.advice = advice or advise(n_gpus=DEFAULT_JOB_GPUS, checkpoint_s=DEFAULT_CHECKPOINT_COST_S)
         self.resend_interval_s = resend_interval_s
         self._active: dict[str, Alert] = {}
         self._resolved: deque[Alert] = deque(maxlen=keep_resolved)

@@ -18,6 +18,7 @@ from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
 from gpuwatch.collector.server import CollectorServer, serve
 from gpuwatch.collector.snapshot import MetricsService
+from gpuwatch.models.advisor import advise
 from gpuwatch.models.model import default_model_path, load_model
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.security import check_listen_policy, read_token
@@ -32,7 +33,8 @@ def start_collector(cfg: config.Config) -> CollectorServer:
     """Start a collector with everything ``cfg`` (:func:`gpuwatch.config.load_config` over COLLECTOR_OPTIONS) asks."""
     check_listen_policy(cfg.listen, cfg.tls_cert is not None or cfg.tls_key is not None, cfg.insecure)  # fail fast
     model = _model(cfg.model)
-    hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, _senders(cfg))
+    hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, _senders(cfg),
+                   advice=advise(n_gpus=cfg.job_gpus, checkpoint_s=cfg.checkpoint_cost))
     scorer = scoring.Scorer(model, hub, interval_s=cfg.score_interval)
     monitor = jobs.JobsMonitor(hub, interval_s=cfg.jobs_interval, window_s=cfg.jobs_window,
                                hang_threshold_s=cfg.hang_threshold)

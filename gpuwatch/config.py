@@ -103,6 +103,8 @@ DEFAULT_SCORE_INTERVAL_S = 60.0  # gpuwatch.collector.scoring.DEFAULT_INTERVAL_S
 DEFAULT_JOBS_INTERVAL_S = 30.0  # gpuwatch.collector.jobs.DEFAULT_INTERVAL_S
 DEFAULT_JOBS_WINDOW_S = 300.0  # gpuwatch.collector.jobs.DEFAULT_WINDOW_S
 DEFAULT_HANG_S = 300.0  # gpuwatch.collector.jobs.DEFAULT_HANG_S
+DEFAULT_JOB_GPUS = 1024  # gpuwatch.collector.alerts.DEFAULT_JOB_GPUS
+DEFAULT_CHECKPOINT_COST_S = 300.0  # gpuwatch.collector.alerts.DEFAULT_CHECKPOINT_COST_S
 LOG_LEVEL = Option("log_level", str, "info", "log level", one_of("debug", "info", "warning", "error"))
 
 AGENT_OPTIONS: tuple[Option, ...] = (
@@ -145,6 +147,10 @@ COLLECTOR_OPTIONS: tuple[Option, ...] = (
     Option("jobs_window", float, DEFAULT_JOBS_WINDOW_S, "seconds of recent spans analysed per job", positive),
     Option("hang_threshold", float, DEFAULT_HANG_S,
            "seconds without a completed step or op before a job counts as hung", non_negative),
+    Option("job_gpus", int, DEFAULT_JOB_GPUS, "GPUs of a typical job: sets its MTBF for the alerts' checkpoint advice",
+           positive),
+    Option("checkpoint_cost", float, DEFAULT_CHECKPOINT_COST_S,
+           "seconds one checkpoint stalls a job: the alerts' checkpoint-now break-even", positive),
     LOG_LEVEL,
 )
 

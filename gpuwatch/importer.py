@@ -2,8 +2,9 @@
 
 Two shapes are read (docs/replay.md documents the columns):
 
-* **wide** — the recording's own columns: ``node``, ``gpu_index``, ``ts`` and any gpuwatch field names
-  (in gpuwatch units), optionally ``job_id``/``rank``/``local_rank``;
+* **wide** — one row per GPU and time: ``node``, ``gpu_index``, ``ts`` and a column per field, named as
+  gpuwatch names it (gpuwatch units) or as dcgm-exporter does (converted by :data:`DCGM_METRICS`),
+  optionally ``job_id``/``rank``/``local_rank``;
 * **long** — one value per row, as a dcgm-exporter history exported from Prometheus: a time, a node
   (``Hostname``/``instance``), ``gpu``, a metric name (``__name__``/``metric``) and ``value``. DCGM
   metric names are mapped to gpuwatch fields with unit conversion by :data:`DCGM_METRICS`, the one mapping
@@ -241,14 +242,21 @@ def _epoch_ms(path: Path, column: str, values: pd.Series) -> pd.Series:
 
 # --------------------------------------------------------------------------------------- shaping
 def _wide_rows(path: Path, chunk: pd.DataFrame, keys: _Keys, report: _Report) -> pd.DataFrame:
-    known = [c for c in chunk.columns if c in GPU_FIELD_NAMES]
+    """gpuwatch field columns as they are, dcgm-exporter columns through :data:`DCGM_METRICS` (the XID column
+    stays ``XID_METRIC`` and becomes events later); two columns of one field: the first non-empty value wins."""
+    known = [c for c in chunk.columns if c in DCGM_METRICS or c == XID_METRIC]
     extras = [c for c in _WIDE_EXTRAS if c in chunk.columns]
     used = {keys.node.name, keys.gpu.name, keys.ts.name, *known, *extras, *UUID_COLUMNS, *MODEL_COLUMNS}
     report.ignored_columns.update(str(c) for c in chunk.columns if c not in used)
-    values = chunk[known].apply(pd.to_numeric, errors="coerce")
-    report.bad_values += int((values.isna() & chunk[known].notna()).to_numpy().sum())
-    frame = pd.concat([_key_frame(keys), values.reset_index(drop=True), chunk[extras].reset_index(drop=True)],
-                      axis=1)
+    raw = chunk[known].reset_index(drop=True)
+    numeric = raw.apply(pd.to_numeric, errors="coerce")
+    report.bad_values += int((numeric.isna() & raw.notna()).to_numpy().sum())
+    values = pd.DataFrame(index=numeric.index)
+    for column in known:
+        field, factor = DCGM_METRICS.get(column, (XID_METRIC, 1.0))
+        converted = numeric[column] * factor
+        values[field] = values[field].combine_first(converted) if field in values else converted
+    frame = pd.concat([_key_frame(keys), values, chunk[extras].reset_index(drop=True)], axis=1)
     return frame[keys.valid]
 
 
@@ -284,7 +292,9 @@ def _inventory_rows(chunk: pd.DataFrame, keys: _Keys) -> pd.DataFrame:
 def _samples_and_events(wide: list[pd.DataFrame], long: list[pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """One wide gpu_samples frame (last value wins per GPU, time and field) and the XID events."""
     key = ["node", "gpu_index", "ts"]
-    parts = [w for w in wide if len(w)]
+    parts = [w.drop(columns=XID_METRIC, errors="ignore") for w in wide if len(w)]
+    long = long + [w[[*key, XID_METRIC]].rename(columns={XID_METRIC: "value"}).assign(field=XID_METRIC)
+                   for w in wide if len(w) and XID_METRIC in w]
     narrow = pd.concat(long, ignore_index=True) if long else pd.DataFrame(columns=[*key, "field", "value"])
     xid = narrow[narrow["field"] == XID_METRIC]
     values = narrow[narrow["field"] != XID_METRIC]

@@ -8,9 +8,13 @@ break-even value, which is the natural alert threshold for a calibrated risk sco
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from gpuwatch.models.failsim import LLAMA3_FAULTS_PER_GPU_HOUR
+
+#: Recalls `gpuwatch advise` always tabulates (failure-prediction.md §5).
+DEFAULT_RECALLS = (0.0, 0.5, 0.8, 0.9)
 
 
 def job_mtbf_s(n_gpus: int, faults_per_gpu_hour: float = LLAMA3_FAULTS_PER_GPU_HOUR) -> float:
@@ -90,3 +94,56 @@ def advise(n_gpus: int, checkpoint_s: float, *, faults_per_gpu_hour: float = LLA
         break_even_precision_checkpoint=break_even_precision_checkpoint(action_s, young),
         break_even_precision_drain=break_even_precision_drain(action_s, young, downtime_s, restart_s),
     )
+
+
+def observed_fault_rate(path: str) -> tuple[float, int, float]:
+    """(faults per GPU-hour, fault episodes, GPU-hours) in a recording or store: episodes as models/faults.py
+    counts them, over each GPU's span from first to last sample."""
+    from gpuwatch.models.dataset import open_source
+    from gpuwatch.models.faults import fault_events
+
+    episodes, gpu_ms = 0, 0
+    for _, samples, events in open_source(path).chunks():
+        episodes += len(fault_events(events, samples))
+        if len(samples):
+            ts = samples.groupby(["node", "gpu_index"])["ts"].agg(["min", "max"])
+            gpu_ms += int((ts["max"] - ts["min"]).dt.total_seconds().sum() * 1000)
+    gpu_hours = gpu_ms / 3_600_000
+    return (episodes / gpu_hours if gpu_hours else 0.0), episodes, gpu_hours
+
+
+def model_recall() -> float | None:
+    """The shipped model's event recall on its validation block, if the model is there."""
+    from gpuwatch.models.model import default_model_path, load_model
+
+    if not default_model_path().is_file():
+        return None
+    return float(load_model(None)["validation_metrics"]["event_recall"])
+
+
+def advice_table(n_gpus: int, checkpoint_s: float, *, failure_rate: float | None = None, data: str | None = None,
+                 recalls: Sequence[float] = ()) -> dict:
+    """What `gpuwatch advise` reports: the rate and where it came from, Young/Daly intervals and waste, and the
+    interval and waste a predictor of each recall allows (0, 0.5, 0.8, 0.9, ``recalls`` and the model's)."""
+    if failure_rate is not None:
+        rate = {"faults_per_gpu_hour": failure_rate, "source": "given"}
+    elif data is not None:
+        observed, episodes, gpu_hours = observed_fault_rate(data)
+        rate = {"faults_per_gpu_hour": observed, "source": f"observed in {data}",
+                "fault_episodes": episodes, "gpu_hours": round(gpu_hours, 1)}
+        if not episodes:
+            rate.update(faults_per_gpu_hour=LLAMA3_FAULTS_PER_GPU_HOUR,
+                        source=f"published Llama 3 rate: no fault episodes in {data}")
+    else:
+        rate = {"faults_per_gpu_hour": LLAMA3_FAULTS_PER_GPU_HOUR, "source": "published Llama 3 rate"}
+    m = job_mtbf_s(n_gpus, rate["faults_per_gpu_hour"])
+    young = young_interval_s(checkpoint_s, m)
+    model_r = model_recall()
+    rows = []
+    for r in sorted(set(DEFAULT_RECALLS) | set(recalls) | ({model_r} if model_r is not None else set())):
+        t = predicted_interval_s(checkpoint_s, m, r)
+        rows.append({"recall": r, "interval_s": t, "waste": waste(checkpoint_s, t, m, recall=r),
+                     **({"model": True} if r == model_r else {})})
+    return {"gpus": n_gpus, "checkpoint_s": checkpoint_s, "rate": rate, "mtbf_s": m, "young_interval_s": young,
+            "daly_interval_s": daly_interval_s(checkpoint_s, m), "waste": waste(checkpoint_s, young, m),
+            "by_recall": rows}

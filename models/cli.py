@@ -1,10 +1,12 @@
-"""`gpuwatch simulate`, `gpuwatch train` and `gpuwatch evaluate`: thin wrappers over the models library."""
+"""`gpuwatch simulate`, `train`, `evaluate` and `advise`: thin wrappers over the models library."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
+from pathlib import Path
 
 from gpuwatch.errors import UserError
 
@@ -19,7 +21,29 @@ def duration_s(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
+def recall_value(text: str) -> float:
+    """A predictor recall in [0, 1): at 1 no failure is left to checkpoint against."""
+    try:
+        r = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= r < 1:
+        raise argparse.ArgumentTypeError(f"recall must be in [0, 1), got {text}")
+    return r
+
+
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    if command == "advise":
+        p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+        p.add_argument("--checkpoint-cost", type=duration_s, default=300.0,
+                       help="time one checkpoint stalls the job (default 5m)")
+        rate = p.add_mutually_exclusive_group()
+        rate.add_argument("--failure-rate", type=float, help="faults per GPU-hour (default: the Llama 3 rate)")
+        rate.add_argument("--data", help="recording or collector .duckdb store to measure the fault rate on")
+        p.add_argument("--recall", type=recall_value, nargs="+", default=[],
+                       help="more predictor recalls to tabulate (0, 0.5, 0.8, 0.9 and the model's are always shown)")
+        p.add_argument("--json", action="store_true")
+        return
     if command == "simulate":
         p.add_argument("--nodes", type=int, default=4)
         p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
@@ -45,7 +69,9 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 
 def run(command: str, args: argparse.Namespace) -> int:
     started = time.monotonic()
-    if command == "simulate":
+    if command == "advise":
+        result = advise(args)
+    elif command == "simulate":
         result = simulate(args)
     elif command == "train":
         result = train(args)
@@ -75,12 +101,57 @@ def train(args: argparse.Namespace) -> dict:
     from gpuwatch.models.model import save_model
     from gpuwatch.models.train import train_model
 
+    check_writable(args.output)  # before minutes of training, not after
     ds = build_dataset(args.data, horizon_s=args.horizon, quiet=args.quiet)
     model = train_model(ds, false_alarm_budget=args.false_alarm_budget,
                         description=f"trained on {args.data}", quiet=args.quiet)
-    save_model(model, args.output)
+    try:
+        save_model(model, args.output)
+    except OSError as exc:
+        raise UserError(f"{args.output}: cannot write the model: {exc.strerror or exc}") from None
     return {"model": args.output, "threshold": model["threshold"], "training": model["training"],
             "validation": model["validation_metrics"]}
+
+
+def check_writable(path: str) -> None:
+    """A UserError unless ``path`` can be created or overwritten as a file."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{path}: is a directory; give a model file name (.skops)")
+    parent = p.parent
+    if not parent.is_dir():
+        raise UserError(f"{path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UserError(f"{path}: not writable")
+
+
+def advise(args: argparse.Namespace) -> dict:
+    from gpuwatch.models.advisor import advice_table
+
+    if args.gpus <= 0:
+        raise UserError(f"--gpus must be positive, got {args.gpus}")
+    if args.failure_rate is not None and args.failure_rate <= 0:
+        raise UserError(f"--failure-rate must be positive, got {args.failure_rate}")
+    result = advice_table(args.gpus, args.checkpoint_cost, failure_rate=args.failure_rate, data=args.data,
+                          recalls=args.recall)
+    if not args.json:
+        result["table"] = format_advice(result)
+    return result
+
+
+def format_advice(result: dict) -> str:
+    """The advice as text: rate and its source, the two intervals, then interval/waste per recall."""
+    rate = result["rate"]
+    lines = [f"failure rate: {rate['faults_per_gpu_hour']:.3g} per GPU-hour ({rate['source']})",
+             f"job: {result['gpus']} GPUs, MTBF {result['mtbf_s'] / 3600:.2f} h, "
+             f"checkpoint cost {result['checkpoint_s'] / 60:g} min",
+             f"Young interval: {result['young_interval_s'] / 60:.1f} min, waste {result['waste']:.1%}",
+             f"Daly interval:  {result['daly_interval_s'] / 60:.1f} min",
+             "", f"{'recall':<14}  {'interval':>10}  {'waste':>6}"]
+    for row in result["by_recall"]:
+        label = f"{row['recall']:.2f}" + (" (model)" if row.get("model") else "")
+        lines.append(f"{label:<14}  {row['interval_s'] / 60:>6.1f} min  {row['waste']:>6.1%}")
+    return "\n".join(lines)
 
 
 def evaluate(args: argparse.Namespace) -> dict:

@@ -81,9 +81,26 @@ def open_source(path: str | Path) -> Source:
     raise UserError(f"{p}: no such recording directory or DuckDB store")
 
 
+#: A DuckDB database file carries this magic after its 8-byte header checksum.
+_DUCKDB_MAGIC = (8, b"DUCK")
+
+
+def _is_duckdb_file(p: Path) -> bool:
+    offset, magic = _DUCKDB_MAGIC
+    try:
+        with p.open("rb") as f:
+            f.seek(offset)
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
 def _duckdb_source(p: Path) -> DuckDBSource:
+    """A store file; anything that is not a DuckDB file is named as such, not by DuckDB's confusing error."""
     import duckdb
 
+    if not _is_duckdb_file(p):
+        raise UserError(f"{p}: neither a recording directory nor a collector .duckdb store")
     try:
         with duckdb.connect(str(p), read_only=True) as con:
             nodes = [r[0] for r in con.execute("SELECT DISTINCT node FROM gpu_samples ORDER BY node").fetchall()]

@@ -415,8 +415,15 @@ def _inventory(cfg: FleetConfig) -> pd.DataFrame:
 def simulate_fleet(cfg: FleetConfig, out: str | Path, quiet: bool = False) -> dict:
     """Write a recording of the simulated fleet to ``out``; returns a summary (faults by mechanism, rows).
     Progress by node on a terminal unless ``quiet``."""
-    if Path(out).exists() and any(Path(out).iterdir()):
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{out}: exists and is not a directory; simulate into a new directory")
+    if target.exists() and any(target.iterdir()):
         raise UserError(f"{out}: already exists and is not empty; simulate into a new directory")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{out}: cannot create the recording directory: {exc.strerror}") from None
     step = int(cfg.resolution_s * 1000)
     ts = np.arange(cfg.start_ms + step, cfg.start_ms + int(cfg.days * DAY_MS) + 1, step, dtype=np.int64)
     root = np.random.SeedSequence(cfg.seed)

@@ -6,6 +6,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 
 from gpuwatch.collector.alerts import AlertEngine, AlertmanagerSender, RiskObservation, WebhookSender, suggest_action
 from gpuwatch.models.advisor import advise
@@ -112,3 +113,18 @@ def test_dead_receiver_does_not_block_and_queue_is_bounded():
     assert time.monotonic() - started < 1.0  # delivery happens on the sender thread
     engine.close(timeout_s=2)
     assert sender.dropped > 0 and sender.sent == 0
+
+
+def test_collector_gives_the_alerts_advice_for_its_configured_job(tmp_path):
+    from gpuwatch.collector.alert_hub import AlertHub
+    from gpuwatch.collector.cli import start_collector
+    from gpuwatch.config import COLLECTOR_OPTIONS, load_config
+
+    cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
+                                          "job_gpus": 16384, "checkpoint_cost": 60.0}, env={})
+    server = start_collector(cfg)
+    try:
+        hub = next(s for s in server.services if isinstance(s, AlertHub))
+        assert hub.engine.advice.young_interval_s / 60 == pytest.approx(19, rel=0.02)  # §5: C = 1 min
+    finally:
+        server.stop()

@@ -109,12 +109,14 @@ def test_collector_url_check():
 
 
 def test_collector_defaults_match_the_components():
-    from gpuwatch.collector import jobs, scoring, server
+    from gpuwatch.collector import alerts, jobs, scoring, server
 
     assert config.DEFAULT_COLLECTOR_PORT == server.DEFAULT_PORT
     assert config.DEFAULT_SCORE_INTERVAL_S == scoring.DEFAULT_INTERVAL_S
     assert (config.DEFAULT_JOBS_INTERVAL_S, config.DEFAULT_JOBS_WINDOW_S, config.DEFAULT_HANG_S) == \
         (jobs.DEFAULT_INTERVAL_S, jobs.DEFAULT_WINDOW_S, jobs.DEFAULT_HANG_S)
+    assert (config.DEFAULT_JOB_GPUS, config.DEFAULT_CHECKPOINT_COST_S) == \
+        (alerts.DEFAULT_JOB_GPUS, alerts.DEFAULT_CHECKPOINT_COST_S)
 
 
 def test_retention_zero_keeps_everything_and_negative_is_refused():

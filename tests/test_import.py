@@ -81,6 +81,26 @@ def test_wide_files_with_the_recordings_own_columns(tmp_path):
     assert df["rank"].tolist() == [0, 0, 1, 1] and set(df["job_id"]) == {"j"}
 
 
+def test_wide_files_with_dcgm_exporter_columns_convert_like_long_ones(tmp_path):
+    long = _dcgm_history()
+    keys = ["timestamp", "Hostname", "gpu", "UUID", "modelName"]
+    wide = long.pivot_table(index=keys, columns="__name__", values="value").reset_index()
+    wide.columns.name = None
+    wide.to_csv(tmp_path / "wide.csv", index=False)
+    long.to_csv(tmp_path / "long.csv", index=False)
+    result = import_files([tmp_path / "wide.csv"], tmp_path / "W", quiet=True)
+    assert result["formats"] == {str(tmp_path / "wide.csv"): "wide"} and result["gpu_samples"] == 36
+    assert result["ignored_columns"] == ["DCGM_FI_DEV_VGPU_LICENSE_STATUS"]
+    import_files([tmp_path / "long.csv"], tmp_path / "L", quiet=True)
+    a, b = (open_recording(tmp_path / r) for r in ("W", "L"))
+    key = ["node", "gpu_index", "ts"]
+    pd.testing.assert_frame_equal(a.table("gpu_samples").sort_values(key).reset_index(drop=True),
+                                  b.table("gpu_samples").sort_values(key).reset_index(drop=True))
+    assert a.table("gpu_samples")["gpu_utilization_ratio"].max() == pytest.approx(0.51)
+    events = a.table("events")
+    assert list(zip(events["node"], events["gpu_index"], events["code"])) == [("h1", 1, 79)]
+
+
 def test_named_columns_and_rows_without_keys(tmp_path):
     df = pd.DataFrame({"when": [T0_S * 1000, T0_S * 1000 + 1000, None], "box": ["b1", "b1", "b1"],
                        "card": [0, 0, 0], "gpu_utilization_ratio": [0.1, 0.2, 0.3]})

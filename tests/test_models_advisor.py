@@ -1,6 +1,8 @@
 """Checkpoint advisor against the worked numbers of failure-prediction.md §5 (M = 3.09 h)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gpuwatch.models.advisor import (advise, break_even_precision_checkpoint, break_even_precision_drain,
@@ -49,3 +51,35 @@ def test_advise_combines_them():
     assert a.waste_with_predictor < a.waste
     with pytest.raises(ValueError):
         predicted_interval_s(60, M, 1.0)
+
+
+def test_advise_cli_json_against_the_reference_numbers(capsys):
+    from gpuwatch.cli import main
+
+    assert main(["advise", "--gpus", "16384", "--checkpoint-cost", "5m", "--recall", "0.95", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rate"]["source"] == "published Llama 3 rate" and out["mtbf_s"] / 3600 == pytest.approx(3.09, abs=0.01)
+    assert out["young_interval_s"] / MIN == pytest.approx(43, rel=0.02)
+    assert out["daly_interval_s"] / MIN == pytest.approx(40, abs=0.5)
+    assert out["waste"] == pytest.approx(0.23, abs=0.006)
+    rows = {round(r["recall"], 2): r for r in out["by_recall"]}
+    assert {0.0, 0.5, 0.8, 0.9, 0.95} <= set(rows) and sum(r.get("model", False) for r in out["by_recall"]) == 1
+    assert rows[0.5]["interval_s"] / MIN == pytest.approx(61, abs=0.5) and rows[0.5]["waste"] == pytest.approx(0.16, abs=0.005)
+    assert rows[0.9]["interval_s"] / MIN == pytest.approx(136, abs=0.5) and rows[0.9]["waste"] == pytest.approx(0.07, abs=0.005)
+
+
+def test_advise_rate_from_data_and_bad_input(tmp_path, capsys):
+    from gpuwatch.cli import main
+    from gpuwatch.models.failsim import FleetConfig, simulate_fleet
+
+    simulate_fleet(FleetConfig(nodes=2, gpus_per_node=4, days=2, resolution_s=600, fault_rate_multiplier=2000,
+                               seed=5), tmp_path / "rec", quiet=True)
+    assert main(["advise", "--gpus", "1024", "--data", str(tmp_path / "rec"), "--json"]) == 0
+    rate = json.loads(capsys.readouterr().out)["rate"]
+    assert rate["fault_episodes"] > 0 and 0.9 * 8 * 48 < rate["gpu_hours"] <= 8 * 48  # failed GPUs stop reporting
+    assert rate["faults_per_gpu_hour"] == pytest.approx(rate["fault_episodes"] / rate["gpu_hours"], rel=0.01)
+    assert main(["advise", "--gpus", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "gpuwatch advise: error: --gpus must be positive, got 0"
+    (tmp_path / "x.json").write_text("{}")
+    assert main(["advise", "--gpus", "8", "--data", str(tmp_path / "x.json")]) == 2
+    assert "neither a recording directory nor a collector .duckdb store" in capsys.readouterr().err

@@ -150,5 +150,35 @@ def test_duckdb_store_gives_the_same_dataset_as_the_recording(fleet, trained, tm
     pd.testing.assert_frame_equal(a[key + ["label", "censored"] + feature_names()],
                                   b[key + ["label", "censored"] + feature_names()], check_dtype=False)
     (tmp_path / "not-a-store.duckdb").write_text("hello")
-    with pytest.raises(UserError, match="not a gpuwatch DuckDB store"):
+    with pytest.raises(UserError, match="neither a recording directory nor a collector .duckdb store"):
         build_dataset(tmp_path / "not-a-store.duckdb")
+    with duckdb.connect(str(tmp_path / "other.duckdb")) as con:
+        con.execute("CREATE TABLE t (x INT)")
+    with pytest.raises(UserError, match="not a gpuwatch DuckDB store"):
+        build_dataset(tmp_path / "other.duckdb")
+
+
+def test_bad_output_paths_are_one_line_before_any_work(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["simulate", "--nodes", "1", "--days", "0.01", "--out", str(tmp_path / "file")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    # the data does not exist either: the output is checked first, so no training time is spent
+    assert main(["train", str(tmp_path / "nope"), "-o", str(tmp_path / "missing" / "m.skops")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"directory {tmp_path / 'missing'} does not exist")
+    assert main(["train", str(tmp_path / "nope"), "-o", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_bench_predict_deletes_its_work_dir(tmp_path):
+    """A run too small to train still fails after simulating; its temporary recordings must go anyway."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "predict.py"
+    done = subprocess.run([sys.executable, str(bench), "--nodes", "1", "--gpus", "1", "--days", "0.5",
+                           "--resolution", "600", "--fault-rate-multiplier", "1"],
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "positive rows" in done.stderr
+    assert list(tmp_path.iterdir()) == []
