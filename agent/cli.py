@@ -28,7 +28,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-probe-socket", action="store_true",
                         help="do not listen for training probes (default: listen on --probe-socket, else "
                              f"{default_endpoint()} unless --simulate)")
-    parser.add_argument("--simulate", type=int, default=0, metavar="N",
+    parser.add_argument("--simulate", type=int, default=None, metavar="N",
                         help="sample N simulated GPUs instead of the node's real ones")
     parser.add_argument("--sim-model", default="H100", choices=sorted(MODELS), help="simulated GPU model")
     parser.add_argument("--sim-speed", type=float, default=1.0, metavar="X",
@@ -44,6 +44,11 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
                         help="with --simulate, repeatable: script a GPU's degradation and failure, e.g. "
                              f"gpu=3,kind=ecc,after=5m,fail=50m (kinds: {', '.join(KINDS)}; optional xid=, seed=); "
                              "times count from --sim-start")
+    parser.add_argument("--sim-job", default=None, metavar="JOB_ID",
+                        help="with --simulate: run a synthetic training job JOB_ID on the simulated GPUs (one rank "
+                             "per GPU, one of them slow) and send its probe-style spans (docs/simfleet.md)")
+    parser.add_argument("--sim-job-step", type=float, default=1.0, metavar="SECONDS",
+                        help="with --sim-job: its step time in simulated seconds, default 1")
     parser.add_argument("--ticks", type=int, default=None, metavar="K",
                         help="sample K times, wait until the collector acknowledged everything, exit")
     parser.add_argument("--drain-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -72,7 +77,7 @@ def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None)
     cfg = cfg if cfg is not None else load_settings(args)
     if not args.drain_timeout > 0:
         raise UserError(f"--drain-timeout {args.drain_timeout}: must be a positive number of seconds")
-    if args.simulate < 0:
+    if args.simulate is not None and args.simulate < 1:
         raise UserError(f"--simulate {args.simulate}: must be a number of GPUs (>= 1)")
     if args.ticks is not None and args.ticks < 1:
         raise UserError(f"--ticks {args.ticks}: must be >= 1")
@@ -84,10 +89,10 @@ def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None)
         collector=None if record_only else cfg.collector, node=cfg.node or socket.gethostname(),
         interval=cfg.interval, slow_interval=cfg.slow_interval, batch_interval=cfg.batch_interval,
         spool_dir=Path(cfg.spool) if cfg.spool else default_spool_dir(), spool_max_bytes=cfg.spool_max_bytes,
-        job_label=cfg.job_label or "", simulate=args.simulate, sim_model=args.sim_model,
+        job_label=cfg.job_label or "", simulate=args.simulate or 0, sim_model=args.sim_model,
         drain_timeout=args.drain_timeout, probe_socket=probe_socket, record=args.record,
         sim_speed=args.sim_speed, sim_start=_sim_start(args.sim_start), sim_origin=args.sim_origin,
-        sim_faults=_sim_faults(args),
+        sim_faults=_sim_faults(args), sim_job=args.sim_job or None, sim_job_step_s=args.sim_job_step,
         channel_security=ChannelSecurity(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, cfg.token_file, cfg.insecure),
     )
 
@@ -109,8 +114,11 @@ def _sim_start(text: str | None) -> float | None:
 
 def _sim_faults(args: argparse.Namespace) -> tuple[FaultSpec, ...]:
     """The --sim-fault specs, checked; the simulation flags need --simulate."""
-    if not args.simulate and (args.sim_fault or args.sim_speed != 1.0 or args.sim_start or args.sim_origin):
-        raise UserError("--sim-speed, --sim-start, --sim-origin and --sim-fault need --simulate N")
+    if not args.simulate and (args.sim_fault or args.sim_speed != 1.0 or args.sim_start or args.sim_origin
+                              or args.sim_job):
+        raise UserError("--sim-speed, --sim-start, --sim-origin, --sim-fault and --sim-job need --simulate N")
+    if not args.sim_job_step > 0:
+        raise UserError(f"--sim-job-step {args.sim_job_step}: must be > 0 simulated seconds")
     if not args.sim_speed > 0:
         raise UserError(f"--sim-speed {args.sim_speed}: must be > 0 (simulated seconds per real second)")
     specs = []

@@ -29,6 +29,7 @@ from gpuwatch.agent.nvml import NvmlSampler
 from gpuwatch.agent.probe_socket import ProbeListener
 from gpuwatch.agent.simdegrade import Degradation, FaultSpec
 from gpuwatch.agent.simfleet import SimClock, SimulatedFleet
+from gpuwatch.agent.simjob import SimJob
 from gpuwatch.agent.spool import Spool
 from gpuwatch.agent.uplink import ChannelSecurity, Uplink
 from gpuwatch.agent.xid import XidWatcher
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 SYSTEM_SPOOL = Path("/var/lib/gpuwatch/spool")
 # Probe spans per batch, leaving the rest of MAX_BATCH_BYTES to the samples and events cut with them.
 SPAN_BYTES_PER_BATCH = MAX_BATCH_BYTES // 2
+# How often the final drain looks at stop(): the uplink's wait cannot be woken from here.
+DRAIN_POLL_S = 0.2
 
 
 def default_spool_dir() -> Path:
@@ -70,6 +73,8 @@ class AgentConfig:
     sim_start: float | None = None  # simulated epoch seconds at sim_origin (default: the wall time then)
     sim_origin: float | None = None  # wall epoch seconds where the simulated clock reads sim_start (default: start)
     sim_faults: tuple[FaultSpec, ...] = ()  # scripted degradations of simulated GPUs
+    sim_job: str | None = None  # job id of a synthetic training job on the simulated GPUs (spans); None = none
+    sim_job_step_s: float = 1.0  # its step time in simulated seconds
     drain_timeout: float = 600.0  # --ticks mode: how long to wait for the collector at the end
     stop_flush_s: float = 5.0  # service mode: how long to try to send the last batch on SIGTERM
     kmsg_path: str | None = "/dev/kmsg"
@@ -101,6 +106,7 @@ class Agent:
         self.spool: Spool | None = None
         self.uplink: Uplink | None = None
         self.probe: ProbeListener | None = None
+        self.sim_job: SimJob | None = None
         self.recorder: BatchRecorder | None = None
         self._local_sequence = itertools.count(1)  # record-only mode has no spool to number batches
 
@@ -151,10 +157,11 @@ class Agent:
             self.emit(Event(ev.AGENT_STOP, message=f"stopped after {done} ticks"))
             batches += self._cut(builder)
             if self.uplink is not None:
-                drained = self.uplink.wait_drained(cfg.drain_timeout if ticks is not None else cfg.stop_flush_s)
+                drained = self._drain(ticks)
         pending = len(self.spool.pending()) if self.spool else 0
         if not drained:
-            message = (f"collector {cfg.collector} did not acknowledge {pending} batches "
+            stopped = "stopped; " if self._stop.is_set() else ""
+            message = (f"{stopped}collector {cfg.collector} did not acknowledge {pending} batches "
                        f"({self.uplink.stats.last_error or 'no answer'}); they are kept in the spool {cfg.spool_dir} "
                        "and sent when the agent starts again")
             if ticks is not None:
@@ -162,11 +169,26 @@ class Agent:
             log.warning("%s", message)
         return RunSummary(done, batches, pending)
 
+    def _drain(self, ticks: int | None) -> bool:
+        """Wait for the collector to acknowledge the spool: up to drain_timeout after --ticks, but a stop()
+        (SIGTERM/SIGINT) ends that wait at once; a stopped agent gets stop_flush_s."""
+        cfg = self.config
+        if ticks is None or self._stop.is_set():
+            return self.uplink.wait_drained(cfg.stop_flush_s)
+        deadline = time.monotonic() + cfg.drain_timeout
+        while not self._stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
+            if self.uplink.wait_drained(min(remaining, DRAIN_POLL_S)):
+                return True
+        return not self.spool.pending()
+
     def _install_fleet(self) -> bool:
         cfg = self.config
         if self.fleet is None and cfg.simulate:
             clock = SimClock(cfg.sim_speed, cfg.sim_start, cfg.sim_origin)
-            self.fleet = SimulatedFleet(cfg.simulate, model=cfg.sim_model, node=cfg.node, clock=clock)
+            self.fleet = SimulatedFleet(cfg.simulate, model=cfg.sim_model, node=cfg.node, clock=clock,
+                                        job_id=cfg.sim_job)
+            if cfg.sim_job:
+                self.sim_job = SimJob(cfg.sim_job, cfg.node, clock, ranks=cfg.simulate, step_s=cfg.sim_job_step_s)
             for spec in cfg.sim_faults:
                 if spec.gpu >= cfg.simulate:
                     raise UserError(f"--sim-fault gpu={spec.gpu}: the node simulates GPUs 0-{cfg.simulate - 1}")
@@ -236,6 +258,11 @@ class Agent:
                               attrs={"bytes": str(dropped.bytes)})
         self._move_events(builder)
         spans = self.probe.drain() if self.probe else pb.SpanTable()
+        # The agent names the node: a probe's own hostname may differ from --node and would not join its telemetry.
+        del spans.node[:]
+        spans.node.extend([self.config.node] * len(spans.start_us))
+        if self.sim_job is not None:
+            spans.MergeFrom(self.sim_job.spans())
         chunks = span_chunks(spans, SPAN_BYTES_PER_BATCH)
         if not len(builder) and not chunks:
             return 0

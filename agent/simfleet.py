@@ -248,7 +248,8 @@ class SimulatedFleet:
     """N simulated GPUs of one model on one node, installable beneath pynvml.
 
     ``launcher`` picks the environment the fake training processes carry: "slurm" (SLURM_JOB_ID,
-    SLURM_PROCID, SLURM_LOCALID) or "torchelastic" (TORCHELASTIC_RUN_ID, RANK, LOCAL_RANK).
+    SLURM_PROCID, SLURM_LOCALID) or "torchelastic" (TORCHELASTIC_RUN_ID, RANK, LOCAL_RANK);
+    ``job_id`` names their job (default ``sim-<node>``), so a synthetic job's spans can join the GPU rows.
     """
 
     def __init__(
@@ -261,6 +262,7 @@ class SimulatedFleet:
         launcher: str = "slurm",
         clock: Callable[[], float] = time.time,
         driver_loaded: bool = True,
+        job_id: str | None = None,
     ) -> None:
         if model not in MODELS:
             raise ValueError(f"unknown GPU model {model!r}; simulated models: {', '.join(MODELS)}")
@@ -277,7 +279,7 @@ class SimulatedFleet:
         self.gpus = [SimGpu(i, MODELS[model], workload, seed, node) for i in range(n_gpus)]
         if workload.busy_fraction > 0:
             for gpu in self.gpus:
-                self.start_job(gpu.index, f"sim-{node}", rank=gpu.index, local_rank=gpu.index, launcher=launcher)
+                self.start_job(gpu.index, job_id or f"sim-{node}", rank=gpu.index, local_rank=gpu.index, launcher=launcher)
         self._lock = threading.Condition()
         self._event_sets: dict[int, _EventSet] = {}
         self._gpm_samples: dict[int, tuple[int, float, dict[str, float]] | None] = {}

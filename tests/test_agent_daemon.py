@@ -4,6 +4,7 @@ import subprocess
 import sys
 import threading
 
+import pandas as pd
 import pytest
 
 from gpuwatch import events as ev
@@ -11,6 +12,7 @@ from gpuwatch.agent.daemon import Agent, AgentConfig, span_chunks
 from gpuwatch.agent.simfleet import SimulatedFleet
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
+from helpers import poll
 
 
 def _events(store):
@@ -135,3 +137,78 @@ def test_sim_flags_are_checked_with_one_line_errors(tmp_path):
         out = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
         assert out.returncode != 0 and problem in out.stderr and "Traceback" not in out.stderr, (extra, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_sigterm_during_the_final_drain_exits_promptly_keeping_the_batches(tmp_path):
+    """--drain-timeout 600 against a closed port: SIGTERM must end the wait, not the 600 s."""
+    proc = subprocess.Popen(_agent_cmd("127.0.0.1:1", tmp_path, "--ticks", "2", "--drain-timeout", "600",
+                                          "--log-level", "ERROR"),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        poll(lambda: list((tmp_path / "batches").glob("*")) if (tmp_path / "batches").exists() else [], 60,
+             "the last batch spooled (the drain starts right after)")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2 and "Traceback" not in err
+    [line] = err.strip().splitlines()
+    assert line.startswith("gpuwatch agent: error: stopped; collector 127.0.0.1:1 did not acknowledge 1 batches")
+    assert "kept in the spool" in line
+
+
+def test_simulate_zero_is_refused(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "gpuwatch", "agent", "--spool", str(tmp_path), "--ticks", "1",
+                          "--simulate", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "gpuwatch agent: error: --simulate 0: must be a number of GPUs (>= 1)")
+
+
+def test_forwarded_probe_spans_carry_the_agents_node_name(tmp_path, sink):
+    import gpuwatch.probe
+
+    server, address = sink
+    cfg = AgentConfig(collector=address, node="agent-node", interval=0.05, batch_interval=0.05,
+                      spool_dir=tmp_path / "spool", simulate=2, probe_socket=str(tmp_path / "p.sock"))
+    agent = Agent(cfg)
+    runner = threading.Thread(target=agent.run)
+    runner.start()
+    try:
+        poll(lambda: agent.probe is not None, 30, "the probe listener")
+        probe = gpuwatch.probe.start(job="forwarded", endpoint=cfg.probe_socket)  # node: this host's name
+        with probe.step_scope():
+            pass
+        probe.close()
+        assert server.store.wait_for(lambda s: any(b.spans.start_us for b in s.batches.values()), 30)
+    finally:
+        agent.stop()
+        runner.join(timeout=30)
+    spans = [b.spans for b in server.store.batches.values() if b.spans.start_us]
+    assert {j for s in spans for j in s.job_id} == {"forwarded"}
+    assert {n for s in spans for n in s.node} == {"agent-node"}
+
+
+def test_sim_job_sends_probe_style_spans_with_a_slow_rank(tmp_path, sink):
+    from gpuwatch.collector.efficiency.engine import analyze
+    from gpuwatch.collector.live import probe_timelines
+
+    server, address = sink
+    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool_dir=tmp_path,
+                      simulate=8, sim_speed=100.0, sim_job="job-n1", sim_job_step_s=1.0)
+    Agent(cfg).run(ticks=10)
+    batches = list(server.store.batches.values())
+    columns = [f.name for f in pb.SpanTable.DESCRIPTOR.fields]
+    rows = pd.DataFrame([dict(zip(columns, r)) for b in batches
+                         for r in zip(*(getattr(b.spans, c) for c in columns))])
+    assert set(rows["job_id"]) == {"job-n1"} and set(rows["node"]) == {"n1"} and set(rows["rank"]) == set(range(8))
+    assert set(rows["kind"]) == {"step", "compute", "collective"}
+    coll = rows[rows["kind"] == "collective"]
+    assert set(coll["name"]) == {"all_reduce"} and set(coll["process_group"]) == {"0"} and (coll["bytes"] > 0).all()
+    assert (coll.groupby("seq")["rank"].nunique() == 8).all()  # every rank joins every collective
+    assert rows["step"].max() >= 10  # ~50 simulated seconds of 1.15 s steps, minus the last unfinished one
+    gpu_jobs = {j for b in batches for s in b.samples for j in s.job_id}
+    assert gpu_jobs == {"job-n1"}  # the GPU rows name the same job, so spans and telemetry join
+    doc = analyze(probe_timelines(rows, "sim job"))
+    assert doc["job"]["breakdown_fraction"]["comm_wait"] > 0.05
+    assert [s["rank"] for s in doc["stragglers"]] == [7]

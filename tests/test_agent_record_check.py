@@ -1,6 +1,7 @@
 """`gpuwatch agent --record` (the recording format, with or without a collector) and `gpuwatch agent --check`."""
 import ctypes.util
 import json
+import os
 import subprocess
 import sys
 
@@ -78,3 +79,16 @@ def test_check_without_a_driver_says_so(tmp_path):
     rc, report = _check("--record", str(tmp_path / "R"))
     (nvml,) = [c for c in report["checks"] if c["name"] == "nvml"]
     assert rc == 1 and not nvml["ok"] and "no NVIDIA driver" in nvml["detail"] and report["gpus"] == []
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
+    """`gpuwatch ... | head`: the reader is gone before anything is written; no BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "gpuwatch", "agent", "--check", "--json", "--simulate", "2",
+                              "--collector", "127.0.0.1:1", "--spool", str(tmp_path)], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert out.returncode == 141 and out.stderr == ""

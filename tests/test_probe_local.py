@@ -200,3 +200,12 @@ def test_profiler_window_ships_compact_span_rows(tmp_path):
     assert {k for k, _, _ in profiled} == {"compute", "collective"}
     assert any(n.startswith("aten::") for _, n, _ in profiled) and any("allreduce" in n for _, n, _ in profiled)
     assert {s for _, _, s in profiled} == {1, 2}
+
+
+def test_torchrun_without_rdzv_id_is_no_job_id():
+    """torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none: that is no job, so SLURM's id wins."""
+    assert identity_from_environment(env={"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "77"}).job_id == "77"
+    assert identity_from_environment(env={"TORCHELASTIC_RUN_ID": "", "SLURM_JOB_ID": "78"}).job_id == "78"
+    assert identity_from_environment(env={"TORCHELASTIC_RUN_ID": "none"}).job_id == "unknown"
+    assert identity_from_environment(env={"GPUWATCH_JOB_ID": "mine", "TORCHELASTIC_RUN_ID": "none"}).job_id == "mine"
+    assert identity_from_environment(env={"TORCHELASTIC_RUN_ID": "te-9", "SLURM_JOB_ID": "77"}).job_id == "te-9"

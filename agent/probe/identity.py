@@ -22,6 +22,16 @@ class ProbeIdentity:
     node: str
 
 
+JOB_VARIABLES = ("GPUWATCH_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+
+
+def _job_value(env: Mapping[str, str], name: str) -> str:
+    """A job id variable's value, "" when unset: torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none,
+    which names no job and must not merge every such run into one job "none"."""
+    value = env.get(name, "").strip()
+    return "" if value.lower() == "none" else value
+
+
 def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
     for name in names:
         value = env.get(name, "").strip()
@@ -44,7 +54,7 @@ def _distributed_rank_and_size() -> tuple[int | None, int | None]:
 def identity_from_environment(job: str | None = None, env: Mapping[str, str] | None = None) -> ProbeIdentity:
     """The probe's identity; `job` overrides the job id found in the environment."""
     env = os.environ if env is None else env
-    job_id = job or env.get("GPUWATCH_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "unknown"
+    job_id = job or next((v for name in JOB_VARIABLES if (v := _job_value(env, name))), "unknown")
     rank = _first_int(env, ("RANK", "SLURM_PROCID"))
     world_size = _first_int(env, ("WORLD_SIZE", "SLURM_NTASKS"))
     if rank is None or world_size is None:

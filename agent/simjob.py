@@ -1,0 +1,76 @@
+"""A synthetic training job for simulated nodes: probe-style span rows on the simulated clock.
+
+The demo's fleet has no real training process, so without this its recordings hold no spans and nothing can
+be broken down. ``SimJob`` stands in for one: the node's ranks run steps of compute chunks, each followed by
+an ``all_reduce`` of the default process group; one rank computes slower, so its peers wait for it in every
+collective (the engine's comm_wait). The rows are deterministic for a job id and step, and come out as a
+``SpanTable`` exactly like :meth:`ProbeListener.drain` output. Synthetic: no timing here is measured.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+COLLECTIVES_PER_STEP = 3
+BUCKET_BYTES = 256 * 2**20  # gradient bucket per all_reduce
+SLOW_FACTOR = 1.25  # the slow rank's compute time relative to its peers
+COMPUTE_SHARE = 0.8  # a normal rank's compute share of the step time
+TRANSFER_SHARE = 0.05  # each collective's transfer, as a share of the step time
+
+
+class SimJob:
+    """``ranks`` ranks of job ``job_id`` on ``node``, one step every ~``step_s`` simulated seconds."""
+
+    def __init__(self, job_id: str, node: str, clock: Callable[[], float], *, ranks: int = 8,
+                 step_s: float = 1.0, slow_rank: int | None = None) -> None:
+        if ranks < 1 or not step_s > 0:
+            raise ValueError("a simulated job needs ranks >= 1 and step_s > 0")
+        self.job_id, self.node, self.clock, self.ranks = job_id, node, clock, ranks
+        self.slow_rank = ranks - 1 if slow_rank is None else slow_rank
+        self.compute_s = step_s * COMPUTE_SHARE / COLLECTIVES_PER_STEP  # per chunk, normal ranks
+        self.transfer_s = step_s * TRANSFER_SHARE
+        self.step = 0
+        self.seq = 0
+        self._step_start = clock()  # every rank starts its steps together (the last collective syncs them)
+
+    @property
+    def step_len_s(self) -> float:
+        """Every step lasts the same: each chunk ends when the slow rank's compute and the transfer are done."""
+        return COLLECTIVES_PER_STEP * (self.compute_s * SLOW_FACTOR + self.transfer_s)
+
+    def spans(self) -> pb.SpanTable:
+        """Rows of every step finished on the simulated clock since the last call."""
+        rows: dict[str, list] = {f.name: [] for f in pb.SpanTable.DESCRIPTOR.fields}
+        now = self.clock()
+        while self._step_start + self.step_len_s <= now:
+            self._step_start = self._run_step(rows)
+            self.step += 1
+        return pb.SpanTable(**rows)
+
+    def _run_step(self, rows: dict[str, list]) -> float:
+        """Append one step's rows (from ``self._step_start``); returns when the step ends."""
+        ready = [self._step_start] * self.ranks
+        done = self._step_start
+        for _ in range(COLLECTIVES_PER_STEP):
+            for rank in range(self.ranks):
+                compute = self.compute_s * (SLOW_FACTOR if rank == self.slow_rank else 1.0)
+                self._row(rows, rank, "compute", "forward_backward", ready[rank], compute)
+                ready[rank] += compute
+            done = max(ready) + self.transfer_s  # nobody finishes before the last rank arrived
+            for rank in range(self.ranks):
+                self._row(rows, rank, "collective", "all_reduce", ready[rank], done - ready[rank],
+                          group="0", seq=self.seq, nbytes=BUCKET_BYTES)
+                ready[rank] = done
+            self.seq += 1
+        for rank in range(self.ranks):
+            self._row(rows, rank, "step", "step", self._step_start, done - self._step_start)
+        return done
+
+    def _row(self, rows: dict[str, list], rank: int, kind: str, name: str, start_s: float, dur_s: float, *,
+             group: str = "", seq: int = -1, nbytes: int = -1) -> None:
+        values = {"job_id": self.job_id, "rank": rank, "step": self.step, "kind": kind, "name": name,
+                  "start_us": start_s * 1e6, "dur_us": dur_s * 1e6, "process_group": group, "seq": seq,
+                  "bytes": nbytes, "world_size": self.ranks, "node": self.node, "peer": -1}
+        for column, value in values.items():
+            rows[column].append(value)
