@@ -1,6 +1,7 @@
 """Live jobs in the collector: the `Jobs` RPC, and a monitor that flags slow ranks and hangs as alerts.
 
-The list comes from :func:`gpuwatch.collector.live.job_summaries` over the probe spans in the store. Every
+The list comes from :func:`gpuwatch.collector.live.job_summaries` over the probe spans in the store, plus the
+jobs known only from submitted traces or GPU samples. Every
 ``interval_s`` the :class:`JobsMonitor` analyses each running job's recent spans (``window_s``) with the
 efficiency engine (the same one as `gpuwatch analyze`): breakdown fractions, lost time per rank, and
 stragglers as ../shared/specs/efficiency.md defines them (last to arrive far more often than chance *and*
@@ -38,17 +39,56 @@ DEFAULT_HANG_S = 300.0
 
 def list_jobs(store: DuckDBStore, now_us: float | None = None, window_s: float = DEFAULT_WINDOW_S,
               flags: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Every job with probe spans: ranks, nodes, steps, step rate, lost fraction over the last ``window_s``,
-    plus the monitor's ``flags`` per job (stragglers, delayed, hang) where given."""
+    """Every job the collector knows, with ``sources`` saying from where: probe ``spans`` (ranks, nodes, steps,
+    step rate, lost fraction over the last ``window_s``), submitted ``traces`` (ranks) and ``gpu_samples``
+    (nodes, GPUs); plus the monitor's ``flags`` per job (stragglers, delayed, hang) where given. A job submitted
+    with `submit-trace` or only seen on GPUs is a job too, so it is listed rather than hidden."""
+    jobs: dict[str, dict[str, Any]] = {}
+
+    def known(job_id: str, source: str) -> dict[str, Any]:
+        job = jobs.setdefault(job_id, {**_UNKNOWN, "job_id": job_id, "sources": [], "nodes": []})
+        job["sources"].append(source)
+        return job
+
     spans = store.spans()
-    if spans.empty:
-        return []
-    now = time.time() * 1e6 if now_us is None else now_us
-    jobs = job_summaries(spans, now, window_s)
-    for job in jobs:
-        job["last_step"] = iso_utc(int(job["last_step_us"] / 1000)) if job["last_step_us"] else None
+    if not spans.empty:
+        now = time.time() * 1e6 if now_us is None else now_us
+        for summary in job_summaries(spans, now, window_s):
+            job = known(summary["job_id"], "spans")
+            job.update(summary, last_step=iso_utc(int(summary["last_step_us"] / 1000)) if summary["last_step_us"]
+                       else None)
+    for row in _traced_jobs(store):
+        job = known(row["job_id"], "traces")
+        job["ranks"] = job["ranks"] or int(row["ranks"])
+        job["submitted_at"] = row["submitted_at"]
+    for row in store.sample_jobs():
+        job = known(row["job_id"], "gpu_samples")
+        job["nodes"] = sorted(set(job["nodes"]) | set(row["nodes"]))
+        job["gpus"] = int(row["gpus"])
+        job["ranks"] = job["ranks"] or int(row["ranks"]) or None
+        job["last_sample"] = iso_utc(int(row["last_seen_ms"]))
+    for job in jobs.values():
         job.update({"stragglers": [], "delayed": [], "hang": None, **(flags or {}).get(job["job_id"], {})})
-    return jobs
+    return [jobs[j] for j in sorted(jobs)]
+
+
+# the keys of a job that a source it is not known from cannot fill
+_UNKNOWN: dict[str, Any] = {
+    "ranks": None, "gpus": None, "world_size": None, "steps": None, "step_rate": None, "step_time_s": None,
+    "last_step_us": None, "last_step": None, "last_step_age_s": None, "finished": None, "lost_fraction": None,
+    "submitted_at": None, "last_sample": None,
+}
+
+
+def _traced_jobs(store: DuckDBStore) -> list[dict[str, Any]]:
+    """Jobs with submitted traces (collector/breakdowns.py's job_timelines, absent until the first submission):
+    ranks and the last submission time (ISO UTC)."""
+    if not store.has_table("job_timelines"):
+        return []
+    df = store.query_df("""SELECT job_id, count(*) AS ranks, epoch_ms(max(submitted_at)) AS submitted_ms
+                           FROM job_timelines GROUP BY job_id ORDER BY job_id""")
+    return [{"job_id": r.job_id, "ranks": r.ranks, "submitted_at": iso_utc(int(r.submitted_ms))}
+            for r in df.itertuples()]
 
 
 def list_jobs_rpc(request: q.JobsRequest, store: DuckDBStore) -> q.JsonResponse:

@@ -115,6 +115,7 @@ class Command:
     fetch: Callable[[query_pb2_grpc.QueryStub, argparse.Namespace], list[dict[str, Any]]]
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     table_columns: Sequence[str] | None = None  # None: every key of the first row
+    empty: str = "nothing"  # said on stderr in table mode when there are no rows, so silence is never ambiguous
 
 
 def _node_gpu_filters(parser: argparse.ArgumentParser) -> None:
@@ -138,18 +139,20 @@ def _events_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMANDS: dict[str, Command] = {
-    "nodes": Command(fetch_nodes, table_columns=("node", "gpus", "samples", "last_seen", "agent_id")),
+    "nodes": Command(fetch_nodes, table_columns=("node", "gpus", "samples", "last_seen", "agent_id"),
+                     empty="no nodes"),
     "gpus": Command(fetch_gpus, lambda p: p.add_argument("--node", help="only this node"),
-                    ("node", "index", "name", "samples", "last_seen", "job_id", "rank")),
+                    ("node", "index", "name", "samples", "last_seen", "job_id", "rank"), "no GPUs"),
     "latest": Command(fetch_latest, _node_gpu_filters, ("node", "gpu_index", "ts", "gpu_utilization_ratio",
-                      "gpu_power_watts", "gpu_temperature_celsius", "gpu_memory_used_bytes")),
-    "series": Command(fetch_series, _series_arguments, ("ts", "value")),
-    "events": Command(fetch_events, _events_arguments, ("ts", "node", "gpu_index", "kind", "code", "message")),
-    "jobs": Command(fetch_jobs, table_columns=("job_id", "ranks", "nodes", "steps", "step_rate", "lost_fraction",
-                                               "stragglers", "hang")),
+                      "gpu_power_watts", "gpu_temperature_celsius", "gpu_memory_used_bytes"), "no samples"),
+    "series": Command(fetch_series, _series_arguments, ("ts", "value"), "no points"),
+    "events": Command(fetch_events, _events_arguments, ("ts", "node", "gpu_index", "kind", "code", "message"),
+                      "no events"),
+    "jobs": Command(fetch_jobs, table_columns=("job_id", "sources", "ranks", "nodes", "gpus", "steps", "step_rate",
+                                               "lost_fraction", "stragglers", "hang"), empty="no jobs"),
     "alerts": Command(fetch_alerts, lambda p: p.add_argument("--all", action="store_true",
                                                              help="include resolved alerts"),
-                      ("alertname", "status", "starts_at", "ends_at", "summary")),
+                      ("alertname", "status", "starts_at", "ends_at", "summary"), "no alerts"),
 }
 
 
@@ -169,13 +172,16 @@ def run(command: str, args: argparse.Namespace) -> int:
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
+    elif not rows:
+        print(spec.empty, file=sys.stderr)
     else:
         sys.stdout.write(format_table(rows, spec.table_columns))
     return 0
 
 
 def format_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """Rows as an aligned text table (floats with 4 significant digits); "(none)" when empty."""
+    """Rows as an aligned text table (floats with 4 significant digits, nested values by name); "(none)" when
+    empty."""
     if not rows:
         return "(none)\n"
     columns = list(columns or rows[0].keys())
@@ -187,12 +193,22 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = Non
 
 
 def _cell(value: Any) -> str:
+    """One value as a short cell: lists joined with commas, a dict by its name (a signal, a straggler's rank,
+    a hang's summary) or else as k=v pairs, so nested rows stay readable instead of collapsing to "yes"."""
     if value is None:
         return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.4g}"
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return ",".join(_cell(v) for v in value) or "-"
-    if isinstance(value, dict):  # a straggler or hang: its rank, else its summary line
-        return str(value.get("rank", value.get("summary", "yes")))
+    if isinstance(value, dict):
+        for key in _NAME_KEYS:
+            if key in value:
+                return _cell(value[key])
+        return " ".join(f"{k}={_cell(v)}" for k, v in value.items()) or "-"
     return str(value)
+
+
+_NAME_KEYS = ("signal", "name", "rank", "summary")  # what names a nested dict, in order of preference

@@ -151,3 +151,32 @@ def test_query_cli_reports_an_unreachable_collector_in_one_line(capsys):
     assert cli.main(["nodes", "--collector", address]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach the collector at {address}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_query_cli_names_an_unknown_node_gpu_or_event_kind(collector, channel, capsys):
+    client.push(channel, make_batch(1))
+    for argv, message in [
+        (["series", "--node", "nope", "--gpu", "0", "--field", "gpu_power_watts"], "unknown node 'nope'"),
+        (["series", "--node", "node-1", "--gpu", "9", "--field", "gpu_power_watts"], "node 'node-1' has no GPU 9"),
+        (["events", "--kind", "bogus"], "event kind 'bogus' is not one of the known kinds: agent_start"),
+        (["events", "--node", "nope"], "unknown node 'nope'"),
+    ]:
+        assert cli.main([*argv, "--collector", collector.address]) == 2, argv
+        captured = capsys.readouterr()
+        assert message in captured.err and len(captured.err.strip().splitlines()) == 1, argv
+        assert captured.out == "" and "Traceback" not in captured.err
+    # a known kind with no events yet is a legitimate empty answer: said on stderr in table mode, [] in JSON
+    assert cli.main(["events", "--kind", "gpu_lost", "--collector", collector.address]) == 0
+    assert capsys.readouterr()[1].strip() == "no events"
+    assert cli.main(["events", "--kind", "gpu_lost", "--collector", collector.address, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_table_cells_show_nested_values_by_name():
+    from gpuwatch.collector.query_cli import format_table
+
+    rows = [{"gpu": 0, "signals": [{"signal": "xid_rate", "value": 1.0}, {"signal": "temp_max", "value": 2.0}],
+             "hang": {"rank": 3, "summary": "stuck"}, "attrs": {"seq": "3", "bus": "1a"}, "model": True,
+             "stragglers": [{"rank": 2}, {"rank": 5}], "delayed": []}]
+    header, line = format_table(rows).splitlines()
+    assert line.split() == ["0", "xid_rate,temp_max", "3", "seq=3", "bus=1a", "yes", "2,5", "-"]

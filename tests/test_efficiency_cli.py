@@ -5,6 +5,7 @@ import json
 import os
 
 from gpuwatch.cli import main
+from gpuwatch.collector.efficiency.cli import format_table
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):
@@ -47,3 +48,34 @@ def test_table_output_and_errors(capsys, tmp_path):
     assert "missing.json: no such file" in err and "Traceback" not in err
     assert main(["analyze", SAMPLED, "--peak-tflops", "-1"]) == 2
     assert "--peak-tflops must be positive" in capsys.readouterr().err
+
+
+def test_mfu_needs_both_flops_and_peak(capsys):
+    for flag, value in (("--flops-per-step", "1e14"), ("--peak-tflops", "312")):
+        assert main(["analyze", SAMPLED, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert "MFU needs both --flops-per-step and --peak-tflops" in err and len(err.strip().splitlines()) == 1
+
+
+def test_table_puts_the_biggest_loss_first(capsys):
+    assert main(["analyze", SAMPLED, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert main(["analyze", SAMPLED]) == 0
+    header, job_row, *rest = capsys.readouterr().out.splitlines()
+    lost = [c for c in CATEGORIES if c != "compute"]
+    by_size = sorted(lost, key=lambda c: -doc["job"]["breakdown_us"][c])
+    assert header.split("|")[1].split() == [c[:13] for c in by_size]
+    assert header.split("|")[0].split()[-1] == "compute"  # compute apart from the losses
+    rank_rows = [line for line in rest if line.strip().startswith("rank ") and "|" in line]
+    lost_ms = [float(line.split()[3]) for line in rank_rows]
+    assert len(lost_ms) == len(doc["ranks"]) and lost_ms == sorted(lost_ms, reverse=True)
+    expected = sorted(doc["ranks"], key=lambda r: -r["lost_us"])
+    assert [int(line.split()[1]) for line in rank_rows] == [r["rank"] for r in expected]
+
+
+def test_table_ranks_the_rank_that_lost_most_first(capsys):
+    assert main(["analyze", SAMPLED, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    doc["ranks"][1]["lost_us"] = doc["ranks"][0]["lost_us"] + 1000.0  # rank 1 now loses more than rank 0
+    rows = [line.split()[1] for line in format_table(doc).splitlines() if line.strip().startswith("rank ")]
+    assert rows[:2] == ["1", "0"]

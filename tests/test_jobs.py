@@ -8,10 +8,16 @@ import pytest
 
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, list_alerts
 from gpuwatch.collector.alerts import AlertmanagerSender
-from gpuwatch.collector.jobs import JobsMonitor
+from gpuwatch import cli
+from gpuwatch.collector import client
+from gpuwatch.collector.breakdowns import BreakdownService
+from gpuwatch.collector.jobs import JobsMonitor, list_jobs_rpc
+from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.v1 import query_pb2 as q
-from helpers import STEP_US, WORLD, alertmanager_alerts, data_parallel_job, poll, span_row, write_spans
+from helpers import (STEP_US, WORLD, alertmanager_alerts, data_parallel_job, make_batch, poll, span_row,
+                     write_spans)
+from test_efficiency_cli import SAMPLED
 
 @pytest.fixture
 def store(tmp_path):
@@ -110,3 +116,30 @@ def test_hang_names_the_stuck_rank_and_collective_then_clears(store):
     write_spans(store, data_parallel_job("hung-job", now, steps=5), 2)
     assert monitor.check_once(now)["hung-job"]["hang"] is None
     assert _alerts(store) == []
+
+
+def test_jobs_lists_every_job_the_collector_knows_and_from_where(tmp_path, capsys):
+    server = serve("127.0.0.1:0", str(tmp_path / "c.duckdb"),
+                   query_handlers={"Jobs": list_jobs_rpc, **BreakdownService().handlers()})
+    try:
+        address = ["--collector", server.address]
+        assert cli.main(["jobs", *address, "--json"]) == 0  # a fresh store: no breakdown tables yet
+        assert json.loads(capsys.readouterr().out) == []
+        write_spans(server.store, data_parallel_job("job-7", time.time() * 1e6, steps=3), 1)  # node-0
+        ch = client.channel(server.address)
+        client.push(ch, make_batch(1))  # node-1: GPU 1 runs job-7
+        ch.close()
+        assert cli.main(["submit-trace", "--job", "J1", SAMPLED, *address]) == 0
+        capsys.readouterr()
+        server.store.flush()
+        assert cli.main(["jobs", *address, "--json"]) == 0
+        jobs = {j["job_id"]: j for j in json.loads(capsys.readouterr().out)}
+        assert set(jobs) == {"J1", "job-7"}
+        assert jobs["J1"]["sources"] == ["traces"] and jobs["J1"]["ranks"] == 2 and jobs["J1"]["submitted_at"]
+        assert jobs["job-7"]["sources"] == ["spans", "gpu_samples"] and jobs["job-7"]["ranks"] == WORLD
+        assert jobs["job-7"]["nodes"] == ["node-0", "node-1"] and jobs["job-7"]["gpus"] == 1
+        assert cli.main(["jobs", *address]) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert table[0].split()[:2] == ["job_id", "sources"] and table[1].split()[:2] == ["J1", "traces"]
+    finally:
+        server.stop()

@@ -18,7 +18,8 @@ from gpuwatch.collector.traces.spans import timelines_from_spans
 from gpuwatch.errors import UserError
 from gpuwatch.models.model import load_model
 from gpuwatch.recording import RecordingWriter, open_recording, ts_ms
-from gpuwatch.replay import node_batches, recording_batches, recording_id, replay_agent_id, replay_offline
+from gpuwatch.replay import (format_result, node_batches, recording_batches, recording_id, replay_agent_id,
+                             replay_offline)
 from helpers import T0, CollectorProcess, sim_batches, sorted_samples, two_rank_spans, write_small_recording
 
 
@@ -204,3 +205,10 @@ def test_replay_into_a_token_collector(agent_recording, tmp_path, capsys):
         assert server.store.count("gpu_samples") == sum(c["samples"] for c in _recorded_counts(agent_recording).values())
     finally:
         server.stop()
+
+
+def test_text_output_names_nested_signals_instead_of_yes():
+    gpu = {"node": "n1", "gpu_index": 0, "risk": 0.25,
+           "signals": [{"signal": "xid_rate", "value": 1.0}, {"signal": "temp_max", "value": 90.0}]}
+    text = format_result({"scoring": {"gpus": [gpu]}})
+    assert "xid_rate,temp_max" in text and "yes" not in text

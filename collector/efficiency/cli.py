@@ -31,6 +31,8 @@ def run(command: str, args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if (args.flops_per_step is None) != (args.peak_tflops is None):
+        raise UserError("MFU needs both --flops-per-step and --peak-tflops; give both or neither")
     timelines = load_paths(args.paths, progress=_progress)
     doc = analyze(
         timelines, per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
@@ -66,19 +68,21 @@ def _progress(path: str, nbytes: int) -> None:
 
 
 def format_table(doc: dict) -> str:
-    """Human-readable breakdown: the job, then each rank, categories ordered by the job's biggest loss."""
+    """Human-readable breakdown, biggest loss first: the job, then ranks by lost time; after the window, the lost
+    time and compute, the lost categories ordered by the job's time in each (what to fix first is leftmost)."""
     job = doc["job"]
     lost = sorted((c for c in CATEGORIES if c != "compute"), key=lambda c: -job["breakdown_us"][c])
-    order = ["compute"] + lost
-    header = f"{'':>8} {'window ms':>10} " + " ".join(f"{c[:13]:>13}" for c in order)
+    header = (f"{'':>8} {'window ms':>10} {'lost ms':>10} {'compute':>9} | "
+              + " ".join(f"{c[:13]:>13}" for c in lost))
     lines = [header]
 
     def row(label: str, entry: dict) -> str:
-        cells = " ".join(f"{100 * entry['breakdown_fraction'][c]:>12.2f}%" for c in order)
-        return f"{label:>8} {entry['window_us'] / 1000:>10.1f} {cells}"
+        cells = " ".join(f"{100 * entry['breakdown_fraction'][c]:>12.2f}%" for c in lost)
+        return (f"{label:>8} {entry['window_us'] / 1000:>10.1f} {entry['lost_us'] / 1000:>10.1f} "
+                f"{100 * entry['breakdown_fraction']['compute']:>8.2f}% | {cells}")
 
     lines.append(row("job", job))
-    lines += [row(f"rank {r['rank']}", r) for r in doc["ranks"]]
+    lines += [row(f"rank {r['rank']}", r) for r in sorted(doc["ranks"], key=lambda r: (-r["lost_us"], r["rank"]))]
     lines.append("")
     lines.append(f"lost: {job['lost_us'] / 1e6:.3f} GPU-s = {job['lost_gpu_hours']:.5f} GPU-hours"
                  + ("" if job["lost_cost"] is None else f", cost {job['lost_cost']:.2f}"))

@@ -30,10 +30,13 @@ import pyarrow.compute as pc
 from gpuwatch import events as event_kinds
 from gpuwatch import fields
 from gpuwatch.collector.exporter import LatencyHistogram
-from gpuwatch.errors import UserError
+from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# the kinds gpuwatch/events.py defines (its upper-case string constants): the wire contract of Event.kind
+KNOWN_EVENT_KINDS = frozenset(v for k, v in vars(event_kinds).items() if k.isupper() and isinstance(v, str))
 
 _chain = itertools.chain.from_iterable
 
@@ -396,7 +399,20 @@ class DuckDBStore:
             ORDER BY ts DESC LIMIT $limit""",
             {"node": node, "gpu": gpu_index, "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms),
              "limit": limit if limit else None})
+        if df.empty:
+            self._check_gpu(node, gpu_index)
         return df.iloc[::-1].reset_index(drop=True)
+
+    def _check_gpu(self, node: str, gpu_index: int | None = None) -> None:
+        """NotFound naming a node (or GPU) the store has never heard of, so an empty answer is never a typo."""
+        known = self._records("""
+            SELECT gpu_index FROM (SELECT node, "index" AS gpu_index FROM gpus UNION
+                                   SELECT DISTINCT node, gpu_index FROM gpu_samples UNION
+                                   SELECT node, NULL FROM agents) WHERE node = $node""", {"node": node})
+        if not known:
+            raise NotFound(f"unknown node {node!r}; `gpuwatch nodes` lists the known ones")
+        if gpu_index is not None and gpu_index not in {r["gpu_index"] for r in known}:
+            raise NotFound(f"node {node!r} has no GPU {gpu_index}; `gpuwatch gpus --node {node}` lists its GPUs")
 
     def events(
         self, node: str | None = None, kind: str | None = None, since_ms: int | None = None, limit: int | None = None
@@ -408,9 +424,19 @@ class DuckDBStore:
               AND ($since IS NULL OR ts >= $since)
             ORDER BY ts DESC LIMIT $limit""",
             {"node": node, "kind": kind, "since": _ms_or_none(since_ms), "limit": limit if limit else None})
+        if not rows:
+            self._check_event_filters(node, kind)
         for row in rows:
             row["attrs"] = json.loads(row["attrs"]) if row["attrs"] else {}
         return rows
+
+    def _check_event_filters(self, node: str | None, kind: str | None) -> None:
+        """NotFound for an unknown node, UserError for a kind neither defined nor ever stored (a typo)."""
+        if node is not None:
+            self._check_gpu(node)
+        if kind is not None and kind not in KNOWN_EVENT_KINDS and not self._records(
+                "SELECT 1 FROM events WHERE kind = $kind LIMIT 1", {"kind": kind}):
+            raise UserError(f"event kind {kind!r} is not one of the known kinds: {', '.join(sorted(KNOWN_EVENT_KINDS))}")
 
     def gpu_samples(
         self,
@@ -449,6 +475,18 @@ class DuckDBStore:
                    count(DISTINCT rank) FILTER (WHERE rank >= 0) AS ranks, min(t) AS first_seen_ms,
                    max(t) AS last_seen_ms
             FROM rows GROUP BY job_id ORDER BY job_id""")
+
+    def sample_jobs(self) -> list[dict[str, Any]]:
+        """Jobs named on GPU samples: their nodes (sorted list), GPUs, ranks, first and last sample (ms)."""
+        return self._records("""
+            SELECT job_id, list_sort(list(DISTINCT node)) AS nodes, count(DISTINCT (node, gpu_index)) AS gpus,
+                   count(DISTINCT rank) FILTER (WHERE rank >= 0) AS ranks, epoch_ms(min(ts)) AS first_seen_ms,
+                   epoch_ms(max(ts)) AS last_seen_ms
+            FROM gpu_samples WHERE job_id IS NOT NULL AND job_id <> '' GROUP BY job_id ORDER BY job_id""")
+
+    def has_table(self, name: str) -> bool:
+        """Whether ``name`` exists yet (tables that features create on first use, e.g. job_timelines)."""
+        return bool(self._records("SELECT 1 FROM duckdb_tables() WHERE table_name = $name", {"name": name}))
 
     def queue_depth(self) -> int:
         """Batches and tasks waiting for the writer."""
