@@ -14,9 +14,9 @@ from gpuwatch.v1 import telemetry_pb2 as pb
 
 COLLECTIVES_PER_STEP = 3
 BUCKET_BYTES = 256 * 2**20  # gradient bucket per all_reduce
-SLOW_FACTOR = 1.25  # the slow rank's compute time relative to its peers
+SLOW_FACTOR = 1.5  # the slow rank's compute time relative to its peers
 COMPUTE_SHARE = 0.8  # a normal rank's compute share of the step time
-TRANSFER_SHARE = 0.05  # each collective's transfer, as a share of the step time
+TRANSFER_SHARE = 0.03  # each collective's transfer, as a share of the step time
 
 
 class SimJob:

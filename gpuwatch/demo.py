@@ -5,7 +5,9 @@ Starts a collector on the embedded store with the failure scorer and alerts, and
 one-minute demo covers ten simulated hours, and one GPU of the last node is scripted (``--sim-fault``) to
 degrade over most of them and fail near the end. The scorer runs on the data clock (the newest stored sample), the fleet view shows
 per node utilisation, power, temperature, the highest failure risk and the active alerts, and the summary
-states when the GPU was flagged and when it failed, both read back from the store. Nothing is written
+states when the GPU was flagged and when it failed, both read back from the store. Each node also runs a
+synthetic training job (``--sim-job``, one rank slower than the rest); the view shows each job's lost share
+and top loss from the ``Jobs`` RPC. Nothing is written
 outside a temp dir or ``--dir`` (which also keeps each agent's recording for `gpuwatch replay`).
 """
 from __future__ import annotations
@@ -36,6 +38,9 @@ SIM_TICK_S = 120.0
 ONSET_SHARE, FAIL_SHARE = 0.1, 0.85
 DEFAULT_FAULT = "ecc"
 FAULT_GPU = 3
+#: Steps of each node's synthetic training job per agent tick: few enough that the job monitor re-analyses
+#: every span of a whole demo in well under a second.
+STEPS_PER_TICK = 2
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,10 @@ def node_name(i: int) -> str:
     return f"demo-node-{i:02d}"
 
 
+def job_name(node: str) -> str:
+    return f"demo-job-{node}"
+
+
 # ------------------------------------------------------------------------------------------- CLI
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=4, help="simulated nodes (agent processes), default 4")
@@ -139,6 +148,7 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[str], None], reco
     """Run the simulated fleet into a fresh collector, score on the data clock, call ``show`` with each
     fleet view, and return what the store holds. ``model``: the failure model (default: the shipped one)."""
     from gpuwatch.collector.alert_hub import AlertHub
+    from gpuwatch.collector.jobs import JobsMonitor
     from gpuwatch.collector.scoring import Scorer
     from gpuwatch.collector.server import serve
     from gpuwatch.models.model import load_model
@@ -146,7 +156,11 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[str], None], reco
 
     model = model if model is not None else load_model(None)
     hub = AlertHub(AlertPolicy(model["threshold"]))
-    server = serve("127.0.0.1:0", str(workdir / "gpuwatch.duckdb"), services=[hub])
+    # The monitor's window and hang limit span the whole simulated run: its "now" is the wall clock, which the
+    # simulated clock only reaches at the end.
+    jobs = JobsMonitor(None, interval_s=plan.score_every_s, window_s=2 * plan.sim_span_s,
+                       hang_threshold_s=2 * plan.sim_span_s)
+    server = serve("127.0.0.1:0", str(workdir / "gpuwatch.duckdb"), services=[hub, jobs])
     scorer = Scorer(model, hub, clock="data")  # "now" is the agents' simulated time
     scorer.bind(server.store)  # no periodic thread: the demo scores before each view below
     origin = time.time()
@@ -157,11 +171,14 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[str], None], reco
     channel = grpc.insecure_channel(server.address)
     query = query_pb2_grpc.QueryStub(channel)
     started = time.monotonic()
+    rounds = 0
     try:
         while (elapsed := time.monotonic() - started) < plan.duration_s:
             scorer.score_once()
             show(fleet_view(query, scorer.latest(), elapsed_s=elapsed, plan=plan, data_ms=scorer.scored_at_ms))
-            _wait_for_any_exit(agents, timeout=min(plan.score_every_s, plan.duration_s - elapsed))
+            rounds += 1  # rounds keep their cadence however long scoring and the view took
+            next_round = min(rounds * plan.score_every_s, plan.duration_s)
+            _wait_for_any_exit(agents, timeout=next_round - (time.monotonic() - started))
         for proc in agents:
             proc.terminate()
         for proc in agents:
@@ -186,7 +203,8 @@ def _start_agent(address: str, workdir: Path, plan: DemoPlan, i: int, origin: fl
     command = [sys.executable, "-m", "gpuwatch", "agent", "--collector", address, "--simulate", str(plan.gpus),
                "--node", node, "--interval", str(plan.interval_s), "--spool", str(workdir / "spool" / node),
                "--slow-interval", str(plan.interval_s), "--batch-interval", str(max(0.5, plan.interval_s)),
-               "--sim-speed", str(plan.sim_speed), "--sim-start", str(sim_start), "--sim-origin", str(origin)]
+               "--sim-speed", str(plan.sim_speed), "--sim-start", str(sim_start), "--sim-origin", str(origin),
+               "--sim-job", job_name(node), "--sim-job-step", str(plan.interval_s * plan.sim_speed / STEPS_PER_TICK)]
     if node == plan.fault_node and plan.fault_spec():
         command += ["--sim-fault", plan.fault_spec()]
     if record is not None:
@@ -294,6 +312,11 @@ def fleet_view(query: query_pb2_grpc.QueryStub, scores: dict[tuple[str, int], di
                      f"{risk:>10}  {firing:>6}")
     if not nodes:
         lines.append("(waiting for the first batches)")
+    lines += ["", f"{'job (synthetic)':<26}{'ranks':>6}{'steps':>7}{'lost %':>8}  top loss"]
+    for job in json.loads(query.Jobs(query_pb2.JobsRequest(), timeout=5).json):
+        lost = job.get("lost_fraction")
+        lines.append(f"{job['job_id']:<26}{job['ranks']:>6}{job['steps']:>7}"
+                     f"{'-' if lost is None else f'{lost * 100:.1f}':>8}  {_top_loss(job.get('breakdown', {}))}")
     lines += ["", "active alerts:" if alerts else "active alerts: none"]
     for a in alerts:
         signals = ", ".join(s["signal"] for s in a.get("signals", [])[:3])
@@ -322,6 +345,15 @@ def summary_text(result: DemoResult) -> str:
     if result.recordings:
         lines.append(f"  recordings (gpuwatch replay): {', '.join(result.recordings)}")
     return "\n".join(lines)
+
+
+def _top_loss(breakdown: dict[str, float]) -> str:
+    """The largest share of the job's time that was not compute, e.g. "comm_wait 15.2%"."""
+    losses = {k: v for k, v in breakdown.items() if k != "compute" and v > 0}
+    if not losses:
+        return "-"
+    top = max(losses, key=losses.get)
+    return f"{top} {losses[top] * 100:.1f}%"
 
 
 def _mean(rows: list, field: str) -> float:

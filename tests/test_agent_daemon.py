@@ -206,7 +206,7 @@ def test_sim_job_sends_probe_style_spans_with_a_slow_rank(tmp_path, sink):
     coll = rows[rows["kind"] == "collective"]
     assert set(coll["name"]) == {"all_reduce"} and set(coll["process_group"]) == {"0"} and (coll["bytes"] > 0).all()
     assert (coll.groupby("seq")["rank"].nunique() == 8).all()  # every rank joins every collective
-    assert rows["step"].max() >= 10  # ~50 simulated seconds of 1.15 s steps, minus the last unfinished one
+    assert rows["step"].max() >= 10  # ~50 simulated seconds of 1.29 s steps, minus the last unfinished one
     gpu_jobs = {j for b in batches for s in b.samples for j in s.job_id}
     assert gpu_jobs == {"job-n1"}  # the GPU rows name the same job, so spans and telemetry join
     doc = analyze(probe_timelines(rows, "sim job"))

@@ -36,6 +36,8 @@ def test_nodes_and_samples_are_stored(demo):
     assert all(n["gpus"] == 4 and n["samples"] >= 4 * 40 for n in result.nodes)  # >= 40 of ~100 ticks per GPU
     assert result.events["agent_start"] == 2 and result.events["xid"] >= 2
     assert len(views) >= 5 and "max risk" in views[-1] and "demo-node-01" in views[-1]
+    job_line = next(line for line in views[-1].splitlines() if line.startswith("demo-job-demo-node-01"))
+    assert "comm_wait" in job_line  # the synthetic job's slow rank makes the others wait
 
 
 def test_the_degrading_gpu_is_flagged_before_it_fails_and_no_healthy_gpu_is(demo):
@@ -70,18 +72,27 @@ def test_nothing_is_written_outside_the_demo_dir(demo):
     assert result.recordings == [str(workdir / "recordings" / n) for n in ("demo-node-00", "demo-node-01")]
 
 
-def test_replaying_the_recordings_offline_reproduces_counts_and_the_alert(demo):
+def test_replaying_the_recordings_offline_reproduces_counts_and_the_alert(demo, tmp_path):
     replay = pytest.importorskip("gpuwatch.replay")
     result, _, _, workdir = demo
     live = DuckDBStore(str(workdir / "gpuwatch.duckdb"))
     try:
         live_events = live.query_df("SELECT node, count(*) AS n FROM events GROUP BY node").set_index("node")["n"]
+        live_breakdowns = {f"demo-job-{n['node']}": _breakdown_us(live, f"demo-job-{n['node']}") for n in result.nodes}
     finally:
         live.close()
     failed = result.report["failed"][0]
     for path in result.recordings:
-        out = replay.replay_offline(path, score_interval_s=600, quiet=True)
+        db = tmp_path / f"{Path(path).name}.duckdb"
+        out = replay.replay_offline(path, db=db, score_interval_s=600, quiet=True)
         [node] = out["store"]["nodes"]
+        replayed = DuckDBStore(str(db))
+        try:
+            job = f"demo-job-{node['node']}"
+            assert _breakdown_us(replayed, job) == live_breakdowns[job]
+            assert live_breakdowns[job]["comm_wait"] > 0
+        finally:
+            replayed.close()
         stored = next(n for n in result.nodes if n["node"] == node["node"])
         assert (node["gpus"], node["samples"]) == (stored["gpus"], stored["samples"])
         assert node["events"] == live_events[node["node"]]
@@ -92,6 +103,16 @@ def test_replaying_the_recordings_offline_reproduces_counts_and_the_alert(demo):
             assert _iso_ms(alert["starts_at"]) < failed["failed_ms"]
         else:
             assert flagged == set()
+
+
+def _breakdown_us(store: DuckDBStore, job_id: str) -> dict[str, float]:
+    """The job's breakdown as `gpuwatch breakdown JOB --json` gives it (job.breakdown_us)."""
+    import json
+
+    from gpuwatch.collector.breakdowns import BreakdownService
+    from gpuwatch.v1 import query_pb2 as q
+
+    return json.loads(BreakdownService().breakdown(q.BreakdownRequest(job_id=job_id), store).json)["job"]["breakdown_us"]
 
 
 def _iso_ms(text: str) -> int:
