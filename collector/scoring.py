@@ -2,10 +2,11 @@
 
 Each round reads the last ``HISTORY_S`` of every GPU from the store at one-minute resolution (the
 resolution the model is trained on: last value of counters and levels, mean of gauges, min/max of PCIe
-link state; minutes are aggregated once and kept, see :class:`MinuteHistory`), computes the feature rows with :func:`gpuwatch.models.features.features` (the function
-training and evaluation call), scores them, explains them with the top signals, derives the rule-based
-health state, and hands one :class:`RiskObservation` per GPU to the :class:`AlertHub`. Without a model the
-health states are still computed, and no risk alerts are raised.
+link state; minutes are aggregated once and kept, see :class:`MinuteHistory`), computes the feature rows
+with :func:`gpuwatch.models.features.features` (the function training and evaluation call), scores them,
+explains them with the top signals, derives the rule-based health state, and hands one
+:class:`RiskObservation` per GPU to the :class:`AlertHub`. Without a model the health states are still
+computed, and no risk alerts are raised.
 """
 from __future__ import annotations
 

@@ -171,7 +171,9 @@ def _attrs(text: Any) -> dict[str, str]:
         parsed = json.loads(text)
     except ValueError:
         return {"attrs": text}
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()} if isinstance(parsed, dict) else {}
+    if not isinstance(parsed, dict):
+        return {}
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
 
 
 def _span_table(rows: pd.DataFrame) -> pb.SpanTable:

@@ -32,6 +32,8 @@ T = TypeVar("T")
 TOKEN = "s3cret-token"  # the bearer token of the security tests
 T0 = 1_767_225_600_000  # 2026-01-01T00:00Z: where recorded and simulated test telemetry starts
 MIN = 60_000
+#: Two ranks of a real 128-rank Kineto trace (shared test data).
+KINETO_SAMPLED = "/work/shared/data/kineto/sampled_2ranks_of128"
 
 
 # ------------------------------------------------------------------------------------------ waiting

@@ -20,9 +20,9 @@ from gpuwatch.collector.server import serve
 from gpuwatch.collector.traces.spans import timelines_from_spans
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
+from helpers import KINETO_SAMPLED
 
-SAMPLED = "/work/shared/data/kineto/sampled_2ranks_of128"
-RANKS = [os.path.join(SAMPLED, f"rank{r}.json.gz") for r in (0, 1)]
+RANKS = [os.path.join(KINETO_SAMPLED, f"rank{r}.json.gz") for r in (0, 1)]
 
 
 @pytest.fixture

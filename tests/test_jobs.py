@@ -15,9 +15,8 @@ from gpuwatch.collector.jobs import JobsMonitor, list_jobs_rpc
 from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.v1 import query_pb2 as q
-from helpers import (STEP_US, WORLD, alertmanager_alerts, data_parallel_job, make_batch, poll, span_row,
+from helpers import (KINETO_SAMPLED, STEP_US, WORLD, alertmanager_alerts, data_parallel_job, make_batch, poll, span_row,
                      write_spans)
-from test_efficiency_cli import SAMPLED
 
 @pytest.fixture
 def store(tmp_path):
@@ -129,7 +128,7 @@ def test_jobs_lists_every_job_the_collector_knows_and_from_where(tmp_path, capsy
         ch = client.channel(server.address)
         client.push(ch, make_batch(1))  # node-1: GPU 1 runs job-7
         ch.close()
-        assert cli.main(["submit-trace", "--job", "J1", SAMPLED, *address]) == 0
+        assert cli.main(["submit-trace", "--job", "J1", KINETO_SAMPLED, *address]) == 0
         capsys.readouterr()
         server.store.flush()
         assert cli.main(["jobs", *address, "--json"]) == 0
