@@ -20,6 +20,7 @@ from gpuwatch.agent.simdegrade import KINDS, FaultSpec, parse_fault_spec
 from gpuwatch.agent.simfleet import MODELS
 from gpuwatch.agent.uplink import ChannelSecurity
 from gpuwatch.errors import UserError
+from gpuwatch.security import read_token
 from gpuwatch.probe.endpoint import default_endpoint
 
 
@@ -65,11 +66,7 @@ def load_settings(args: argparse.Namespace) -> config.Config:
     flags = dict(vars(args))
     if flags.get("log_level"):
         flags["log_level"] = flags["log_level"].lower()  # --log-level WARNING worked before the shared schema
-    cfg = config.load_config(config.AGENT_OPTIONS, flags)
-    if cfg.metrics_listen:
-        raise UserError(f"metrics_listen (from {cfg.source('metrics_listen')}): the agent has no /metrics endpoint "
-                        "yet; the collector exports Prometheus metrics for the whole fleet")
-    return cfg
+    return config.load_config(config.AGENT_OPTIONS, flags)
 
 
 def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None) -> AgentConfig:
@@ -94,6 +91,8 @@ def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None)
         sim_speed=args.sim_speed, sim_start=_sim_start(args.sim_start), sim_origin=args.sim_origin,
         sim_faults=_sim_faults(args), sim_job=args.sim_job or None, sim_job_step_s=args.sim_job_step,
         channel_security=ChannelSecurity(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, cfg.token_file, cfg.insecure),
+        metrics_listen=cfg.metrics_listen, insecure=cfg.insecure,
+        metrics_token=read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None,
     )
 
 

@@ -25,7 +25,7 @@ from gpuwatch import events as ev
 from gpuwatch.events import Event
 from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
-from gpuwatch.agent.nvml import NvmlSampler
+from gpuwatch.agent.nvml import GpuDevice, NvmlSampler
 from gpuwatch.agent.probe_socket import ProbeListener
 from gpuwatch.agent.simdegrade import Degradation, FaultSpec
 from gpuwatch.agent.simfleet import SimClock, SimulatedFleet
@@ -37,8 +37,10 @@ from gpuwatch.batches import MAX_BATCH_BYTES, BatchBuilder
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
-if TYPE_CHECKING:  # the recorder pulls in pandas and pyarrow: imported only when --record asks for it
+if TYPE_CHECKING:  # imported only when --record or metrics_listen asks: pandas, pyarrow, prometheus_client
+    from gpuwatch.agent.node_metrics import NodeMetrics
     from gpuwatch.agent.recorder import BatchRecorder
+    from gpuwatch.collector.exporter import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class AgentConfig:
     labels: dict[str, str] = field(default_factory=dict)
     probe_socket: str | None = None  # Unix socket the training probes send to; None = no listener
     record: Path | None = None  # also write every batch into this recording directory
+    metrics_listen: str | None = None  # HOST:PORT of the node-local Prometheus endpoint; None = none
+    metrics_token: str | None = None  # bearer token scrapers of that endpoint must send
+    insecure: bool = False  # serve that endpoint beyond loopback without a token
     channel_security: ChannelSecurity = field(default_factory=ChannelSecurity)
 
 
@@ -108,6 +113,8 @@ class Agent:
         self.probe: ProbeListener | None = None
         self.sim_job: SimJob | None = None
         self.recorder: BatchRecorder | None = None
+        self.metrics: NodeMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
         self._local_sequence = itertools.count(1)  # record-only mode has no spool to number batches
 
     def stop(self) -> None:
@@ -141,6 +148,9 @@ class Agent:
 
                 self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval * cfg.sim_speed)
                 stack.callback(self.recorder.close)
+            if cfg.metrics_listen:
+                self._serve_metrics(devices)
+                stack.callback(self.metrics_server.close)
             if cfg.probe_socket:
                 self.probe = _open_probe_listener(cfg.probe_socket)
                 stack.callback(self.probe.close)
@@ -199,6 +209,16 @@ class Agent:
         self.fleet.install()
         return True
 
+    def _serve_metrics(self, devices: list[GpuDevice]) -> None:
+        from gpuwatch.agent.node_metrics import NodeMetrics
+        from gpuwatch.collector.exporter import start_metrics_server
+
+        cfg = self.config
+        self.metrics = NodeMetrics(cfg.node, [d.info() for d in devices], self.spool)
+        self.metrics_server = start_metrics_server(cfg.metrics_listen, self.metrics.snapshot, cfg.metrics_token,
+                                                   insecure=cfg.insecure)
+        log.info("node metrics at %s", self.metrics_server.url)
+
     def _identity(self, sampler: NvmlSampler) -> pb.NodeIdentity:
         labels = dict(self.config.labels)
         if self.fleet is not None:
@@ -239,7 +259,12 @@ class Agent:
         for gpu, values in tick.rows.items():
             job = jobs.job(gpu)
             builder.add_gpu_row(gpu, ts_ms, values, job.job_id, job.rank, job.local_rank)
-        builder.add_host_row(ts_ms, host.sample())
+            if self.metrics is not None:
+                self.metrics.observe_gpu(gpu, values, job.job_id, job.rank)
+        host_values = host.sample()
+        builder.add_host_row(ts_ms, host_values)
+        if self.metrics is not None:
+            self.metrics.observe_host(host_values)
         self._move_events(builder, tick.events)
 
     def _move_events(self, builder: BatchBuilder, extra: list[Event] = ()) -> None:
@@ -247,12 +272,16 @@ class Agent:
         with self._events_lock:
             pending, self._events = [*self._events, *extra], []
         for e in map(self._event_time, pending):
+            if self.metrics is not None and e.kind == ev.XID and e.gpu_index is not None:
+                self.metrics.observe_xid(e.gpu_index, e.code)
             builder.add_event(e.kind, e.ts_ms, e.gpu_index, e.code, e.message, e.attrs)
 
     def _cut(self, builder: BatchBuilder) -> int:
         """Spool (and record) what the builder holds with the probe spans; returns the number of batches written."""
         dropped = self.spool.take_dropped() if self.spool else None
         if dropped and dropped.batches:
+            if self.metrics is not None:
+                self.metrics.observe_dropped(dropped.batches)
             builder.add_event(ev.SPOOL_DROPPED, self._now_ms(), code=dropped.batches,
                               message=f"spool over its size bound: {dropped.batches} oldest batches dropped",
                               attrs={"bytes": str(dropped.bytes)})

@@ -185,14 +185,14 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = Non
     if not rows:
         return "(none)\n"
     columns = list(columns or rows[0].keys())
-    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    cells = [[format_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
-def _cell(value: Any) -> str:
+def format_cell(value: Any) -> str:
     """One value as a short cell: lists joined with commas, a dict by its name (a signal, a straggler's rank,
     a hang's summary) or else as k=v pairs, so nested rows stay readable instead of collapsing to "yes"."""
     if value is None:
@@ -202,12 +202,12 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (list, tuple)):
-        return ",".join(_cell(v) for v in value) or "-"
+        return ",".join(format_cell(v) for v in value) or "-"
     if isinstance(value, dict):
         for key in _NAME_KEYS:
             if key in value:
-                return _cell(value[key])
-        return " ".join(f"{k}={_cell(v)}" for k, v in value.items()) or "-"
+                return format_cell(value[key])
+        return " ".join(f"{k}={format_cell(v)}" for k, v in value.items()) or "-"
     return str(value)
 
 

@@ -118,11 +118,13 @@ AGENT_OPTIONS: tuple[Option, ...] = (
     Option("probe_socket", str, None, "Unix socket the in-process training probe sends to"),
     Option("job_label", str, None, "environment variable naming the job (beyond SLURM/torchelastic)"),
     Option("metrics_listen", str, None, "optional node-local Prometheus endpoint HOST:PORT", address),
+    Option("metrics_token_file", str, None, "bearer token Prometheus must send to the node-local endpoint"),
     Option("tls_ca", str, None, "CA certificate (PEM) to verify the collector; enables TLS"),
     Option("tls_cert", str, None, "client certificate (PEM) for mutual TLS"),
     Option("tls_key", str, None, "client private key (PEM) for mutual TLS"),
     Option("token_file", str, None, "file holding the bearer token sent to the collector"),
-    Option("insecure", bool, False, "allow a plaintext token to a non-loopback collector"),
+    Option("insecure", bool, False,
+           "allow a plaintext token to a non-loopback collector, and metrics beyond loopback without a token"),
     LOG_LEVEL,
 )
 

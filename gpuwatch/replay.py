@@ -350,9 +350,9 @@ def _run_export(args: argparse.Namespace) -> dict[str, Any]:
 def format_result(result: dict[str, Any]) -> str:
     """A result as text: its scalar entries, then one aligned table per list or mapping of rows; the
     collector's side of an offline replay (``store``, ``scoring``) as sections of their own."""
-    from gpuwatch.collector.query_cli import format_table
+    from gpuwatch.collector.query_cli import format_cell, format_table
 
-    lines = [f"{k}: {v}" for k, v in result.items() if not isinstance(v, (dict, list))]
+    lines = [f"{k}: {format_cell(v)}" for k, v in result.items() if not isinstance(v, (dict, list))]
     for key, value in result.items():
         if key in _SECTIONS and isinstance(value, dict):
             lines += [_SECTIONS[key], format_result(value).rstrip()]
@@ -362,7 +362,7 @@ def format_result(result: dict[str, Any]) -> str:
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             lines += [f"{key}:", format_table(value).rstrip()]
         elif isinstance(value, list):
-            lines.append(f"{key}: {', '.join(map(str, value)) or '(none)'}")
+            lines.append(f"{key}: {', '.join(map(format_cell, value)) or '(none)'}")
     return "\n".join(lines) + "\n"
 
 

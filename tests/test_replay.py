@@ -212,3 +212,8 @@ def test_text_output_names_nested_signals_instead_of_yes():
            "signals": [{"signal": "xid_rate", "value": 1.0}, {"signal": "temp_max", "value": 90.0}]}
     text = format_result({"scoring": {"gpus": [gpu]}})
     assert "xid_rate,temp_max" in text and "yes" not in text
+
+
+def test_text_output_says_yes_no_for_flags_and_rounds_floats():
+    text = format_result({"scoring": {"model": True, "peak_risk": 0.123456789, "rounds": 3}})
+    assert "model: yes" in text and "peak_risk: 0.1235" in text and "rounds: 3" in text and "True" not in text
