@@ -9,6 +9,7 @@ import pytest
 
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.demo import DemoPlan, failure_report, run_demo, summary_text
+from gpuwatch.replay import replay_offline
 
 # 2 nodes x 4 GPUs for 20 s at 1500x (5 simulated minutes per 0.2 s tick): ~8 simulated hours, the scripted
 # ECC fault of GPU 3 on the last node degrading from ~50 min to ~7 h.
@@ -73,7 +74,6 @@ def test_nothing_is_written_outside_the_demo_dir(demo):
 
 
 def test_replaying_the_recordings_offline_reproduces_counts_and_the_alert(demo, tmp_path):
-    replay = pytest.importorskip("gpuwatch.replay")
     result, _, _, workdir = demo
     live = DuckDBStore(str(workdir / "gpuwatch.duckdb"))
     try:
@@ -84,7 +84,7 @@ def test_replaying_the_recordings_offline_reproduces_counts_and_the_alert(demo, 
     failed = result.report["failed"][0]
     for path in result.recordings:
         db = tmp_path / f"{Path(path).name}.duckdb"
-        out = replay.replay_offline(path, db=db, score_interval_s=600, quiet=True)
+        out = replay_offline(path, db=db, score_interval_s=600, quiet=True)
         [node] = out["store"]["nodes"]
         replayed = DuckDBStore(str(db))
         try:
