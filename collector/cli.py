@@ -35,7 +35,8 @@ def start_collector(cfg: config.Config) -> CollectorServer:
     model = _model(cfg.model)
     hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, _senders(cfg),
                    advice=advise(n_gpus=cfg.job_gpus, checkpoint_s=cfg.checkpoint_cost))
-    scorer = scoring.Scorer(model, hub, interval_s=cfg.score_interval)
+    scorer = scoring.Scorer(model, hub, interval_s=cfg.score_interval, clock=cfg.score_clock,
+                            false_alarm_budget=cfg.false_alarm_budget)
     monitor = jobs.JobsMonitor(hub, interval_s=cfg.jobs_interval, window_s=cfg.jobs_window,
                                hang_threshold_s=cfg.hang_threshold)
     services: list[Any] = [hub, scorer, monitor]

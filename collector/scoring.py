@@ -7,6 +7,11 @@ with :func:`gpuwatch.models.features.features` (the function training and evalua
 explains them with the top signals, derives the rule-based health state, and hands one
 :class:`RiskObservation` per GPU to the :class:`AlertHub`. Without a model the health states are still
 computed, and no risk alerts are raised.
+
+The alert threshold follows the operator's false-alarm budget: before each round the
+:class:`~gpuwatch.models.calibration.BudgetCalibrator` gives the threshold from the rounds before it (the
+model's saved threshold is only its start value), and the round's scores are shown to it afterwards; fatal
+XIDs tell it which GPUs failed. `gpuwatch score` replays a recording through the same calibrator and policy.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from gpuwatch import events as event_kinds
@@ -25,6 +31,8 @@ from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.collector.store.duckdb import DuckDBStore, ms_to_datetime
 from gpuwatch.models import features as feature_module
 from gpuwatch.models import rules
+from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET, BudgetCalibrator
+from gpuwatch.models.faults import FATAL_XIDS
 from gpuwatch.models.model import score, top_signals
 
 log = logging.getLogger(__name__)
@@ -92,6 +100,16 @@ def xid_events(store: DuckDBStore, until_ms: int, history_s: float = feature_mod
         {"since": ms_to_datetime(int(until_ms - history_s * 1000)), "until": ms_to_datetime(until_ms)})
 
 
+def fatal_xids(store: DuckDBStore, until_ms: int, history_s: float = feature_module.HISTORY_S) -> pd.DataFrame:
+    """Fatal XIDs (node, gpu_index, t_ms) of the ``history_s`` before ``until_ms``: fault evidence for the
+    budget calibrator."""
+    return store.query_df(f"""
+        SELECT node, gpu_index, epoch_ms(ts) AS t_ms FROM events
+        WHERE kind = '{event_kinds.XID}' AND code IN ({', '.join(map(str, sorted(FATAL_XIDS)))})
+          AND ts > $since AND ts <= $until""",
+        {"since": ms_to_datetime(int(until_ms - history_s * 1000)), "until": ms_to_datetime(until_ms)})
+
+
 def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int, history: MinuteHistory | None = None
                ) -> list[dict[str, Any]]:
     """One dict per GPU with samples in the window: identity, job and rank, risk (None without a model),
@@ -130,7 +148,9 @@ def observation(gpu: Mapping[str, Any], now_ms: int) -> RiskObservation:
         signals=tuple(gpu["signals"]), ts_ms=now_ms)
 
 
-WALL, DATA = "wall", "data"
+WALL, DATA, AUTO = "wall", "data", "auto"
+#: On the auto clock, a newest sample further than this from the wall clock means simulated or replayed time.
+AUTO_SKEW_S = 900.0
 
 
 def newest_sample_ms(store: DuckDBStore) -> int | None:
@@ -143,19 +163,28 @@ class Scorer(PeriodicService):
     """Collector service: scores every GPU every ``interval_s`` and feeds the alert hub.
 
     A round scores "now": the wall clock, or with ``clock="data"`` the newest stored sample time, for
-    telemetry on simulated or replayed time (the demo's accelerated agents), where the wall clock would
-    put every GPU hours before or after its data."""
+    telemetry on simulated or replayed time (agents with ``--sim-speed``, replays), where the wall clock would
+    put every GPU hours before or after its data. ``clock="auto"`` scores on the wall clock until the newest
+    sample is more than ``AUTO_SKEW_S`` away from it, then on the data clock, and logs why."""
 
     name = "gpu-scorer"
 
     def __init__(self, model: dict | None, hub: AlertHub | None = None, *, interval_s: float = DEFAULT_INTERVAL_S,
-                 history_s: float = feature_module.HISTORY_S, clock: str = WALL) -> None:
-        if clock not in (WALL, DATA):
-            raise ValueError(f"clock {clock!r}: expected {WALL!r} or {DATA!r}")
+                 history_s: float = feature_module.HISTORY_S, clock: str = WALL,
+                 false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET) -> None:
+        if clock not in (WALL, DATA, AUTO):
+            raise ValueError(f"clock {clock!r}: expected {WALL!r}, {DATA!r} or {AUTO!r}")
         super().__init__(interval_s)
         self.model = model
         self.hub = hub
         self.clock = clock
+        self.calibrator = BudgetCalibrator(
+            false_alarm_budget, model["threshold"], step_s=model["step_s"],
+            keep_firing_for_s=hub.engine.policy.keep_firing_for_s if hub and hub.engine else 4 * 3600.0,
+        ) if model else None
+        self.threshold: float | None = model["threshold"] if model else None
+        self._faults_told: set[tuple[str, int, int]] = set()
+        self._on_data_clock = clock == DATA
         self.history = MinuteHistory(history_s)
         self.rounds = 0
         self.scored_at_ms: int | None = None  # the "now" of the last round
@@ -173,8 +202,16 @@ class Scorer(PeriodicService):
             return []
         started = time.perf_counter()
         gpus = score_gpus(self._store, self.model, now, self.history)
+        if self.calibrator is not None:
+            self._tell_faults(now)
+            self.threshold = self.calibrator.threshold(now)
         if self.hub is not None and self.model is not None:
+            if self.hub.engine is not None:
+                self.hub.engine.policy = self.hub.engine.policy.with_threshold(self.threshold)
             self.hub.observe_risk([observation(g, now) for g in gpus], now_ms=now)
+        if self.calibrator is not None and gpus:
+            self.calibrator.observe(now, [(g["node"], g["gpu_index"]) for g in gpus],
+                                    np.array([g["risk"] for g in gpus], dtype=float))
         with self._lock:
             self._latest = {(g["node"], g["gpu_index"]): g for g in gpus}
             self.rounds += 1
@@ -182,8 +219,28 @@ class Scorer(PeriodicService):
         log.debug("scored %d GPUs in %.3f s", len(gpus), time.perf_counter() - started)
         return gpus
 
+    def _tell_faults(self, now_ms: int) -> None:
+        """Fatal XIDs since the last round: the GPUs' recent scores were true alarms, not false ones."""
+        recent = fatal_xids(self._store, now_ms, self.history.history_s)
+        self._faults_told = {k for k in self._faults_told if k[2] > now_ms - self.history.history_s * 1000}
+        for ev in recent.itertuples():
+            key = (ev.node, int(ev.gpu_index), int(ev.t_ms))
+            if key not in self._faults_told:
+                self._faults_told.add(key)
+                self.calibrator.fault((ev.node, int(ev.gpu_index)), int(ev.t_ms))
+
     def _now_ms(self) -> int | None:
-        return int(time.time() * 1000) if self.clock == WALL else newest_sample_ms(self._store)
+        wall = int(time.time() * 1000)
+        if self.clock == WALL:
+            return wall
+        newest = newest_sample_ms(self._store)
+        if self.clock == DATA or newest is None:
+            return newest
+        if not self._on_data_clock and abs(newest - wall) > AUTO_SKEW_S * 1000:
+            self._on_data_clock = True
+            log.warning("scoring on the data clock: the newest sample is %.1f h from the wall clock (agents on "
+                        "simulated time, e.g. --sim-speed, or a replay)", (newest - wall) / 3.6e6)
+        return newest if self._on_data_clock else wall
 
     def latest(self) -> dict[tuple[str, int], dict[str, Any]]:
         """The last round's result per (node, GPU index)."""

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("gpuwatch.models.cli", "write a recording of a simulated fleet with failures"),
     "train": ("gpuwatch.models.cli", "train the failure classifier on a recording or a store"),
     "evaluate": ("gpuwatch.models.cli", "time-split evaluation of a model against the rule baseline"),
+    "score": ("gpuwatch.models.cli", "replay a recording or store through failure scoring and alerts, budget-calibrated"),
     "advise": ("gpuwatch.models.cli", "checkpoint interval from the failure rate, and what a failure predictor changes"),
     "replay": ("gpuwatch.replay", "run a recording through the pipeline"),
     "import": ("gpuwatch.replay", "turn CSV/Parquet telemetry into a recording"),

@@ -145,6 +145,11 @@ COLLECTOR_OPTIONS: tuple[Option, ...] = (
     Option("webhook_url", str, None, "generic JSON webhook for alerts", http_url),
     Option("model", str, None, "failure model file (default: the bundled model)"),
     Option("score_interval", float, DEFAULT_SCORE_INTERVAL_S, "seconds between failure-scoring rounds", positive),
+    Option("score_clock", str, "auto", "time failure scoring runs on: wall, data (the newest sample's time, for "
+           "agents on simulated time or replays) or auto (data once the newest sample is over 15 min off the wall "
+           "clock)", one_of("auto", "wall", "data")),
+    Option("false_alarm_budget", float, 1.0, "failure alerts per 1,000 GPU-days accepted: the alert threshold is "
+           "calibrated to it on the fleet's recent scores", positive),
     Option("jobs_interval", float, DEFAULT_JOBS_INTERVAL_S, "seconds between jobs-monitor rounds", positive),
     Option("jobs_window", float, DEFAULT_JOBS_WINDOW_S, "seconds of recent spans analysed per job", positive),
     Option("hang_threshold", float, DEFAULT_HANG_S,

@@ -1,14 +1,19 @@
-"""`gpuwatch simulate`, `train`, `evaluate` and `advise`: thin wrappers over the models library."""
+"""`gpuwatch simulate`, `train`, `evaluate`, `score` and `advise`: thin wrappers over the models library."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import re
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from gpuwatch.errors import UserError
+from gpuwatch.models.failsim import FLEET_KNOBS, PROFILES
 
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
@@ -19,6 +24,16 @@ def duration_s(text: str) -> float:
     if not m or float(m.group(1)) <= 0:
         raise argparse.ArgumentTypeError(f"not a positive duration: {text!r} (e.g. 60s, 10m, 1h, 24h)")
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
 
 
 def recall_value(text: str) -> float:
@@ -52,18 +67,26 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--resolution", type=duration_s, default=60.0, help="sample interval (default 60s)")
         p.add_argument("--fault-rate-multiplier", type=float, default=1.0,
                        help="scale the published base rate so small fleets contain enough faults")
+        p.add_argument("--profile", choices=sorted(PROFILES), default="base",
+                       help="a fleet configuration to start from (the options below override it)")
+        for name, help_text in FLEET_KNOBS.items():
+            p.add_argument(f"--{name.replace('_', '-')}", type=float, help=help_text)
         p.add_argument("--out", required=True, help="recording directory to write")
         p.add_argument("--json", action="store_true")
     else:
         p.add_argument("data", help="recording directory or collector .duckdb store")
         p.add_argument("--json", action="store_true")
+    if command in ("train", "evaluate", "score"):
+        p.add_argument("--false-alarm-budget", type=positive_float, default=1.0,
+                       help="false alarms per 1,000 GPU-days the operator accepts (default 1): the alert threshold "
+                       "is calibrated to it on the fleet's own recent scores")
     if command == "train":
         p.add_argument("--horizon", type=duration_s, default=3600.0, help="predict faults within (default 1h)")
-        p.add_argument("--false-alarm-budget", type=float, default=2.0,
-                       help="alerts per 1,000 GPU-days allowed on the validation block (sets the threshold)")
         p.add_argument("-o", "--output", required=True, help="model file to write (.skops)")
     if command == "evaluate":
         p.add_argument("--model", help="model file (default: the shipped simulated-fleet model)")
+    if command == "score":
+        p.add_argument("--model", required=True, help="model file, or 'default' for the shipped model")
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
 
@@ -75,6 +98,8 @@ def run(command: str, args: argparse.Namespace) -> int:
         result = simulate(args)
     elif command == "train":
         result = train(args)
+    elif command == "score":
+        result = score(args)
     else:
         result = evaluate(args)
     result["seconds"] = round(time.monotonic() - started, 1)
@@ -86,13 +111,18 @@ def run(command: str, args: argparse.Namespace) -> int:
 
 
 def simulate(args: argparse.Namespace) -> dict:
-    from gpuwatch.models.failsim import FleetConfig, simulate_fleet
+    from gpuwatch.models.failsim import simulate_fleet
 
     for name in ("nodes", "gpus", "days"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
-    cfg = FleetConfig(nodes=args.nodes, gpus_per_node=args.gpus, days=args.days, resolution_s=args.resolution,
-                      seed=args.seed, fault_rate_multiplier=args.fault_rate_multiplier)
+    knobs = {k: getattr(args, k) for k in FLEET_KNOBS if getattr(args, k) is not None}
+    bad = [f"--{k.replace('_', '-')}" for k, v in knobs.items() if v < 0]
+    if bad:
+        raise UserError(f"{', '.join(bad)} must not be negative")
+    cfg = replace(PROFILES[args.profile], nodes=args.nodes, gpus_per_node=args.gpus, days=args.days,
+                  resolution_s=args.resolution, seed=args.seed, fault_rate_multiplier=args.fault_rate_multiplier,
+                  **knobs)
     return {"out": args.out, **simulate_fleet(cfg, args.out, quiet=args.quiet)}
 
 
@@ -105,6 +135,10 @@ def train(args: argparse.Namespace) -> dict:
     ds = build_dataset(args.data, horizon_s=args.horizon, quiet=args.quiet)
     model = train_model(ds, false_alarm_budget=args.false_alarm_budget,
                         description=f"trained on {args.data}", quiet=args.quiet)
+    if ds.uninformative_fields or model["training"]["dropped_features"]:
+        fields = ", ".join(f"{k} ({v})" for k, v in ds.uninformative_fields.items()) or "none"
+        print(f"gpuwatch train: left out {len(model['training']['dropped_features'])} features without information "
+              f"in {args.data}; fields never recorded or constant: {fields}", file=sys.stderr)
     try:
         save_model(model, args.output)
     except OSError as exc:
@@ -162,7 +196,40 @@ def evaluate(args: argparse.Namespace) -> dict:
     model = load_model(args.model)
     ds = build_dataset(args.data, horizon_s=model["horizon_s"], warning_s=model["warning_s"],
                        step_s=model["step_s"], quiet=args.quiet)
-    result = evaluate_model(model, ds)
+    result = evaluate_model(model, ds, budget=args.false_alarm_budget)
     if not args.json:
         result["table"] = format_table(result)
     return result
+
+
+def score(args: argparse.Namespace) -> dict:
+    """Replay the data in time order through scoring, budget calibration and the alert policy."""
+    from gpuwatch.models.alerting import replay
+    from gpuwatch.models.dataset import build_dataset
+    from gpuwatch.models.model import load_model
+    from gpuwatch.models.model import score as model_score
+    from gpuwatch.models.policy import AlertPolicy
+
+    model = load_model(None if args.model == "default" else args.model)
+    ds = build_dataset(args.data, horizon_s=model["horizon_s"], warning_s=model["warning_s"],
+                       step_s=model["step_s"], quiet=args.quiet)
+    risk = model_score(model, ds.rows)
+    r = replay(ds.rows, risk, ds.episodes, policy=AlertPolicy(model["threshold"]), step_s=ds.step_s,
+               budget=args.false_alarm_budget)
+    alerts = [{"node": a.node, "gpu_index": int(a.gpu_index), "start_ms": int(a.start_ms),
+               "end_ms": None if a.end_ms != a.end_ms else int(a.end_ms), "peak_risk": round(float(a.peak_risk), 4)}
+              for a in r.alerts.sort_values(["start_ms", "node", "gpu_index"]).itertuples()]
+    result = {"alerts": alerts, "gpu_days": round(len(ds.rows) * ds.step_s / 86400, 1),
+              "false_alarm_budget": args.false_alarm_budget, "model": model["description"][:120],
+              "threshold_last": float(r.threshold[np.argmax(ds.rows["t_ms"].to_numpy())]) if len(ds.rows) else None}
+    if not args.json:
+        lines = [f"{len(alerts)} alerts over {result['gpu_days']} GPU-days (budget {args.false_alarm_budget:g} "
+                 "false alarms per 1,000 GPU-days)"]
+        lines += [f"{a['node']} GPU {a['gpu_index']}: {_iso(a['start_ms'])} .. "
+                  f"{_iso(a['end_ms']) if a['end_ms'] else 'firing'}  peak risk {a['peak_risk']:.3f}" for a in alerts]
+        result["table"] = "\n".join(lines)
+    return result
+
+
+def _iso(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))

@@ -123,6 +123,8 @@ class Dataset:
     horizon_s: float
     warning_s: float
     step_s: int
+    #: Feature input fields the source never recorded, left always empty, or held constant.
+    uninformative_fields: dict[str, str] | None = None
 
 
 def build_dataset(path: str | Path, *, horizon_s: float = DEFAULT_HORIZON_S,
@@ -130,13 +132,26 @@ def build_dataset(path: str | Path, *, horizon_s: float = DEFAULT_HORIZON_S,
     """Features of every GPU every ``step_s``, with labels for faults within ``horizon_s``; progress by node
     on a terminal unless ``quiet``."""
     src = open_source(path)
-    parts, episodes = [], []
+    parts, episodes, stats = [], [], []
     with Progress("features", total=len(src.nodes), unit="nodes", quiet=quiet) as progress:
         for nodes, samples, events in src.chunks():
             parts.append(gpu_window_features(samples, events, step_s=step_s))
             episodes.append(fault_events(events, samples))
+            stats.append(samples[list(SAMPLE_COLUMNS)].agg(["count", "min", "max"]))
             progress.advance(len(nodes))
     feats = add_peer_features(pd.concat(parts, ignore_index=True))
     eps = pd.concat(episodes, ignore_index=True) if episodes else pd.DataFrame()
     rows = label(feats, eps, horizon_s=horizon_s, warning_s=warning_s, data_end_ms=src.end_ms)
-    return Dataset(rows, eps, src, horizon_s, warning_s, step_s)
+    return Dataset(rows, eps, src, horizon_s, warning_s, step_s, _uninformative(stats))
+
+
+def _uninformative(stats: list[pd.DataFrame]) -> dict[str, str]:
+    """Field -> 'never recorded' or 'constant', from per-chunk count/min/max."""
+    if not stats:
+        return {}
+    count = sum(s.loc["count"] for s in stats)
+    lo = pd.concat([s.loc["min"] for s in stats], axis=1).min(axis=1)
+    hi = pd.concat([s.loc["max"] for s in stats], axis=1).max(axis=1)
+    out = {c: "never recorded" for c in count.index if count[c] == 0}
+    out.update({c: f"constant {lo[c]:g}" for c in count.index if count[c] > 0 and lo[c] == hi[c]})
+    return dict(sorted(out.items()))

@@ -1,179 +1,196 @@
 """Event-level evaluation of a failure predictor (model or rule baseline), as failure-prediction.md §4 asks.
 
-Scores are per feature row (GPU x evaluation step). Alerts follow the alert engine's rule
-(models/policy.py: fire at the threshold, resolve after the score stayed below half of it for 2 h), and
-end when the GPU has no rows for ``ALERT_GAP_STEPS`` steps. A fault is predicted when an alert is active at
-some row in [fault - horizon, fault - warning]; the lead time runs from the first such row. An alert is false when no
-fault of that GPU starts between its first row and its last row plus the horizon.
-False alarms are counted per 1,000 GPU-days of uncensored rows.
+Scores are per feature row (GPU x evaluation step) and become alert episodes exactly as they would live
+(models/alerting.py: the alert policy, and with a budget the online threshold calibration). A fault is
+predicted when an alert of its GPU is active at some time in [fault - horizon, fault - warning]; the lead
+time runs from that alert's start. An alert is false when no fault of its GPU starts between its start and
+its end plus the horizon. False alarms are counted per alert episode (per 1,000 GPU-days) **and** by the
+hours they stayed on (an alert left on all month costs a month), so a policy cannot look good by never
+resolving. Thresholds for side-by-side comparisons are chosen on the training data only (stored in the
+model at training time), never on the data being evaluated.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 from sklearn.metrics import average_precision_score
 
+from gpuwatch.models.alerting import replay
+from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.models.dataset import Dataset
 from gpuwatch.models.labels import in_block
 from gpuwatch.models.model import score
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.models.rules import rule_scores
 
-ALERT_GAP_STEPS = 6
-#: The rules alert on any finding (DCGM health not OK).
-BASELINE_THRESHOLD = 0.5
 METRIC_KEYS = ("event_recall", "event_recall_sudden", "precision", "false_alarms_per_1000_gpu_days",
-               "median_lead_time_s", "pr_auc")
+               "false_alert_hours_per_1000_gpu_days", "false_alert_hour_share", "median_lead_time_s", "pr_auc")
 
 
-@dataclass(frozen=True)
-class Scored:
-    """Rows of one evaluation block with scores, and the faults whose warning window lies in the block."""
-
-    rows: pd.DataFrame  # node, gpu_index, t_ms, label, censored, score
-    faults: pd.DataFrame  # node, gpu_index, start_ms, had_precursor
-    horizon_s: float
-    warning_s: float
-    step_s: int
+def block_faults(episodes: pd.DataFrame, block: tuple[int, int], horizon_s: float) -> pd.DataFrame:
+    """Fault episodes whose whole warning window falls inside the block."""
+    if not len(episodes):
+        return pd.DataFrame(columns=["node", "gpu_index", "start_ms", "kind", "had_precursor"])
+    s = episodes["start_ms"]
+    return episodes[(s - horizon_s * 1000 >= block[0]) & (s < block[1])]
 
 
-def scored_block(rows: pd.DataFrame, episodes: pd.DataFrame, scores: np.ndarray, block: tuple[int, int],
-                 *, horizon_s: float, warning_s: float, step_s: int) -> Scored:
-    """Restrict rows and faults to a time block (faults whose whole warning window falls inside it)."""
+def metrics(alerts: pd.DataFrame, faults: pd.DataFrame, rows: pd.DataFrame, scores: np.ndarray,
+            block: tuple[int, int], *, horizon_s: float, warning_s: float, step_s: float,
+            all_faults: pd.DataFrame | None = None, truth: pd.DataFrame | None = None) -> dict:
+    """All METRIC_KEYS, recall per fault kind and counts for the alerts overlapping ``block``.
+
+    ``rows`` (with label, censored) and ``scores`` give the GPU-days and the row-level PR AUC; ``faults`` are
+    the episodes of the block (:func:`block_faults`), ``all_faults`` every episode (an alert just before the
+    block's end is true if a fault follows after it); ``truth`` (optional, a simulation's) adds a kind per
+    fault from the generator (e.g. thermal, which leaves no kind of its own in the evidence).
+    """
     sel = in_block(rows, block)
-    r = rows.loc[sel, ["node", "gpu_index", "t_ms", "label", "censored"]].copy()
-    r["score"] = np.asarray(scores)[sel]
-    h = horizon_s * 1000
-    starts = episodes["start_ms"] if len(episodes) else pd.Series(dtype="int64")
-    f = episodes[(starts - h >= block[0]) & (starts < block[1])] if len(episodes) else episodes
-    return Scored(r, f, horizon_s, warning_s, step_s)
-
-
-def metrics(s: Scored, threshold: float) -> dict:
-    """All METRIC_KEYS (and counts) at one threshold."""
-    live = s.rows[~s.rows["censored"].to_numpy()].sort_values(["node", "gpu_index", "t_ms"])
-    active, restart = _active(live, threshold, s.step_s)
-    starts = active & (restart | ~np.r_[False, active[:-1]])
-    alert = live[active].assign(run=np.cumsum(starts)[active])
-    gpu_days = len(live) * s.step_s / 86400
-    caught, leads = _caught(alert, s)
-    n_true, n_alerts = _alert_episodes(alert, s)
-    with_pre = s.faults["had_precursor"].to_numpy(bool) if len(s.faults) else np.zeros(0, bool)
-    labels = live["label"].to_numpy()
-    return {
+    live = sel & ~rows["censored"].to_numpy()
+    gpu_days = live.sum() * step_s / 86400
+    end = alerts["end_ms"].fillna(block[1]).to_numpy(float) if len(alerts) else np.zeros(0)
+    a = alerts.assign(end=np.minimum(end, block[1]))
+    a = a[(a["start_ms"] < block[1]) & (a["end"] > block[0])].copy()
+    a["gpu"] = a["node"].astype(str) + "/" + a["gpu_index"].astype(str)
+    f = faults.assign(gpu=faults["node"].astype(str) + "/" + faults["gpu_index"].astype(str))
+    h, w = horizon_s * 1000, warning_s * 1000
+    every = f if all_faults is None or not len(all_faults) else all_faults.assign(
+        gpu=all_faults["node"].astype(str) + "/" + all_faults["gpu_index"].astype(str))
+    fault_starts = {k: g["start_ms"].to_numpy() for k, g in every.groupby("gpu")} if len(every) else {}
+    true = np.array([((st := fault_starts.get(r.gpu)) is not None) and bool(((st > r.start_ms) & (st <= r.end + h)).any())
+                     for r in a.itertuples()], bool)
+    by_gpu = {k: g for k, g in a.groupby("gpu")} if len(a) else {}
+    caught = np.zeros(len(f), bool)
+    leads = np.full(len(f), np.nan)
+    for i, fr in enumerate(f.itertuples()):
+        g = by_gpu.get(fr.gpu)
+        if g is None:
+            continue
+        hit = g[(g["start_ms"] <= fr.start_ms - w) & (g["end"] >= fr.start_ms - h)]
+        if len(hit):
+            caught[i] = True
+            leads[i] = (fr.start_ms - hit["start_ms"].min()) / 1000
+    hours = ((a["end"] - np.maximum(a["start_ms"], block[0])) / 3_600_000).to_numpy(float)
+    with_pre = f["had_precursor"].to_numpy(bool) if len(f) else np.zeros(0, bool)
+    n_alerts, n_false = len(a), int((~true).sum())
+    labels = rows.loc[live, "label"].to_numpy()
+    kinds = f["kind"].to_numpy() if len(f) else np.zeros(0, str)
+    out = {
         "event_recall": _share(caught[with_pre]),
         "event_recall_sudden": _share(caught[~with_pre]),
-        "precision": n_true / n_alerts if n_alerts else None,
-        "false_alarms_per_1000_gpu_days": (n_alerts - n_true) / gpu_days * 1000 if gpu_days else None,
-        "median_lead_time_s": float(np.median(leads[caught])) if caught.any() else None,
-        "pr_auc": float(average_precision_score(labels, live["score"])) if labels.any() else None,
-        "threshold": float(threshold),
-        "faults": int(with_pre.sum()),
-        "faults_sudden": int((~with_pre).sum()),
-        "alerts": int(n_alerts),
-        "false_alarms": int(n_alerts - n_true),
-        "gpu_days": round(gpu_days, 1),
+        "recall_by_kind": _by_kind(kinds, caught, with_pre),
+        "precision": (n_alerts - n_false) / n_alerts if n_alerts else None,
+        "false_alarms_per_1000_gpu_days": n_false / gpu_days * 1000 if gpu_days else None,
+        "false_alert_hours_per_1000_gpu_days": float(hours[~true].sum()) / gpu_days * 1000 if gpu_days else None,
+        "false_alert_hour_share": float(hours[~true].sum() / hours.sum()) if hours.sum() > 0 else None,
+        "median_lead_time_s": float(np.median(leads[caught & with_pre])) if (caught & with_pre).any() else None,
+        "pr_auc": float(average_precision_score(labels, np.asarray(scores)[live])) if labels.any() else None,
+        "faults": int(with_pre.sum()), "faults_sudden": int((~with_pre).sum()),
+        "alerts": int(n_alerts), "false_alarms": n_false, "gpu_days": round(float(gpu_days), 1),
     }
-
-
-def _active(rows: pd.DataFrame, threshold: float, step_s: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows (sorted by GPU and time) at which the GPU's alert is active under the alert policy, and the rows
-    where a GPU's series restarts (a new GPU, or no rows for ``ALERT_GAP_STEPS`` steps), which ends any alert."""
-    gpu = (rows["node"].astype(str) + "/" + rows["gpu_index"].astype(str)).to_numpy()
-    t = rows["t_ms"].to_numpy()
-    restart = np.r_[True, (gpu[1:] != gpu[:-1]) | (np.diff(t) > ALERT_GAP_STEPS * step_s * 1000)]
-    return AlertPolicy(threshold).active_mask(t, rows["score"].to_numpy(), restart), restart
+    if truth is not None and len(f):
+        mech = _truth_kinds(f, truth)
+        out["recall_by_mechanism"] = _by_kind(mech, caught, with_pre)
+    return out
 
 
 def _share(x: np.ndarray) -> float | None:
     return float(x.mean()) if len(x) else None
 
 
-def _caught(alert: pd.DataFrame, s: Scored) -> tuple[np.ndarray, np.ndarray]:
-    """Per fault: predicted in its warning window? and lead time (s) of the first alerting row in it."""
-    caught = np.zeros(len(s.faults), bool)
-    leads = np.full(len(s.faults), np.nan)
-    by_gpu = {k: g["t_ms"].to_numpy() for k, g in alert.groupby(["node", "gpu_index"], sort=False)}
-    for i, f in enumerate(s.faults.itertuples(index=False)):
-        t = by_gpu.get((f.node, f.gpu_index))
-        if t is None:
-            continue
-        win = t[(t >= f.start_ms - s.horizon_s * 1000) & (t <= f.start_ms - s.warning_s * 1000)]
-        if len(win):
-            caught[i] = True
-            leads[i] = (f.start_ms - win.min()) / 1000
-    return caught, leads
+def _by_kind(kinds: np.ndarray, caught: np.ndarray, with_pre: np.ndarray) -> dict:
+    """Per kind: faults with precursors caught / all of them (sudden faults are reported apart)."""
+    return {str(k): f"{int(caught[(kinds == k) & with_pre].sum())}/{int(((kinds == k) & with_pre).sum())}"
+            for k in sorted(set(kinds[with_pre]))}
 
 
-def _alert_episodes(alert: pd.DataFrame, s: Scored) -> tuple[int, int]:
-    """(true alerts, all alerts): runs of alerting rows of a GPU, true when a fault follows in time."""
-    if alert.empty:
-        return 0, 0
-    gpu = alert["node"].astype(str) + "/" + alert["gpu_index"].astype(str)
-    runs = pd.DataFrame({"gpu": gpu.to_numpy(), "t": alert["t_ms"].to_numpy(), "run": alert["run"]}).groupby("run").agg(
-        gpu=("gpu", "first"), first=("t", "min"), last=("t", "max"))
-    faults = s.faults.assign(gpu=s.faults["node"].astype(str) + "/" + s.faults["gpu_index"].astype(str))
-    starts = {k: g["start_ms"].to_numpy() for k, g in faults.groupby("gpu")}
-    h = s.horizon_s * 1000
-    true = sum(1 for r in runs.itertuples() if ((st := starts.get(r.gpu)) is not None)
-               and ((st > r.first) & (st <= r.last + h)).any())
-    return true, len(runs)
+def _truth_kinds(faults: pd.DataFrame, truth: pd.DataFrame) -> np.ndarray:
+    """The simulator's mechanism of each fault episode (nearest planned fault of its GPU within an hour)."""
+    out = np.full(len(faults), "unknown", dtype=object)
+    for i, fr in enumerate(faults.itertuples()):
+        t = truth[(truth["node"] == fr.node) & (truth["gpu_index"] == fr.gpu_index) & ~truth["near_miss"]]
+        if len(t):
+            j = (t["fault_ms"] - fr.start_ms).abs().idxmin()
+            if abs(t.at[j, "fault_ms"] - fr.start_ms) <= 3_600_000:
+                out[i] = t.at[j, "mechanism"]
+    return out.astype(str)
 
 
-def threshold_for_false_alarms(s: Scored, max_per_1000_gpu_days: float) -> float:
-    """The lowest threshold whose false-alarm rate stays within the budget (search over score quantiles)."""
-    live = s.rows.loc[~s.rows["censored"].to_numpy(), "score"].to_numpy()
-    candidates = np.unique(np.quantile(live, np.linspace(0.9, 1.0, 400))) if len(live) else np.array([1.0])
-    candidates = np.unique(np.r_[candidates, np.unique(live)[-200:]])
+def predictor_metrics(ds: Dataset, scores: np.ndarray, block: tuple[int, int], *, threshold: float,
+                      budget: float | None, truth: pd.DataFrame | None = None) -> dict:
+    """Replay ``scores`` over all of ``ds`` (the calibrator may learn from data before the block, as it
+    would live) and measure the alerts of ``block``."""
+    policy = AlertPolicy(threshold)
+    r = replay(ds.rows, scores, ds.episodes, policy=policy, step_s=ds.step_s, budget=budget)
+    faults = block_faults(ds.episodes, block, ds.horizon_s)
+    out = metrics(r.alerts, faults, ds.rows, scores, block, horizon_s=ds.horizon_s, warning_s=ds.warning_s,
+                  step_s=ds.step_s, all_faults=ds.episodes, truth=truth)
+    sel = in_block(ds.rows, block)
+    out["threshold"] = float(np.median(r.threshold[sel])) if sel.any() else float(threshold)
+    out["budget"] = budget
+    return out
+
+
+def threshold_for_budget(ds: Dataset, scores: np.ndarray, block: tuple[int, int], budget: float) -> float:
+    """The lowest fixed threshold whose false alarms in ``block`` of labelled (training) data fit the budget."""
+    sel = in_block(ds.rows, block)
+    rows, s = ds.rows[sel], np.asarray(scores)[sel]
+    sub = Dataset(rows, ds.episodes, ds.source, ds.horizon_s, ds.warning_s, ds.step_s)
+    live = s[~rows["censored"].to_numpy()]
+    if not len(live):
+        return 1.0
+    candidates = np.unique(np.r_[np.quantile(live, np.linspace(0.99, 1.0, 40)), np.unique(live)[-24:]])
     best = float(np.nextafter(candidates.max(), np.inf))
     lo, hi = 0, len(candidates) - 1
     while lo <= hi:  # false alarms fall as the threshold rises: binary search the first that fits
         mid = (lo + hi) // 2
-        fa = metrics(s, candidates[mid])["false_alarms_per_1000_gpu_days"] or 0.0
-        if fa <= max_per_1000_gpu_days:
+        fa = predictor_metrics(sub, s, block, threshold=candidates[mid], budget=None)["false_alarms_per_1000_gpu_days"]
+        if (fa or 0.0) <= budget:
             best, hi = float(candidates[mid]), mid - 1
         else:
             lo = mid + 1
     return best
 
 
-def compare(model: Scored, baseline: Scored, model_threshold: float, baseline_threshold: float) -> dict:
-    """Model and rule-baseline metrics side by side, and each one's recall at the other's false-alarm rate."""
-    out = metrics(model, model_threshold)
-    out["baseline"] = metrics(baseline, baseline_threshold)
-    for ours, theirs, key in ((model, out["baseline"], "event_recall_at_baseline_false_alarm_rate"),
-                              (baseline, out, "baseline_event_recall_at_model_false_alarm_rate")):
-        fa = theirs["false_alarms_per_1000_gpu_days"]
-        if fa is not None:
-            out[key] = metrics(ours, threshold_for_false_alarms(ours, fa))["event_recall"]
-    return out
+def evaluate_model(model: dict, ds: Dataset, *, budget: float = DEFAULT_FALSE_ALARM_BUDGET,
+                   truth: pd.DataFrame | None = None) -> dict:
+    """Model vs rule baseline on ``ds``: its test block if the model was trained on this data, else all of it.
+
+    Top level: the model with the threshold calibrated online to ``budget``. ``fixed_threshold``: the model
+    at the threshold chosen on its training data. ``baseline``: the DCGM-style rules at the threshold chosen
+    on the same training data for the same budget; ``baseline_calibrated``: the rules calibrated online.
+    """
+    same = model["training"]["fingerprint"] == ds.source.fingerprint
+    block = tuple(model["training"]["test_ms"]) if same else (ds.source.start_ms, ds.source.end_ms + 1)
+    ours, rules = score(model, ds.rows), rule_scores(ds.rows)
+    result = predictor_metrics(ds, ours, block, threshold=model["threshold"], budget=budget, truth=truth)
+    result["fixed_threshold"] = predictor_metrics(ds, ours, block, threshold=model["threshold"], budget=None,
+                                                  truth=truth)
+    result["baseline"] = predictor_metrics(ds, rules, block, threshold=model["baseline_threshold"], budget=None,
+                                           truth=truth)
+    result["baseline_calibrated"] = predictor_metrics(ds, rules, block, threshold=model["baseline_threshold"],
+                                                      budget=budget, truth=truth)
+    result["evaluated_on"] = {"source": str(ds.source.path), "block_ms": list(block),
+                              "held_out": "test block of the training data" if same else "whole data set",
+                              "horizon_s": ds.horizon_s, "warning_s": ds.warning_s, "step_s": ds.step_s}
+    return result
+
+
+COLUMNS = (("model (budget)", None), ("model (fixed)", "fixed_threshold"), ("rules (fixed)", "baseline"),
+           ("rules (budget)", "baseline_calibrated"))
 
 
 def format_table(result: dict) -> str:
-    """Human table: one line per metric, model beside baseline."""
+    """Human table: one line per metric, the model and the rules side by side."""
     def fmt(v: object) -> str:
         return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
+    cols = [(name, result if key is None else result[key]) for name, key in COLUMNS]
     keys = list(METRIC_KEYS) + ["threshold", "faults", "faults_sudden", "alerts", "false_alarms", "gpu_days"]
-    lines = [f"{'metric':34} {'model':>12} {'rules':>12}"]
-    lines += [f"{k:34} {fmt(result.get(k)):>12} {fmt(result['baseline'].get(k)):>12}" for k in keys]
-    lines.append(f"{'event_recall at the other FA rate':34} "
-                 f"{fmt(result.get('event_recall_at_baseline_false_alarm_rate')):>12} "
-                 f"{fmt(result.get('baseline_event_recall_at_model_false_alarm_rate')):>12}")
+    lines = [f"{'metric':36}" + "".join(f"{n:>16}" for n, _ in cols)]
+    lines += [f"{k:36}" + "".join(f"{fmt(c.get(k)):>16}" for _, c in cols) for k in keys]
+    for group in ("recall_by_kind", "recall_by_mechanism"):
+        kinds = sorted({k for _, c in cols for k in (c.get(group) or {})})
+        lines += [f"{group.replace('_by_', ' ') + ' ' + k:36}" + "".join(f"{(c.get(group) or {}).get(k, '-'):>16}"
+                                                                        for _, c in cols) for k in kinds]
     return "\n".join(lines)
-
-
-def evaluate_model(model: dict, ds: Dataset) -> dict:
-    """Model vs rule baseline on ``ds``: its test block if the model was trained on this data, else all of it."""
-    same = model["training"]["fingerprint"] == ds.source.fingerprint
-    block = tuple(model["training"]["test_ms"]) if same else (ds.source.start_ms, ds.source.end_ms + 1)
-    common = {"horizon_s": ds.horizon_s, "warning_s": ds.warning_s, "step_s": ds.step_s}
-    ours = scored_block(ds.rows, ds.episodes, score(model, ds.rows), block, **common)
-    rules = scored_block(ds.rows, ds.episodes, rule_scores(ds.rows), block, **common)
-    result = compare(ours, rules, model["threshold"], BASELINE_THRESHOLD)
-    result["evaluated_on"] = {"source": str(ds.source.path), "block_ms": list(block),
-                              "held_out": "test block of the training data" if same else "whole data set",
-                              **common}
-    return result

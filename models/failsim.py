@@ -50,6 +50,9 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
 
 @dataclass(frozen=True)
 class FleetConfig:
+    """One fleet configuration. The knobs after ``nodes_per_job`` (FLEET_KNOBS) make fleets that differ the
+    way real sites do, for domain-shift testing; their defaults give the original simulated fleet."""
+
     nodes: int = 4
     gpus_per_node: int = 8
     days: float = 2.0
@@ -60,6 +63,46 @@ class FleetConfig:
     near_miss_fraction: float = 0.1  # precursor processes that stop on their own
     start_ms: int = 1_767_225_600_000  # 2026-01-01T00:00:00Z
     nodes_per_job: int = 4
+    noise: float = 1.0
+    counter_level: float = 1.0
+    resets_per_gpu_day: float = 0.0
+    app_xids_per_node_day: float = 0.05
+    power_capping: float = 0.0
+    hot_aisle: float = 0.0
+    noisy_gpu_fraction: float = 0.0
+    lead_time_scale: float = 1.0
+    precursor_strength: float = 1.0
+    lookalikes_per_gpu_day: float = 0.0
+
+
+#: Knobs of a fleet configuration that `gpuwatch simulate` exposes as options.
+FLEET_KNOBS: dict[str, str] = {
+    "noise": "scale of gauge noise (temperature, power, utilisation, clocks); 1 = the base fleet",
+    "counter_level": "scale of the benign background rates of SBE, PCIe replay and NVLink CRC errors",
+    "resets_per_gpu_day": "driver reloads per GPU-day (volatile counters restart)",
+    "app_xids_per_node_day": "application crashes per node-day (XID 13/31 on one GPU, 43 on all)",
+    "power_capping": "share of jobs heavy enough to run into the power cap (power-cap clock events)",
+    "hot_aisle": "degrees C added to the inlet of every fourth node",
+    "noisy_gpu_fraction": "share of GPUs that log correctable errors all the time, with XID 92, and never fail",
+    "lead_time_scale": "scale of precursor durations (fault lead times)",
+    "precursor_strength": "scale of precursor intensity (error rates, temperature rise)",
+    "lookalikes_per_gpu_day": "benign look-alike episodes per GPU-day: remaps with XID 63 that end nowhere, "
+                              "power-brake HW slowdown, PCIe replay and NVLink CRC bursts that stop, a fan drifting warm",
+}
+
+
+#: Named fleet configurations. The shipped model is trained on "base", "noisy" and "subtle"; "shifted" is
+#: the held-out configuration it is judged on (bench/predict.py), different in every knob at once.
+PROFILES: dict[str, FleetConfig] = {
+    "base": FleetConfig(),
+    "noisy": FleetConfig(noise=1.8, counter_level=3.0, resets_per_gpu_day=0.05, app_xids_per_node_day=0.2,
+                         hot_aisle=6.0, noisy_gpu_fraction=0.03, lookalikes_per_gpu_day=0.03, precursor_strength=0.8),
+    "subtle": FleetConfig(counter_level=0.5, power_capping=0.3, lead_time_scale=1.6, precursor_strength=0.5,
+                          noisy_gpu_fraction=0.02, lookalikes_per_gpu_day=0.02),
+    "shifted": FleetConfig(noise=2.0, counter_level=4.0, resets_per_gpu_day=0.1, app_xids_per_node_day=0.3,
+                           power_capping=0.4, hot_aisle=10.0, noisy_gpu_fraction=0.04, lead_time_scale=0.7,
+                           precursor_strength=0.8, lookalikes_per_gpu_day=0.01),
+}
 
 
 @dataclass
@@ -75,6 +118,7 @@ class FaultPlan:
     final_xid: int
     near_miss: bool = False
     seed: int = 0
+    strength: float = 1.0
 
     def intensity(self, ts_ms: np.ndarray) -> np.ndarray:
         """Precursor strength 0..1, accelerating towards the fault (0 outside the precursor)."""
@@ -92,6 +136,7 @@ class Effects:
     offsets: dict[str, np.ndarray] = field(default_factory=dict)
     flags: dict[str, np.ndarray] = field(default_factory=dict)
     events: list[tuple[int, str, int, str]] = field(default_factory=list)  # (ts_ms, kind, code, message)
+    reason_bits: np.ndarray | None = None  # clock-event reasons to set (NVML bitmask) per tick
 
 
 def plan_effects(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> Effects:
@@ -103,7 +148,8 @@ def plan_effects(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> Effects:
     tick-by-tick caller sees each exactly once.
     """
     ts_ms = np.asarray(ts_ms, dtype=np.int64)
-    s = plan.intensity(ts_ms)
+    progress = plan.intensity(ts_ms)
+    s = progress * plan.strength  # how strongly the precursor shows; flags follow the progress itself
     rng = np.random.default_rng([plan.seed, int(ts_ms[0]) if len(ts_ms) else 0, len(ts_ms)])
     minutes = dt_s / 60.0
     eff = Effects()
@@ -113,7 +159,7 @@ def plan_effects(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> Effects:
         return rng.poisson(rate_per_min * minutes).astype(float)
 
     def flag_after(level: float) -> np.ndarray:
-        return (s >= level) & active
+        return (progress >= level) & active
 
     mech = plan.mechanism
     if mech == "memory":
@@ -142,6 +188,7 @@ def plan_effects(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> Effects:
         throttled = np.clip(s * 1.5 - 0.2, 0.0, 1.0) * dt_s
         eff.increments["gpu_throttle_thermal_seconds_total"] = throttled
         eff.offsets["gpu_sm_clock_hertz"] = -6.0e8 * np.clip(s * 1.5 - 0.2, 0.0, 1.0)
+        eff.reason_bits = np.where(throttled > 0, 0x20 | 0x40, 0)  # SW and HW thermal slowdown
     if not plan.near_miss:
         eff.events += _fault_events(plan, ts_ms, dt_s)
         if mech == "memory" and plan.final_xid == 48:
@@ -211,13 +258,15 @@ def plan_faults(cfg: FleetConfig, node: int, rng: np.random.Generator) -> list[F
             near = k in misses
             if near and m.precursor_median_h == 0:
                 continue  # a sudden near miss leaves no trace at all
-            dur_h = max(1.5, rng.lognormal(math.log(m.precursor_median_h), 0.6)) if m.precursor_median_h else 0
+            dur_h = (max(1.5 * cfg.lead_time_scale, rng.lognormal(math.log(m.precursor_median_h * cfg.lead_time_scale),
+                                                                  0.6)) if m.precursor_median_h else 0)
             onset = int(t - dur_h * HOUR_MS)
             if onset < free_from:
                 continue  # overlaps the previous fault's precursor or repair: the GPU fails once at a time
             repair = int(rng.lognormal(math.log(4.0), 0.5) * HOUR_MS) if not near else 0
             plans.append(FaultPlan(node_name(node), g, mech, onset, int(t), int(t) + repair,
-                                   int(rng.choice(m.final_xids)), near, int(rng.integers(2**31))))
+                                   int(rng.choice(m.final_xids)), near, int(rng.integers(2**31)),
+                                   cfg.precursor_strength * rng.uniform(0.6, 1.4)))
             free_from = int(t) + repair
     return plans
 
@@ -226,6 +275,7 @@ def _job_schedule(cfg: FleetConfig, group: int, ts: np.ndarray, rng: np.random.G
     """Job id per tick for a group of nodes (one multi-node job at a time, idle gaps between) and its intensity."""
     job = np.full(len(ts), -1, dtype=np.int64)
     intensity = np.zeros(len(ts))
+    heavy = np.zeros(len(ts), bool)
     t = cfg.start_ms - int(rng.uniform(0, 12) * HOUR_MS)
     end = ts[-1] + 1
     k = 0
@@ -234,19 +284,21 @@ def _job_schedule(cfg: FleetConfig, group: int, ts: np.ndarray, rng: np.random.G
         sel = (ts >= t) & (ts < t + dur)
         job[sel] = group * 100_000 + k
         intensity[sel] = rng.uniform(0.75, 1.0)
+        heavy[sel] = rng.random() < cfg.power_capping
         t += dur + int(rng.exponential(1.0) * HOUR_MS)
         k += 1
-    return job, intensity
+    return job, intensity, heavy
 
 
 def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, job_intensity: np.ndarray,
-                  plans: list[FaultPlan], rng: np.random.Generator):
+                  heavy: np.ndarray, plans: list[FaultPlan], rng: np.random.Generator):
     """One node's gpu_samples, host_samples and events DataFrames."""
     G, T = cfg.gpus_per_node, len(ts)
     dt = cfg.resolution_s
     busy = (job >= 0)[None, :].repeat(G, 0)
     inten = job_intensity[None, :] * rng.uniform(0.93, 1.0, (G, 1))
-    noise = lambda scale: rng.normal(0.0, scale, (G, T))  # noqa: E731
+    noise = lambda scale: rng.normal(0.0, scale * cfg.noise, (G, T))  # noqa: E731
+    level = cfg.counter_level
     cols: dict[str, np.ndarray] = {}
     util = np.where(busy, np.clip(inten * 0.97 + noise(0.02), 0, 1), 0.0)
     cols["gpu_utilization_ratio"] = util
@@ -255,13 +307,13 @@ def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, 
     cols["gpu_memory_total_bytes"] = np.full((G, T), float(total))
     cols["gpu_memory_used_bytes"] = np.where(busy, total * np.clip(0.7 + 0.2 * inten + noise(0.01), 0, 0.98), 5e8)
     efficiency = rng.normal(1.0, 0.03, (G, 1))
-    power = np.where(busy, 120 + 560 * util * efficiency + noise(15), 70 + noise(3))
+    power = np.where(busy, 120 + 560 * util * efficiency + 90 * heavy[None, :] + noise(15), 70 + noise(3))
     limit = 700.0
     power_capped = power > limit - 5
     power = np.minimum(power, limit)
     cols["gpu_power_watts"] = power
     cols["gpu_power_limit_watts"] = np.full((G, T), limit)
-    inlet = rng.normal(24, 2.5) + rng.normal(0, 1.5, (G, 1))
+    inlet = rng.normal(24, 2.5) + rng.normal(0, 1.5, (G, 1)) + (cfg.hot_aisle if node % 4 == 0 else 0.0)
     temp = inlet + 0.06 * power + noise(0.8)
     blips = _blips(rng, G, T, dt, per_day=0.15, length_ticks=max(1, int(1200 / dt)))
     temp = temp + 12.0 * blips
@@ -279,11 +331,11 @@ def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, 
         "gpu_nvlink_tx_bytes_total": util * 1.5e11 * dt * rng.uniform(0.8, 1.2, (G, T)),
         "gpu_nvlink_rx_bytes_total": util * 1.5e11 * dt * rng.uniform(0.8, 1.2, (G, T)),
         # benign noise: isolated SBE bursts on SBE-prone GPUs (~5%, Zhu et al.), rare PCIe replays and CRC errors
-        "gpu_ecc_sbe_volatile_total": _blips(rng, G, T, dt, 0.3, max(1, int(1800 / dt)))
-        * rng.poisson(2.0, (G, T)) * (rng.random((G, 1)) < 0.05),
+        "gpu_ecc_sbe_volatile_total": _blips(rng, G, T, dt, 0.3 * level, max(1, int(1800 / dt)))
+        * rng.poisson(2.0 * level, (G, T)) * (rng.random((G, 1)) < 0.05),
         "gpu_ecc_dbe_volatile_total": np.zeros((G, T)),
-        "gpu_pcie_replay_total": _blips(rng, G, T, dt, 0.4, 1) * rng.integers(1, 6, (G, T)),
-        "gpu_nvlink_crc_flit_errors_total": _blips(rng, G, T, dt, 0.3, 1) * rng.integers(1, 20, (G, T)),
+        "gpu_pcie_replay_total": _blips(rng, G, T, dt, 0.4 * level, 1) * rng.integers(1, 6, (G, T)),
+        "gpu_nvlink_crc_flit_errors_total": _blips(rng, G, T, dt, 0.3 * level, 1) * rng.integers(1, 20, (G, T)),
         "gpu_nvlink_crc_data_errors_total": np.zeros((G, T)),
         "gpu_nvlink_replay_errors_total": np.zeros((G, T)),
         "gpu_nvlink_recovery_errors_total": np.zeros((G, T)),
@@ -308,8 +360,10 @@ def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, 
     cols["gpu_pcie_link_width_max"] = np.full((G, T), 16.0)
     prior_sbe = rng.poisson(rng.exponential(5.0, (G, 1)) * (rng.random((G, 1)) < 0.1))
     alive = np.ones((G, T), bool)
-    resets = [[] for _ in range(G)]
+    resets = [sorted(np.flatnonzero(rng.random(T) < cfg.resets_per_gpu_day * dt / 86400).tolist()) for _ in range(G)]
     node_events: list[tuple[int, int, str, int, str]] = []
+    node_events += _noisy_gpus(cfg, rng, ts, dt, incr)
+    node_events += _lookalikes(cfg, rng, ts, dt, cols, incr, flags)
     for plan in plans:
         g = plan.gpu_index
         eff = plan_effects(plan, ts, dt)
@@ -319,11 +373,14 @@ def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, 
             cols[name][g] += off
         for name, flag in eff.flags.items():
             flags[name][g] |= flag
+        if eff.reason_bits is not None:
+            cols["gpu_clock_event_reasons"][g] = np.bitwise_or(cols["gpu_clock_event_reasons"][g].astype(np.int64),
+                                                               eff.reason_bits.astype(np.int64))
         node_events += [(t, g, kind, code, msg) for t, kind, code, msg in eff.events]
         if not plan.near_miss:
             down = (ts >= plan.fault_ms) & (ts < plan.recover_ms)
             alive[g] &= ~down
-            resets[g].append(int(np.searchsorted(ts, plan.recover_ms)))
+            resets[g] = sorted(resets[g] + [int(np.searchsorted(ts, plan.recover_ms))])
     for name, inc in incr.items():
         cols[name] = _counter(inc, resets, volatile="aggregate" not in name and "remapped" not in name)
     cols["gpu_ecc_sbe_aggregate_total"] = cols["gpu_ecc_sbe_aggregate_total"] + prior_sbe
@@ -332,7 +389,7 @@ def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, 
     cols["gpu_remapped_rows_uncorrectable"] = np.zeros((G, T))
     cols["gpu_retired_pages_sbe"] = np.zeros((G, T))
     cols["gpu_retired_pages_dbe"] = np.zeros((G, T))
-    node_events += _app_xids(rng, ts, G, job, dt)
+    node_events += _app_xids(rng, ts, G, job, dt, cfg.app_xids_per_node_day)
     return _frames(cfg, node, ts, job, cols, alive, node_events)
 
 
@@ -356,10 +413,68 @@ def _counter(inc: np.ndarray, resets: list[list[int]], volatile: bool) -> np.nda
     return cum
 
 
-def _app_xids(rng: np.random.Generator, ts: np.ndarray, G: int, job: np.ndarray, dt: float) -> list:
+def _noisy_gpus(cfg: FleetConfig, rng: np.random.Generator, ts: np.ndarray, dt: float, incr: dict) -> list:
+    """Noisy-but-healthy GPUs: a steady correctable-error rate, XID 92 now and then, and no fault ever."""
+    G, T = incr["gpu_ecc_sbe_volatile_total"].shape
+    events = []
+    for g in np.flatnonzero(rng.random(G) < cfg.noisy_gpu_fraction):
+        rate = rng.uniform(0.3, 4.0)  # per minute
+        sbe = rng.poisson(rate * dt / 60 * rng.lognormal(0, 0.8, T)).astype(float)
+        incr["gpu_ecc_sbe_volatile_total"][g] += sbe
+        incr["gpu_ecc_sbe_aggregate_total"][g] += sbe
+        for i in np.flatnonzero(rng.random(T) < 1.5 * dt / 86400):  # ~1.5 XID 92 per day
+            events.append((int(ts[i]), int(g), "xid", 92, "High single-bit ECC error rate"))
+    return events
+
+
+def _episode(rng: np.random.Generator, T: int, dt: float, min_s: float, max_s: float) -> slice:
+    length = max(1, int(rng.uniform(min_s, max_s) / dt))
+    start = int(rng.integers(0, max(T - length, 1)))
+    return slice(start, min(start + length, T))
+
+
+def _lookalikes(cfg: FleetConfig, rng: np.random.Generator, ts: np.ndarray, dt: float, cols: dict, incr: dict,
+                flags: dict) -> list:
+    """Benign episodes that look like precursors and end nowhere (real fleets have them all the time)."""
+    G, T = cols["gpu_temperature_celsius"].shape
+    events = []
+    n = rng.poisson(cfg.lookalikes_per_gpu_day * G * T * dt / 86400)
+    for _ in range(n):
+        g = int(rng.integers(G))
+        kind = rng.choice(["remap", "power_brake", "pcie_burst", "crc_burst", "fan_drift"])
+        if kind == "remap":  # a few rows remapped with XID 63, pending until a reset that never comes soon
+            span = _episode(rng, T, dt, 600, 6 * 3600)
+            hits = rng.choice(np.arange(span.start, span.stop), size=min(int(rng.integers(1, 4)), span.stop - span.start),
+                              replace=False)
+            incr["gpu_remapped_rows_correctable"][g, hits] += 1
+            flags["gpu_remapped_rows_pending"][g, span] = True
+            events += [(int(ts[i]), g, "xid", 63, "Row remapper: new row marked for remapping, reset gpu to activate.")
+                       for i in hits]
+        elif kind == "power_brake":  # the node's power delivery brakes every GPU for a while
+            span = _episode(rng, T, dt, 600, 3600)
+            cols["gpu_clock_event_reasons"][:, span] = np.bitwise_or(
+                cols["gpu_clock_event_reasons"][:, span].astype(np.int64), 0x80 | 0x8)
+            cols["gpu_sm_clock_hertz"][:, span] *= 0.6
+        elif kind == "pcie_burst":
+            span = _episode(rng, T, dt, 1800, 3 * 3600)
+            incr["gpu_pcie_replay_total"][g, span] += rng.poisson(rng.uniform(5, 80) * dt / 60, span.stop - span.start)
+        elif kind == "crc_burst":
+            span = _episode(rng, T, dt, 1800, 3 * 3600)
+            incr["gpu_nvlink_crc_flit_errors_total"][g, span] += rng.poisson(rng.uniform(10, 300) * dt / 60,
+                                                                             span.stop - span.start)
+        else:  # a fan wearing out: the GPU drifts warmer over a day or two and stays there, without failing
+            start = int(rng.integers(0, T))
+            ramp = np.clip((np.arange(T) - start) * dt / (rng.uniform(1, 2) * 86400), 0, 1) * rng.uniform(6, 14)
+            cols["gpu_temperature_celsius"][g] += ramp
+            cols["gpu_memory_temperature_celsius"][g] += ramp
+    return events
+
+
+def _app_xids(rng: np.random.Generator, ts: np.ndarray, G: int, job: np.ndarray, dt: float, per_node_day: float
+              ) -> list:
     """Application crashes: XID 13/31 on one GPU and XID 43 on all of the node's GPUs (benign for the GPU)."""
     busy = np.flatnonzero(job >= 0)
-    n = rng.poisson(0.05 * len(ts) * dt / 86400)
+    n = rng.poisson(per_node_day * len(ts) * dt / 86400)
     out = []
     for i in rng.choice(busy, min(n, len(busy)), replace=False) if len(busy) else []:
         t = int(ts[i]) - int(rng.uniform(0, dt * 1000))

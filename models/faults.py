@@ -1,9 +1,11 @@
 """Fault taxonomy: which recorded events and counter changes mean a GPU failed, and which only warn.
 
-Labels come from hard evidence only (failure-prediction.md §4): fatal hardware XIDs, a lost GPU, an
-uncorrectable ECC error (volatile DBE counter increase) or a row-remap failure. Application XIDs are
-features, never labels. Evidence of one GPU closer than ``COALESCE_S`` apart is one fault episode.
-XID classes follow the catalog grouping in nvml-and-dcgm.md §6.
+A fault is an event that stops the job on that GPU (failure-prediction.md §4), from hard evidence only:
+an XID of NVIDIA's catalogue that kills the job or takes the GPU away — uncorrectable memory errors
+whether contained (94) or not (48, 95), fell off the bus (79), NVLink fatal, GSP/driver fatal — a lost
+GPU, an uncorrectable ECC error (volatile DBE counter increase) or a row-remap failure. Application XIDs
+are features, never labels. Evidence of one GPU closer than ``COALESCE_S`` apart is one fault episode.
+XID classes follow the catalogue grouping in nvml-and-dcgm.md §6, extended in docs/failure-model.md §2.
 """
 from __future__ import annotations
 
@@ -15,11 +17,19 @@ from gpuwatch.recording import ts_ms
 #: One hit does not indict the GPU (application or sympathetic errors).
 APPLICATION_XIDS = frozenset({8, 13, 31, 32, 43, 45, 68, 69, 39, 40, 41, 70, 71, 72, 73, 75, 76, 77}
                              | set(range(126, 136)))
-#: The GPU is degrading: remaps recorded, excessive SBE, contained memory errors, wear.
-PRECURSOR_XIDS = frozenset({63, 92, 93, 94, 121, 156, 157, 162, 163, 164, 165})
-#: Act now: the GPU (or its link) has failed.
-FATAL_XIDS = frozenset({46, 48, 62, 64, 74, 79, 95, 109, 119, 120, 136, 140, 143, 154, 158, 167}
-                       | set(range(144, 151)))
+#: The GPU is degrading but the job goes on: remaps recorded, excessive SBE, InfoROM wear, C2C, resource
+#: retirement, power-smoothing wear.
+PRECURSOR_XIDS = frozenset({63, 92, 93, 121, 156, 157, 162, 163, 164, 165})
+#: The job on that GPU stops, by subsystem (the fault's kind in the per-kind recall).
+FAULT_XID_KINDS: dict[int, str] = {
+    **dict.fromkeys((48, 64, 94, 95, 140), "memory"),  # DBE, remap failure, contained/uncontained ECC, ECC escape
+    **dict.fromkeys((79, 167, 136), "bus"),  # fell off the bus, PCIe fatal, link training
+    **dict.fromkeys((74, *range(144, 151)), "nvlink"),
+    **dict.fromkeys((46, 62, 109, 119, 120, 143, 154, 158), "gsp_driver"),  # timeouts, PMU halt, GSP, init
+}
+FATAL_XIDS = frozenset(FAULT_XID_KINDS)
+#: Fault evidence that is not an XID, by kind.
+EVIDENCE_KINDS = {"gpu_lost": "bus", "dbe": "memory", "remap_failure": "memory"}
 
 COALESCE_S = 3600
 #: Counter/flag evidence of a failure, read from gpu_samples.
@@ -32,8 +42,13 @@ PRECURSOR_COUNTERS = {
     "gpu_nvlink_crc_flit_errors_total": 50.0,
     "gpu_nvlink_replay_errors_total": 1.0,
     "gpu_throttle_thermal_seconds_total": 900.0,
+    "gpu_remapped_rows_correctable": 1.0,
 }
 PRECURSOR_FLAGS = ("gpu_remapped_rows_pending", "gpu_retired_pages_pending")
+#: Clock-event (throttle) reasons that warn of a thermal or power-delivery problem: HW slowdown (0x8),
+#: SW thermal (0x20), HW thermal (0x40), HW power brake (0x80). Minutes with one of them set count towards
+#: the thermal-violation need above where the counter is not recorded.
+THERMAL_REASON_BITS = 0x8 | 0x20 | 0x40 | 0x80
 PRECURSOR_LOOKBACK_S = 6 * 3600
 
 
@@ -48,6 +63,16 @@ def xid_class(code: int) -> str:
     return "unknown"
 
 
+def fault_kind(kinds: str) -> str:
+    """The subsystem of an episode from its evidence kinds ('xid_79,gpu_lost' -> 'bus'); 'other' if unknown."""
+    for k in kinds.split(","):
+        if k.startswith("xid_") and int(k[4:]) in FAULT_XID_KINDS:
+            return FAULT_XID_KINDS[int(k[4:])]
+        if k in EVIDENCE_KINDS:
+            return EVIDENCE_KINDS[k]
+    return "other"
+
+
 def _key(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"node": df["node"].astype(str).to_numpy(), "gpu_index": df["gpu_index"].astype(int).to_numpy(),
                          "ts_ms": ts_ms(df["ts"])})
@@ -55,8 +80,8 @@ def _key(df: pd.DataFrame) -> pd.DataFrame:
 
 def _sorted_samples(samples: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame:
     s = _key(samples)
-    for c in columns:
-        s[c] = samples[c].to_numpy(dtype=float)
+    for c in columns:  # a field the source never recorded reads as missing, not as an error
+        s[c] = samples[c].to_numpy(dtype=float) if c in samples else np.nan
     return s.sort_values(["node", "gpu_index", "ts_ms"], kind="stable").reset_index(drop=True)
 
 
@@ -92,7 +117,7 @@ def fault_events(events: pd.DataFrame, samples: pd.DataFrame, *, coalesce_s: flo
     evaluation reports recall separately for faults with and without warning signs.
     """
     ev = evidence(events, samples)
-    cols = ["node", "gpu_index", "start_ms", "end_ms", "kinds", "n_evidence", "had_precursor"]
+    cols = ["node", "gpu_index", "start_ms", "end_ms", "kinds", "kind", "n_evidence", "had_precursor"]
     if ev.empty:
         return pd.DataFrame(columns=cols)
     gap = ev.groupby(["node", "gpu_index"], sort=False)["ts_ms"].diff()
@@ -101,6 +126,7 @@ def fault_events(events: pd.DataFrame, samples: pd.DataFrame, *, coalesce_s: flo
                                    start_ms=("ts_ms", "min"), end_ms=("ts_ms", "max"),
                                    kinds=("kind", lambda k: ",".join(sorted(set(k)))), n_evidence=("kind", "size"))
     ep = ep.reset_index(drop=True)
+    ep["kind"] = ep["kinds"].map(fault_kind)
     ep["had_precursor"] = _had_precursor(ep, events, samples)
     return ep[cols]
 
@@ -111,9 +137,14 @@ def precursor_evidence(events: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFr
     keep = (events["kind"].to_numpy() == "xid") & events["code"].isin(PRECURSOR_XIDS).to_numpy()
     parts = [ev.loc[keep, ["node", "gpu_index", "ts_ms"]].assign(amount=np.inf, signal="xid")]
     if len(samples):
-        s = _sorted_samples(samples, tuple(PRECURSOR_COUNTERS) + PRECURSOR_FLAGS + ("gpu_pcie_link_width",
-                                                                                   "gpu_pcie_link_width_max"))
+        s = _sorted_samples(samples, tuple(PRECURSOR_COUNTERS) + PRECURSOR_FLAGS + (
+            "gpu_pcie_link_width", "gpu_pcie_link_width_max", "gpu_clock_event_reasons"))
         grouped = s.groupby(["node", "gpu_index"], sort=False)
+        reasons = s["gpu_clock_event_reasons"].fillna(0).astype(np.int64)
+        interval_s = np.clip(grouped["ts_ms"].diff().fillna(0).to_numpy() / 1000, 0, 300)
+        hot = (reasons & THERMAL_REASON_BITS).to_numpy() > 0
+        parts.append(s.loc[hot, ["node", "gpu_index", "ts_ms"]].assign(
+            amount=interval_s[hot], signal="gpu_throttle_thermal_seconds_total"))
         for c in PRECURSOR_COUNTERS:
             d = grouped[c].diff()
             inc = np.where(d >= 0, d, s[c])  # a drop is a reset: count from zero

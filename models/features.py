@@ -1,9 +1,22 @@
 """The one feature function of the failure model: training, evaluation and online scoring all call it.
 
-Samples of each GPU are binned into evaluation steps (default 10 min); per bin and GPU the features look
-back over windows of 1 h, 6 h and 24 h: growth of error counters, reliability flags, thermal and power
-behaviour, events (precursor and application XIDs, time since the last warning sign) and the GPU against
-its node and job peers. Only the past is used, so a feature row at time t is computable live at t.
+Samples of each GPU are binned into evaluation steps (default 10 min). Features are chosen to travel
+between fleets, whose typical counter levels, noise and temperatures differ (docs/failure-model.md §3):
+
+- each GPU against **its own trailing baseline**: counter growth over the last 1 h and 6 h (log scale,
+  reset-aware: a drop is a driver reload, the new value is all growth) and the same growth against the
+  GPU's own pace over the 18 h before them;
+- each GPU against **its peers** at the same step: the fleet percentile of its growth (rank, so a fleet
+  whose every GPU logs CRC noise does not look sick), its growth against its node's median, temperature
+  and clock against the node median, power and utilisation against its job's median;
+- **clock-event (throttle) reasons**: share of time in HW slowdown, thermal slowdown, power brake and power
+  cap, and how that share moved against the GPU's own baseline;
+- reliability flags (pending remap/retirement), PCIe link width/generation against the maximum, and
+  events (precursor, application and fatal XIDs, hours since the last precursor XID).
+
+Absolute levels (temperature, lifetime error counts, power) are deliberately not features: they describe
+a fleet's hardware and climate more than a GPU's health. Only the past is used, so a feature row at time t
+is computable live at t.
 """
 from __future__ import annotations
 
@@ -14,32 +27,33 @@ from gpuwatch.models.faults import APPLICATION_XIDS, FATAL_XIDS, PRECURSOR_XIDS
 from gpuwatch.recording import ts_ms
 
 DEFAULT_STEP_S = 600
-WINDOWS_H = (1, 6, 24)
 #: How much history a feature row needs; online scoring passes at least this much.
 HISTORY_S = 24 * 3600
 _CAP_H = 168.0  # "never seen" time-since features are capped at a week
+#: Hours of the GPU's own baseline: the 18 h before the last 6 h (a precursor of a few hours stays out of it).
+_BASELINE_H = 18
 
 #: Short name -> counter columns summed (reset-aware) into one growth signal.
 COUNTERS: dict[str, tuple[str, ...]] = {
     "sbe": ("gpu_ecc_sbe_volatile_total",),
     "dbe": ("gpu_ecc_dbe_volatile_total",),
+    "remap": ("gpu_remapped_rows_correctable",),
     "pcie_replay": ("gpu_pcie_replay_total",),
     "nvlink_crc": ("gpu_nvlink_crc_flit_errors_total", "gpu_nvlink_crc_data_errors_total"),
     "nvlink_replay": ("gpu_nvlink_replay_errors_total", "gpu_nvlink_recovery_errors_total"),
     "throttle_thermal": ("gpu_throttle_thermal_seconds_total",),
     "throttle_power": ("gpu_throttle_power_seconds_total",),
 }
-#: Counters whose last-hour growth is compared with their 6-hour pace (a degrading part accelerates).
-ACCELERATING = ("sbe", "pcie_replay", "nvlink_crc", "throttle_thermal")
-#: Levels read as the last value in the bin.
-LEVELS: dict[str, str] = {
-    "sbe_lifetime": "gpu_ecc_sbe_aggregate_total",
-    "dbe_lifetime": "gpu_ecc_dbe_aggregate_total",
-    "remap_correctable": "gpu_remapped_rows_correctable",
-    "remap_uncorrectable": "gpu_remapped_rows_uncorrectable",
+#: Counters ranked against the fleet and compared with the node (the rest are too rare to rank).
+PEER_COUNTERS = ("sbe", "remap", "pcie_replay", "nvlink_crc", "nvlink_replay", "throttle_thermal")
+#: Clock-event reason groups (NVML bitmask): share of samples with any of the bits set.
+REASONS: dict[str, int] = {"hw_slowdown": 0x8, "thermal_slowdown": 0x20 | 0x40, "power_brake": 0x80,
+                           "power_cap": 0x4}
+#: Flags read as the last value in the bin.
+FLAGS: dict[str, str] = {
     "remap_pending": "gpu_remapped_rows_pending",
-    "remap_failure": "gpu_remapped_rows_failure",
     "retired_pending": "gpu_retired_pages_pending",
+    "remap_failure": "gpu_remapped_rows_failure",
 }
 #: Gauges averaged over the bin.
 MEANS: dict[str, str] = {
@@ -50,23 +64,44 @@ MEANS: dict[str, str] = {
     "util": "gpu_utilization_ratio",
     "sm_clock": "gpu_sm_clock_hertz",
 }
+REASON_COLUMN = "gpu_clock_event_reasons"
 _MINS = {"pcie_width": "gpu_pcie_link_width", "pcie_gen": "gpu_pcie_link_gen"}
 _MAXES = {"pcie_width_max": "gpu_pcie_link_width_max", "pcie_gen_max": "gpu_pcie_link_gen_max"}
-SAMPLE_COLUMNS: tuple[str, ...] = tuple(sorted({c for cs in COUNTERS.values() for c in cs} | set(LEVELS.values())
-                                              | set(MEANS.values()) | set(_MINS.values()) | set(_MAXES.values())))
+SAMPLE_COLUMNS: tuple[str, ...] = tuple(sorted({c for cs in COUNTERS.values() for c in cs} | set(FLAGS.values())
+                                              | set(MEANS.values()) | set(_MINS.values()) | set(_MAXES.values())
+                                              | {REASON_COLUMN}))
 KEY = ["node", "gpu_index", "t_ms"]
+#: Per-GPU columns that peer features need and the model does not read.
+_PEER_INPUTS = ["temp", "mem_temp", "sm_clock", "power_ratio", "util"]
+
+
+#: Counters rare enough on a healthy GPU anywhere that their plain growth is a feature; the others enter the
+#: model only against the GPU's own baseline and its peers (their typical level differs between fleets).
+RARE_COUNTERS = ("dbe", "remap", "nvlink_replay")
 
 
 def feature_names() -> list[str]:
     """Model input columns, in order."""
-    names = [f"{c}_d{w}h" for c in COUNTERS for w in WINDOWS_H]
-    names += [f"{c}_accel" for c in ACCELERATING]
-    names += [*LEVELS, "pcie_width", "pcie_gen", "pcie_width_ratio", "pcie_gen_ratio"]
-    names += ["temp", "temp_max_1h", "temp_trend", "mem_temp", "power_ratio", "util"]
-    names += [f"xid_{c}_{w}h" for c in ("precursor", "app", "fatal") for w in (1, 24)]
+    names = [f"{c}_{k}" for c in RARE_COUNTERS for k in ("log1h", "log6h")]
+    names += [f"{c}_{k}" for c in COUNTERS for k in ("vs_self", "trend")]
+    names += [f"{c}_{k}" for c in PEER_COUNTERS for k in ("rank1h", "rank6h", "vs_node")]
+    names += [f"{r}_{k}" for r in REASONS for k in ("share1h", "share6h", "vs_self")]
+    names += [*FLAGS, "pcie_width_ratio", "pcie_gen_ratio", "pcie_replay_over_limit"]
+    names += ["temp_trend", "temp_vs_self", "mem_temp_trend"]
+    names += [f"xid_precursor_{w}h" for w in (1, 6, 24)] + ["xid_app_1h", "xid_app_24h", "xid_fatal_1h", "xid_fatal_24h"]
     names += ["hours_since_precursor_xid"]
     names += ["temp_vs_node", "mem_temp_vs_node", "sm_clock_vs_node", "power_vs_job", "util_vs_job"]
     return names
+
+
+def monotone_direction(name: str) -> int:
+    """+1 where more of a feature can only mean more risk (error growth, its rank, throttling, warning flags
+    and XIDs), else 0: the constraint keeps a model from learning quirks of one fleet's noise."""
+    if name.startswith(tuple(f"{c}_" for c in COUNTERS)) or name.startswith(tuple(f"{r}_" for r in REASONS)):
+        return 1
+    if name in FLAGS or name.startswith("xid_precursor") or name == "pcie_replay_over_limit":
+        return 1
+    return 0
 
 
 def features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int | pd.Timestamp | None = None,
@@ -142,30 +177,47 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
     present = np.zeros(n_gpu * n_bin, bool)
     present[cells] = True
     present = present.reshape(n_gpu, n_bin)
+    per_hour = 3600 // step_s
     cols: dict[str, np.ndarray] = {}
     for short, sources in COUNTERS.items():
         inc = sum(dense_growth(c) for c in sources)
-        for w in WINDOWS_H:
-            cols[f"{short}_d{w}h"] = _window_sum(inc, w * 3600 // step_s)
-    for short in ACCELERATING:
-        cols[f"{short}_accel"] = cols[f"{short}_d1h"] * 6 / (cols[f"{short}_d6h"] + 1.0)
-    for short, column in LEVELS.items():
+        d1, d6, d24 = (_window_sum(inc, w * per_hour) for w in (1, 6, 24))
+        base = np.log1p(np.maximum(d24 - d6, 0.0) / _BASELINE_H)
+        cols[f"{short}_log1h"], cols[f"{short}_log6h"] = np.log1p(d1), np.log1p(d6)
+        cols[f"{short}_vs_self"] = np.log1p(d1) - base
+        cols[f"{short}_trend"] = np.log1p(d6 / 6) - base
+        if short in PEER_COUNTERS:
+            cols[f"_{short}_d1h"], cols[f"_{short}_d6h"] = d1, d6
+    reasons = samples[REASON_COLUMN].to_numpy(dtype=float)
+    seen = dense_reduce(REASON_COLUMN, "count")
+    for short, bits in REASONS.items():
+        hit = np.where(np.isnan(reasons), np.nan, (np.nan_to_num(reasons).astype(np.int64) & bits) > 0)
+        hits = np.bincount(flat, weights=np.nan_to_num(hit), minlength=n_gpu * n_bin).reshape(n_gpu, n_bin)
+        share = {w: _ratio(_window_sum(hits, w * per_hour), _window_sum(np.nan_to_num(seen), w * per_hour))
+                 for w in (1, 6, 24)}
+        cols[f"{short}_share1h"], cols[f"{short}_share6h"] = share[1], share[6]
+        before = _ratio(_window_sum(hits, 24 * per_hour) - _window_sum(hits, 6 * per_hour),
+                        _window_sum(np.nan_to_num(seen), 24 * per_hour) - _window_sum(np.nan_to_num(seen), 6 * per_hour))
+        cols[f"{short}_vs_self"] = share[6] - before
+    for short, column in FLAGS.items():
         cols[short] = _ffill(dense_last(column))
     mins = {k: _ffill(dense_reduce(c, "min")) for k, c in _MINS.items()}
     maxes = {k: _ffill(dense_reduce(c, "max")) for k, c in _MAXES.items()}
-    cols["pcie_width"] = mins["pcie_width"]
-    cols["pcie_gen"] = mins["pcie_gen"]
     cols["pcie_width_ratio"] = _ratio(mins["pcie_width"], maxes["pcie_width_max"])
     cols["pcie_gen_ratio"] = _ratio(mins["pcie_gen"], maxes["pcie_gen_max"])
+    cols["pcie_replay_over_limit"] = (np.expm1(cols["pcie_replay_log1h"]) / 60
+                                      / pcie_replay_limit_per_min(mins["pcie_gen"], mins["pcie_width"]))
     means = {k: dense_reduce(c, "mean") for k, c in MEANS.items()}
-    per_hour = 3600 // step_s
-    cols["temp"] = means["temp"]
-    cols["temp_max_1h"] = _window_max(dense_reduce("gpu_temperature_celsius", "max"), per_hour)
-    cols["temp_trend"] = _window_mean(means["temp"], per_hour) - _window_mean(means["temp"], 6 * per_hour)
-    cols["mem_temp"] = means["mem_temp"]
+    for short in ("temp", "mem_temp"):
+        m1, m6, m24 = (_window_mean(means[short], w * per_hour) for w in (1, 6, 24))
+        cols[f"{short}_trend"] = m1 - m6
+        if short == "temp":
+            n6 = _window_sum((~np.isnan(means[short])).astype(float), 6 * per_hour)
+            n24 = _window_sum((~np.isnan(means[short])).astype(float), 24 * per_hour)
+            cols["temp_vs_self"] = m1 - _ratio(m24 * n24 - np.nan_to_num(m6) * n6, n24 - n6)
+    cols["temp"], cols["mem_temp"], cols["util"], cols["sm_clock"] = (means[k] for k in ("temp", "mem_temp", "util",
+                                                                                          "sm_clock"))
     cols["power_ratio"] = _ratio(means["power"], means["power_limit"])
-    cols["util"] = means["util"]
-    cols["sm_clock"] = means["sm_clock"]
     cols.update(_event_features(events, uniques, lo, n_bin, origin, step, per_hour))
     gi, bi = np.nonzero(present) if anchor is None else (np.arange(n_gpu), np.full(n_gpu, n_bin - 1))
     node_gpu = uniques.to_series().str.split("\x00", expand=True) if n_gpu else pd.DataFrame(columns=[0, 1])
@@ -182,6 +234,13 @@ def dense_job(values: np.ndarray, cells: np.ndarray, n_gpu: int, n_bin: int) -> 
     out = np.full(n_gpu * n_bin, None, dtype=object)
     out[cells] = values
     return pd.DataFrame(out.reshape(n_gpu, n_bin)).ffill(axis=1).to_numpy()
+
+
+def pcie_replay_limit_per_min(gen: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """DCGM's PCIe replay limit: ceil(rate per lane x lanes), 0.96/lane at Gen4, 1.92/lane at Gen5
+    (Gen5 x16 when the link state is not recorded)."""
+    per_lane = np.where(np.nan_to_num(gen, nan=5.0) >= 5, 1.92, 0.96)
+    return np.ceil(per_lane * np.nan_to_num(width, nan=16.0))
 
 
 def _cumsum0(x: np.ndarray) -> np.ndarray:
@@ -205,13 +264,6 @@ def _window_mean(x: np.ndarray, w: int) -> np.ndarray:
     return _ratio(_window_sum(np.nan_to_num(x), w), _window_sum((~np.isnan(x)).astype(float), w))
 
 
-def _window_max(x: np.ndarray, w: int) -> np.ndarray:
-    padded = np.concatenate([np.full((x.shape[0], w - 1), -np.inf), np.nan_to_num(x, nan=-np.inf)], axis=1)
-    windows = np.lib.stride_tricks.sliding_window_view(padded, w, axis=1)
-    out = windows.max(axis=2)
-    return np.where(np.isinf(out), np.nan, out)
-
-
 def _ffill(x: np.ndarray) -> np.ndarray:
     return pd.DataFrame(x).ffill(axis=1).to_numpy()
 
@@ -226,11 +278,12 @@ def _event_features(events: pd.DataFrame, uniques: pd.Index, lo: int, n_bin: int
     ok = (g >= 0) & (b >= 0) & (b < n_bin)
     g, b, code = g[ok], b[ok], xid["code"].to_numpy()[ok]
     out = {}
-    for name, group in (("precursor", PRECURSOR_XIDS), ("app", APPLICATION_XIDS), ("fatal", FATAL_XIDS)):
+    for name, group, windows in (("precursor", PRECURSOR_XIDS, (1, 6, 24)), ("app", APPLICATION_XIDS, (1, 24)),
+                                 ("fatal", FATAL_XIDS, (1, 24))):
         hits = np.zeros((n_gpu, n_bin))
         sel = np.isin(code, list(group))
         np.add.at(hits, (g[sel], b[sel]), 1.0)
-        for w in (1, 24):
+        for w in windows:
             out[f"xid_{name}_{w}h"] = _window_sum(hits, w * per_hour)
     last = np.full((n_gpu, n_bin), np.nan)
     sel = np.isin(code, list(PRECURSOR_XIDS))
@@ -242,14 +295,25 @@ def _event_features(events: pd.DataFrame, uniques: pd.Index, lo: int, n_bin: int
 
 
 def add_peer_features(feats: pd.DataFrame) -> pd.DataFrame:
-    """The GPU against its peers at the same step: node median (temperature, clock), job median (power, util)."""
+    """The GPU against its peers at the same step: fleet percentile and node-relative counter growth,
+    node-relative temperature and clock, job-relative power and utilisation. Drops the per-GPU inputs."""
     out = feats.copy()
-    by_node = out.groupby(["node", "t_ms"], sort=False)
-    out["temp_vs_node"] = out["temp"] - by_node["temp"].transform("median")
-    out["mem_temp_vs_node"] = out["mem_temp"] - by_node["mem_temp"].transform("median")
-    out["sm_clock_vs_node"] = out["sm_clock"] / by_node["sm_clock"].transform("median") - 1.0
+    at = out.groupby("t_ms", sort=False)
+    peers = out.groupby(["node", "t_ms"], sort=False)
+    n = at["t_ms"].transform("size").to_numpy()
+    added: dict[str, np.ndarray] = {}
+    for short in PEER_COUNTERS:
+        for w in ("1h", "6h"):  # share of the fleet's GPUs growing strictly less at this step
+            below = at[f"_{short}_d{w}"].rank(method="min").to_numpy() - 1.0
+            added[f"{short}_rank{w}"] = below / np.maximum(n - 1, 1)
+        added[f"{short}_vs_node"] = (np.log1p(out[f"_{short}_d6h"])
+                                     - np.log1p(peers[f"_{short}_d6h"].transform("median"))).to_numpy()
+    added["temp_vs_node"] = (out["temp"] - peers["temp"].transform("median")).to_numpy()
+    added["mem_temp_vs_node"] = (out["mem_temp"] - peers["mem_temp"].transform("median")).to_numpy()
+    added["sm_clock_vs_node"] = (out["sm_clock"] / peers["sm_clock"].transform("median") - 1.0).to_numpy()
     job = out["job_id"].fillna("").replace("", np.nan)
     by_job = out.groupby([job, out["t_ms"]], sort=False, dropna=True)
-    out["power_vs_job"] = out["power_ratio"] - by_job["power_ratio"].transform("median")
-    out["util_vs_job"] = out["util"] - by_job["util"].transform("median")
-    return out.drop(columns=["sm_clock"])
+    added["power_vs_job"] = (out["power_ratio"] - by_job["power_ratio"].transform("median")).to_numpy()
+    added["util_vs_job"] = (out["util"] - by_job["util"].transform("median")).to_numpy()
+    private = [c for c in out.columns if c.startswith("_")] + _PEER_INPUTS
+    return pd.concat([out.drop(columns=private), pd.DataFrame(added, index=out.index)], axis=1)

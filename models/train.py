@@ -2,9 +2,16 @@
 
 Rows are split in time (labels.time_split): the classifier learns on the train block, is calibrated
 (Platt sigmoid: it keeps the ranking fine-grained where isotonic steps would merge scores) on the
-validation block. The alert threshold is chosen by cost: the break-even precision of an extra checkpoint
-(models/advisor.py), raised if needed until the validation false-alarm rate fits a budget. The test block
-is left for `gpuwatch evaluate`.
+validation block. Training accepts any recording or store: features that the data cannot give (their
+fields never recorded, always empty or constant) are left out of the model, and too few faults is an error
+rather than a model that scores every GPU the same. Several data sets (fleets of different configurations)
+can be trained on together; each is split in time on its own.
+
+The saved threshold meets the false-alarm budget on the validation block; it is only the start value of
+the online calibration (models/calibration.py) that live alerts and `gpuwatch score` use. The rule
+baseline's threshold for the same budget is chosen on the training data too and saved beside it, so the
+side-by-side evaluation never picks a threshold on the data it evaluates. The test block is left for
+`gpuwatch evaluate`.
 """
 from __future__ import annotations
 
@@ -19,20 +26,19 @@ from sklearn.inspection import permutation_importance
 
 from gpuwatch import __version__
 from gpuwatch.errors import UserError
-from gpuwatch.models.advisor import break_even_precision_checkpoint, job_mtbf_s, young_interval_s
+from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.models.dataset import Dataset
-from gpuwatch.models.evaluate import metrics, scored_block, threshold_for_false_alarms
-from gpuwatch.models.features import feature_names
+from gpuwatch.models.evaluate import block_faults, predictor_metrics, threshold_for_budget
+from gpuwatch.models.features import feature_names, monotone_direction
 from gpuwatch.models.labels import Split, in_block, time_split
 from gpuwatch.models.model import MODEL_FORMAT, MODEL_VERSION, score
+from gpuwatch.models.rules import rule_scores
 from gpuwatch.progress import Progress
 
-DEFAULT_FALSE_ALARM_BUDGET = 2.0  # per 1,000 GPU-days, on the validation block
-#: Alert when P(fault within the horizon) beats the break-even precision of a 5-min extra checkpoint for a
-#: 16,384-GPU job at the Llama 3 failure rate (Young interval 43 min): p > 2 C_p / T ~ 0.23.
-COST_THRESHOLD = break_even_precision_checkpoint(300, young_interval_s(300, job_mtbf_s(16384)))
 MAX_POSITIVE_WEIGHT = 50.0
 AMBIGUOUS_BEFORE_FAULT_S = 24 * 3600
+#: Fewer fault episodes than this in the train block (or none in validation) cannot be learned from.
+MIN_TRAIN_FAULTS = 3
 
 
 def _usable(rows: pd.DataFrame, block: tuple[int, int], horizon_s: float) -> pd.DataFrame:
@@ -47,48 +53,85 @@ def _usable(rows: pd.DataFrame, block: tuple[int, int], horizon_s: float) -> pd.
     return rows[in_block(rows, block) & ~rows["censored"].to_numpy() & ~ambiguous]
 
 
+def informative_features(train: pd.DataFrame, names: list[str]) -> tuple[list[str], list[str]]:
+    """(kept, dropped): a feature that is always missing or constant in the train block carries nothing."""
+    x = train[names]
+    dropped = [n for n in names if x[n].nunique(dropna=True) <= 1]
+    return [n for n in names if n not in dropped], dropped
+
+
+def _check_faults(ds: Dataset, split: Split) -> None:
+    """A UserError naming the data when its blocks hold too few faults to learn from."""
+    n_train = len(block_faults(ds.episodes, split.train, ds.horizon_s))
+    n_val = len(block_faults(ds.episodes, split.validation, ds.horizon_s))
+    if n_train < MIN_TRAIN_FAULTS or n_val < 1:
+        raise UserError(f"{ds.source.path}: too few faults to learn from: {n_train} fault episodes in the training "
+                        f"60% and {n_val} in the validation 20% (need >= {MIN_TRAIN_FAULTS} and >= 1; faults are "
+                        "fatal XIDs 48/79/94/95/..., GPU lost, DBE, remap failure): give a longer recording or "
+                        "more GPUs (or simulate with a higher --fault-rate-multiplier)")
+
+
 #: What train_model does, in order (its progress counts them).
 STAGES = ("fit", "calibrate", "importance", "threshold")
 
 
-def train_model(ds: Dataset, *, false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET, seed: int = 0,
-                description: str = "", quiet: bool = False) -> dict:
-    """Fit, calibrate and pick the threshold; returns the model dict that save_model writes. Progress by
-    stage (STAGES) on a terminal unless ``quiet``."""
-    split = time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s)
-    names = feature_names()
-    train, val = (_usable(ds.rows, block, ds.horizon_s) for block in (split.train, split.validation))
+def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET,
+                seed: int = 0, description: str = "", quiet: bool = False) -> dict:
+    """Fit, calibrate and pick the start threshold; returns the model dict that save_model writes. Progress
+    by stage (STAGES) on a terminal unless ``quiet``."""
+    sets = data if isinstance(data, list) else [data]
+    splits = [time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s) for ds in sets]
+    for ds, split in zip(sets, splits):
+        _check_faults(ds, split)
+    train = pd.concat([_usable(ds.rows, sp.train, ds.horizon_s) for ds, sp in zip(sets, splits)], ignore_index=True)
+    val = pd.concat([_usable(ds.rows, sp.validation, ds.horizon_s) for ds, sp in zip(sets, splits)],
+                    ignore_index=True)
     for block, rows in (("train", train), ("validation", val)):
         if rows["label"].sum() < 2 or (rows["label"] == 0).sum() < 2:
-            raise UserError(f"{ds.source.path}: the {block} block has {int(rows['label'].sum())} positive rows; "
+            raise UserError(f"{sets[0].source.path}: the {block} block has {int(rows['label'].sum())} positive rows; "
                             "need faults in it (more data, or simulate with a higher --fault-rate-multiplier)")
+    names, dropped = informative_features(train, feature_names())
     with Progress("train", total=len(STAGES), unit="stages", quiet=quiet) as progress:
         started = time.monotonic()
         y = train["label"].to_numpy()
         pos_weight = min(MAX_POSITIVE_WEIGHT, (y == 0).sum() / max(y.sum(), 1))
         clf = HistGradientBoostingClassifier(max_iter=200, learning_rate=0.08, max_leaf_nodes=15,
                                              min_samples_leaf=40, l2_regularization=1.0,
-                                             class_weight={0: 1.0, 1: pos_weight}, random_state=seed)
+                                             class_weight={0: 1.0, 1: pos_weight}, random_state=seed,
+                                             monotonic_cst=[monotone_direction(n) for n in names])
         clf.fit(train[names].to_numpy(float), y)
         progress.advance()
         calibrated = CalibratedClassifierCV(FrozenEstimator(clf), method="sigmoid")
         calibrated.fit(val[names].to_numpy(float), val["label"].to_numpy())
         progress.advance()
+        first, split = sets[0], splits[0]
         model = {
             "format": MODEL_FORMAT, "version": MODEL_VERSION, "gpuwatch_version": __version__,
-            "estimator": calibrated, "features": names, "horizon_s": ds.horizon_s, "warning_s": ds.warning_s,
-            "step_s": ds.step_s, "description": description,
-            "training": {"source": str(ds.source.path), "fingerprint": ds.source.fingerprint,
+            "estimator": calibrated, "features": names, "horizon_s": first.horizon_s, "warning_s": first.warning_s,
+            "step_s": first.step_s, "description": description,
+            "training": {"source": ", ".join(str(ds.source.path) for ds in sets),
+                         "fingerprint": "+".join(ds.source.fingerprint for ds in sets),
                          "train_ms": list(split.train), "validation_ms": list(split.validation),
-                         "test_ms": list(split.test), "rows": len(train), "positives": int(y.sum())},
+                         "test_ms": list(split.test), "rows": len(train), "positives": int(y.sum()),
+                         "dropped_features": dropped, "false_alarm_budget": false_alarm_budget},
             "reference": _reference(train, names),
             "importance": _importance(calibrated, val, names, seed),
         }
+        if len(sets) == 1:
+            model["training"]["fingerprint"] = first.source.fingerprint
         progress.advance()
-        block = scored_block(ds.rows, ds.episodes, score(model, ds.rows), split.validation,
-                             horizon_s=ds.horizon_s, warning_s=ds.warning_s, step_s=ds.step_s)
-        model["threshold"] = max(COST_THRESHOLD, threshold_for_false_alarms(block, false_alarm_budget))
-        model["validation_metrics"] = metrics(block, model["threshold"])
+        val_scores = score(model, val)
+        if np.ptp(val_scores) < 1e-9:
+            raise UserError(f"{first.source.path}: the trained model scores every GPU the same "
+                            f"({val_scores[0]:.3g}); the data holds no usable warning signs of its faults")
+        model["threshold"] = float(np.median([threshold_for_budget(ds, score(model, ds.rows), sp.validation,
+                                                                   false_alarm_budget)
+                                              for ds, sp in zip(sets, splits)]))
+        model["baseline_threshold"] = float(np.median([
+            threshold_for_budget(ds, rule_scores(ds.rows), sp.validation, false_alarm_budget)
+            for ds, sp in zip(sets, splits)]))
+        model["validation_metrics"] = predictor_metrics(first, score(model, first.rows), split.validation,
+                                                        threshold=model["threshold"], budget=None)
         model["training"]["seconds"] = round(time.monotonic() - started, 1)
         progress.advance()
     return model

@@ -8,8 +8,8 @@ from gpuwatch.models.faults import fault_events, xid_class
 from helpers import MIN, T0, event_rows, minute_samples
 
 def test_xid_classes_follow_the_catalog():
-    assert [xid_class(c) for c in (48, 64, 74, 79, 119, 120, 95)] == ["fatal"] * 7
-    assert [xid_class(c) for c in (63, 92, 94)] == ["precursor"] * 3
+    assert [xid_class(c) for c in (48, 64, 74, 79, 94, 119, 120, 95)] == ["fatal"] * 8  # 94 kills the job
+    assert [xid_class(c) for c in (63, 92)] == ["precursor"] * 2
     assert [xid_class(c) for c in (13, 31, 43, 45)] == ["application"] * 4
     assert xid_class(99999) == "unknown"
 
@@ -23,6 +23,7 @@ def test_fatal_xids_coalesce_per_gpu_and_application_xids_are_not_faults():
     assert list(zip(ep["node"], ep["gpu_index"], ep["start_ms"])) == [
         ("n1", 0, T0), ("n1", 0, T0 + 200 * MIN), ("n2", 0, T0)]
     assert ep["kinds"].tolist() == ["gpu_lost,xid_79", "xid_48", "xid_74"]
+    assert ep["kind"].tolist() == ["bus", "memory", "nvlink"]
     assert ep["end_ms"].iloc[0] == T0 + 40 * MIN and ep["n_evidence"].iloc[0] == 3
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from gpuwatch.models.failsim import FaultPlan, FleetConfig, plan_effects, simulate_fleet
 from gpuwatch.models.features import feature_names, features
@@ -29,8 +30,8 @@ def test_counter_reset_is_growth_not_a_drop_and_future_is_ignored():
     sbe = np.r_[np.arange(60) * 2.0, np.arange(60) * 1.0]  # driver reload at minute 60 resets the counter
     s = minute_samples("n1", 0, 120, gpu_ecc_sbe_volatile_total=sbe)
     f = features(s, event_rows(("n1", 0, T0 + 200 * MIN, "xid", 63))).set_index("t_ms")
-    assert (f["sbe_d1h"] >= 0).all()
-    assert f["sbe_d24h"].iloc[-1] == 2 * 59 + 59  # growth before the reset plus growth after it
+    assert (f["sbe_log1h"] >= 0).all()
+    assert np.expm1(f["sbe_log6h"].iloc[-1]) == pytest.approx(2 * 59 + 59)  # growth before and after the reset
     assert (f["xid_precursor_24h"] == 0).all()  # an event after the last row is not seen
 
 

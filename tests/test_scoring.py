@@ -112,6 +112,20 @@ def test_the_data_clock_scores_at_the_newest_sample(store, model, tmp_path):
         Scorer(model, clock="sim")
 
 
+def test_auto_clock_follows_agents_on_simulated_time_and_the_budget_sets_the_alert_threshold(store, model, caplog):
+    """A collector started on its own (the default auto clock) scores a --sim-speed fleet at its data time."""
+    hub = AlertHub(AlertPolicy(model["threshold"]))
+    hub.start(store)
+    scorer = Scorer(model, hub, clock="auto", false_alarm_budget=1.0)
+    scorer.bind(store)
+    newest = store.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
+    with caplog.at_level("WARNING"):
+        scored = scorer.score_once()
+    assert scorer.scored_at_ms == newest and len(scored) == 4 and "data clock" in caplog.text
+    assert hub.engine.policy.threshold == scorer.threshold == scorer.calibrator.threshold(newest)
+    hub.stop()
+
+
 def test_without_a_model_health_is_still_scored_and_no_risk_alerts(store):
     hub = AlertHub()
     hub.start(store)

@@ -1,0 +1,117 @@
+"""Alert budget: the threshold comes from the fleet's own past scores (never the future), meets the budget,
+moves with a fleet's score level, ignores true alarms, and the replay follows the alert policy row by row."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gpuwatch.models.alerting import replay
+from gpuwatch.models.calibration import BudgetCalibrator, budget_threshold, logit
+from gpuwatch.models.policy import AlertPolicy
+from helpers import T0
+
+STEP_S = 600
+HOUR = 3_600_000
+
+
+def fleet_scores(n_gpus: int = 64, days: float = 20, level: float = -6.0, seed: int = 0) -> pd.DataFrame:
+    """Healthy-fleet scores: AR(1) noise in logit space around ``level`` per GPU, one row per GPU and step."""
+    rng = np.random.default_rng(seed)
+    steps = int(days * 86400 / STEP_S)
+    z = np.zeros((n_gpus, steps))
+    for i in range(1, steps):
+        z[:, i] = 0.9 * z[:, i - 1] + rng.normal(0, 0.45, n_gpus)
+    t = T0 + STEP_S * 1000 * np.arange(1, steps + 1)
+    return pd.DataFrame({"node": np.repeat([f"n{g // 8}" for g in range(n_gpus)], steps),
+                         "gpu_index": np.repeat(np.arange(n_gpus) % 8, steps), "t_ms": np.tile(t, n_gpus),
+                         "risk": 1 / (1 + np.exp(-(level + z.ravel())))})
+
+
+NO_FAULTS = pd.DataFrame(columns=["node", "gpu_index", "start_ms"])
+
+
+def false_alarms_per_1000(rows: pd.DataFrame, budget: float, start: float = 0.5) -> float:
+    r = replay(rows, rows["risk"].to_numpy(), NO_FAULTS, policy=AlertPolicy(start), step_s=STEP_S, budget=budget)
+    late = r.alerts[r.alerts["start_ms"] > T0 + 3 * 86_400_000]  # after the calibrator's first days
+    gpu_days = (rows["t_ms"] > T0 + 3 * 86_400_000).sum() * STEP_S / 86400
+    return len(late) / gpu_days * 1000
+
+
+def test_budget_threshold_extrapolates_an_exponential_tail():
+    rng = np.random.default_rng(1)
+    peaks = 2.0 + rng.exponential(0.5, 400)  # 400 peaks above 2.0 over 2,000 GPU-days = 200 per 1,000
+    th = logit(budget_threshold(peaks, 2000.0, budget=1.0))
+    assert th == pytest.approx(2.0 + 0.5 * np.log(200), abs=0.6)  # where the tail has 1 per 1,000 GPU-days
+    assert logit(budget_threshold(peaks, 2000.0, budget=50.0)) < th  # a looser budget, a lower threshold
+
+
+def test_false_alarms_follow_the_budget_whatever_the_fleet_score_level():
+    rows = fleet_scores()
+    strict, loose = false_alarms_per_1000(rows, 1.0), false_alarms_per_1000(rows, 20.0)
+    assert strict <= 5.0 and loose > 2 * strict and loose <= 60
+    # the same fleet scored 3 logits higher by a model that does not know it: same alerts, not 30x more
+    shifted = rows.assign(risk=1 / (1 + np.exp(-(logit(rows["risk"].to_numpy()) + 3.0))))
+    assert false_alarms_per_1000(shifted, 20.0) == pytest.approx(loose, rel=0.5, abs=3)
+
+
+def test_threshold_uses_only_rounds_before_the_decision():
+    rows = fleet_scores(n_gpus=16, days=6)
+    cut = T0 + 4 * 86_400_000
+    past_only = BudgetCalibrator(1.0, 0.5, step_s=STEP_S, keep_firing_for_s=4 * 3600, min_gpu_days=2)
+    with_future = BudgetCalibrator(1.0, 0.5, step_s=STEP_S, keep_firing_for_s=4 * 3600, min_gpu_days=2)
+    for t, g in rows.groupby("t_ms"):
+        keys = list(zip(g["node"], g["gpu_index"]))
+        if t < cut:
+            past_only.observe(t, keys, g["risk"].to_numpy())
+        with_future.observe(t, keys, np.full(len(g), 0.999) if t >= cut else g["risk"].to_numpy())
+    assert with_future.threshold(cut) == past_only.threshold(cut) != 0.5
+    young = BudgetCalibrator(1.0, 0.37, step_s=STEP_S, keep_firing_for_s=4 * 3600)
+    young.observe(T0, [("n", 0)], np.array([0.9]))
+    assert young.threshold(T0 + HOUR) == 0.37  # too little history: the model's saved threshold
+
+
+def test_scores_before_a_seen_fault_do_not_count_as_false_alarms():
+    rows = fleet_scores(n_gpus=32, days=8)
+    bad = (rows["node"] == "n0") & (rows["gpu_index"] == 0) & (rows["t_ms"].between(T0 + 3 * 86_400_000,
+                                                                                     T0 + 3 * 86_400_000 + 6 * HOUR))
+    rows.loc[bad, "risk"] = 0.99
+    fault = pd.DataFrame({"node": ["n0"], "gpu_index": [0], "start_ms": [T0 + 3 * 86_400_000 + 6 * HOUR + 1]})
+    later = T0 + 6 * 86_400_000
+    told = replay(rows, rows["risk"].to_numpy(), fault, policy=AlertPolicy(0.5), step_s=STEP_S, budget=5.0)
+    untold = replay(rows, rows["risk"].to_numpy(), NO_FAULTS, policy=AlertPolicy(0.5), step_s=STEP_S, budget=5.0)
+    at = rows["t_ms"].to_numpy() == later
+    assert told.threshold[at][0] < untold.threshold[at][0]  # the failed GPU's true alarm does not raise the bar
+
+
+def test_vectorised_replay_equals_the_policy_stepped_row_by_row():
+    rng = np.random.default_rng(4)
+    n = 400
+    t = T0 + STEP_S * 1000 * np.arange(n)
+    risk = np.clip(0.3 + 0.25 * np.sin(np.arange(n) / 9) + rng.normal(0, 0.1, n), 0, 1)
+    thresholds = np.where(np.arange(n) < 200, 0.45, 0.6)
+    rows = pd.DataFrame({"node": "n", "gpu_index": 0, "t_ms": t})
+    policy = AlertPolicy(0.45, keep_firing_for_s=3600)
+    mask = policy.active_mask(t, risk, np.r_[True, np.zeros(n - 1, bool)], thresholds)
+    active, last_high, stepped = False, None, []
+    for i in range(n):
+        active, last_high = policy.with_threshold(thresholds[i]).step(active, risk[i], int(t[i]), last_high)
+        stepped.append(active)
+    assert mask.tolist() == stepped and 0 < sum(stepped) < n
+    fixed = replay(rows, risk, NO_FAULTS, policy=policy, step_s=STEP_S)
+    assert fixed.active.tolist() == policy.active_mask(t, risk, np.r_[True, np.zeros(n - 1, bool)]).tolist()
+
+
+def test_alert_stays_firing_through_degradation_and_ends_at_the_fault():
+    n = 60
+    t = T0 + STEP_S * 1000 * np.arange(n)
+    risk = np.full(n, 0.01)
+    risk[10:40] = np.where(np.arange(30) % 4 == 0, 0.2, 0.7)  # degrading: bursts above and dips below
+    rows = pd.DataFrame({"node": "n", "gpu_index": 0, "t_ms": t})
+    fault = pd.DataFrame({"node": ["n"], "gpu_index": [0], "start_ms": [int(t[40]) - 1000]})
+    r = replay(rows, risk, fault, policy=AlertPolicy(0.5), step_s=STEP_S)
+    assert len(r.alerts) == 1
+    a = r.alerts.iloc[0]
+    assert a["start_ms"] == t[11] and a["end_ms"] == t[40] - 1000 and a["peak_risk"] == pytest.approx(0.7)
+    open_ended = replay(rows.iloc[:30], risk[:30], NO_FAULTS, policy=AlertPolicy(0.5), step_s=STEP_S)
+    assert np.isnan(open_ended.alerts.iloc[0]["end_ms"])  # still firing when the data ends
