@@ -248,7 +248,9 @@ def plan_faults(cfg: FleetConfig, node: int, rng: np.random.Generator) -> list[F
         frailty = rng.lognormal(-0.5, 1.0)  # mean 1
         rate = cfg.fault_rate_per_gpu_hour * cfg.fault_rate_multiplier * frailty
         n_fault = rng.poisson(rate * hours)
-        n_miss = rng.poisson(rate * hours * cfg.near_miss_fraction)
+        # near misses follow the published rate: the multiplier only gives small fleets enough faults to learn
+        # from, it must not also multiply the GPUs that degrade and recover (false alarms by construction)
+        n_miss = rng.poisson(rate / max(cfg.fault_rate_multiplier, 1.0) * hours * cfg.near_miss_fraction)
         times = np.sort(rng.uniform(cfg.start_ms, end_ms, n_fault + n_miss)).astype(np.int64)
         misses = set(rng.choice(len(times), n_miss, replace=False).tolist()) if n_miss else set()
         free_from = cfg.start_ms - 10 * DAY_MS
@@ -291,8 +293,10 @@ def _job_schedule(cfg: FleetConfig, group: int, ts: np.ndarray, rng: np.random.G
 
 
 def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, job_intensity: np.ndarray,
-                  heavy: np.ndarray, plans: list[FaultPlan], rng: np.random.Generator):
-    """One node's gpu_samples, host_samples and events DataFrames."""
+                  plans: list[FaultPlan], rng: np.random.Generator, heavy: np.ndarray | None = None):
+    """One node's gpu_samples, host_samples and events DataFrames; ``heavy`` marks ticks of jobs that run
+    into the power cap (none by default)."""
+    heavy = np.zeros(len(ts), bool) if heavy is None else heavy
     G, T = cfg.gpus_per_node, len(ts)
     dt = cfg.resolution_s
     busy = (job >= 0)[None, :].repeat(G, 0)
@@ -558,7 +562,8 @@ def simulate_fleet(cfg: FleetConfig, out: str | Path, quiet: bool = False) -> di
             rng = np.random.default_rng(node_seeds[n])
             plans = plan_faults(cfg, n, rng)
             all_plans += plans
-            gpu, host, ev = simulate_node(cfg, n, ts, *schedules[group], plans, rng)
+            job, intensity, heavy = schedules[group]
+            gpu, host, ev = simulate_node(cfg, n, ts, job, intensity, plans, rng, heavy)
             writer.append("gpu_samples", gpu)
             writer.append("host_samples", host)
             writer.append("events", ev)
