@@ -1,10 +1,11 @@
-"""Which GPUs have failed: a fatal XID or a lost GPU since the node's agent last started.
+"""Which GPUs have failed: a fatal XID or a lost GPU that no reset has cleared yet.
 
-A GPU that hit XID 48 or fell off the bus does not heal by itself: it needs a reset or a reboot, and both
-restart the node's agent (a reset reloads the driver under it, so the agent reopens NVML and sends
-``agent_start``). So a GPU counts as *failed* from its first piece of fatal evidence until the next
-``agent_start`` of its node, however long ago the failure was and whatever its last samples say. Scoring,
-alerts, ``gpuwatch gpus``, the demo and ``replay --offline`` all read this one answer.
+A GPU that hit XID 48 or fell off the bus does not heal by itself: it needs a reset or a reboot. Both reload
+the driver, and that leaves two traces gpuwatch already records: the node's agent starts again
+(``agent_start``: a reset needs the GPU's users stopped, the agent included), and the GPU's energy counter,
+which NVML counts since the driver loaded, starts again from zero. So a GPU counts as *failed* from its
+first piece of fatal evidence after the last of those, however old that evidence is and whatever its
+samples say. Scoring, alerts, ``gpuwatch gpus``, the demo and ``replay --offline`` all read this one answer.
 """
 from __future__ import annotations
 
@@ -34,18 +35,25 @@ class Failure:
 def failed_gpus(store: Any, until_ms: int | None = None) -> dict[tuple[str, int], Failure]:
     """(node, gpu index) -> :class:`Failure` for every GPU failed at ``until_ms`` (default: now, all events)."""
     frame = store.query_df(f"""
-        WITH starts AS (
+        WITH fatal AS (
+            SELECT node, gpu_index, ts, kind, coalesce(code, 0) AS code FROM events
+            WHERE gpu_index >= 0 AND ($until IS NULL OR ts <= make_timestamp($until * 1000))
+              AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))),
+        starts AS (
             SELECT node, max(ts) AS started FROM events
             WHERE kind = '{event_kinds.AGENT_START}' AND ($until IS NULL OR ts <= make_timestamp($until * 1000))
             GROUP BY node),
-        fatal AS (
-            SELECT node, gpu_index, ts, kind, coalesce(code, 0) AS code FROM events
-            WHERE gpu_index >= 0 AND ($until IS NULL OR ts <= make_timestamp($until * 1000))
-              AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code))))
+        energy AS (
+            SELECT s.node, s.gpu_index, s.ts, s.gpu_energy_joules_total AS joules,
+                   lag(s.gpu_energy_joules_total) OVER (PARTITION BY s.node, s.gpu_index ORDER BY s.ts) AS before
+            FROM gpu_samples s SEMI JOIN fatal f ON s.node = f.node AND s.gpu_index = f.gpu_index
+            WHERE s.ts >= (SELECT min(ts) FROM fatal) - INTERVAL 1 DAY  -- the samples just before the failure too
+              AND ($until IS NULL OR s.ts <= make_timestamp($until * 1000))),
+        reloads AS (SELECT node, gpu_index, max(ts) AS reloaded FROM energy WHERE joules < before GROUP BY ALL)
         SELECT f.node, f.gpu_index, epoch_ms(min(f.ts)) AS since_ms, arg_min(f.kind, f.ts) AS kind,
                arg_min(f.code, f.ts) AS code
-        FROM fatal f LEFT JOIN starts s USING (node)
-        WHERE s.started IS NULL OR f.ts > s.started
+        FROM fatal f LEFT JOIN starts s USING (node) LEFT JOIN reloads r USING (node, gpu_index)
+        WHERE (s.started IS NULL OR f.ts > s.started) AND (r.reloaded IS NULL OR f.ts > r.reloaded)
         GROUP BY f.node, f.gpu_index""", {"until": until_ms, "fatal": sorted(xids.FATAL)})
     return {(r.node, int(r.gpu_index)): Failure(r.node, int(r.gpu_index), int(r.since_ms), r.kind, int(r.code))
             for r in frame.itertuples(index=False)}

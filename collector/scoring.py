@@ -21,6 +21,7 @@ import pandas as pd
 from gpuwatch import events as event_kinds
 from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import RiskObservation
+from gpuwatch.collector.failed import failed_gpus
 from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.collector.store.duckdb import DuckDBStore, ms_to_datetime
 from gpuwatch.models import features as feature_module
@@ -107,6 +108,7 @@ def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int, history: Min
     risks = score(model, feats) if model else [None] * len(feats)
     signals = top_signals(model, feats, TOP_SIGNALS) if model else [[] for _ in range(len(feats))]
     last = samples.groupby(["node", "gpu_index"]).last()
+    failures = failed_gpus(store, now_ms)
     uuids = {(g["node"], g["index"]): g["uuid"] or "" for g in store.gpus()}
     out = []
     for i, row in feats.iterrows():
@@ -114,10 +116,15 @@ def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int, history: Min
         owner = last.loc[key] if key in last.index else None
         job = owner["job_id"] if owner is not None and isinstance(owner["job_id"], str) else None
         rank = int(owner["rank"]) if owner is not None and pd.notna(owner["rank"]) else None
+        state, reasons, failure = str(health.at[i, "state"]), list(health.at[i, "reasons"]), failures.get(key)
+        if failure is not None:  # failed stays failed until reset, however old the evidence
+            state, reasons = "fail", [failure.reason] + [r for r in reasons if r != failure.reason]
         out.append({
             "node": key[0], "gpu_index": key[1], "gpu_uuid": uuids.get(key) or f"{key[0]}/{key[1]}",
             "job_id": job, "rank": rank, "risk": None if risks[i] is None else float(risks[i]),
-            "signals": signals[i], "health": str(health.at[i, "state"]), "reasons": list(health.at[i, "reasons"]),
+            "signals": signals[i], "health": state, "reasons": reasons,
+            "failed": None if failure is None else {"since_ms": failure.since_ms, "kind": failure.kind,
+                                                    "code": failure.code, "reason": failure.reason},
         })
     return out
 
@@ -127,7 +134,8 @@ def observation(gpu: Mapping[str, Any], now_ms: int) -> RiskObservation:
     return RiskObservation(
         gpu_uuid=gpu["gpu_uuid"], gpu_index=gpu["gpu_index"], node=gpu["node"], risk=gpu["risk"],
         jobs=(gpu["job_id"],) if gpu["job_id"] else (), ranks=(gpu["rank"],) if gpu["rank"] is not None else (),
-        signals=tuple(gpu["signals"]), ts_ms=now_ms)
+        signals=tuple(gpu["signals"]), ts_ms=now_ms,
+        failed=(gpu.get("failed") or {}).get("reason"))
 
 
 WALL, DATA = "wall", "data"

@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from gpuwatch import events as ev
+from gpuwatch.batches import BatchBuilder
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, list_alerts
 from gpuwatch.collector.alerts import AlertmanagerSender
 from gpuwatch import cli
@@ -15,7 +17,8 @@ from gpuwatch.collector.jobs import JobsMonitor, list_jobs_rpc
 from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.v1 import query_pb2 as q
-from helpers import (KINETO_SAMPLED, STEP_US, WORLD, alertmanager_alerts, data_parallel_job, make_batch, poll, span_row,
+from gpuwatch.v1 import telemetry_pb2 as pb
+from helpers import (KINETO_SAMPLED, SPAN_FIELDS, STEP_US, WORLD, alertmanager_alerts, data_parallel_job, make_batch, poll, span_row,
                      write_spans)
 
 @pytest.fixture
@@ -79,6 +82,24 @@ def test_slow_rank_alert_resolves_when_the_job_ends(store):
     write_spans(store, [span_row("slow-job", r, 20, "end", "end", now + 1, 0) for r in range(WORLD)], 2)
     flags = monitor.check_once(now + 5e6)["slow-job"]
     assert flags["finished"] and flags["stragglers"][0]["rank"] == 1  # still shown for the finished job
+    assert _alerts(store) == [] and _alerts(store, include_resolved=True)[0]["status"] == "resolved"
+
+
+def test_slow_rank_alert_resolves_when_the_jobs_agents_stopped(store):
+    """The job's nodes' agents stopped after its last span: the job is gone, its alert resolves (within the
+    analysis window, where its spans still say "straggler")."""
+    now = time.time() * 1e6
+    rows = data_parallel_job("slow-job", now, slow_rank=1)
+    write_spans(store, rows, 1)
+    monitor = _monitor(store)
+    monitor.check_once(now)
+    assert [a["alertname"] for a in _alerts(store)] == [SLOW_RANK]
+    for seq, node in enumerate(sorted({r[SPAN_FIELDS.index("node")] for r in rows}), start=1):
+        builder = BatchBuilder(pb.NodeIdentity(node=node), f"agent-{node}")
+        builder.add_event(ev.AGENT_STOP, int(now / 1000) + 1000, message="stopped")
+        store.write(builder.build(seq))
+    flags = monitor.check_once(now + 5e6)["slow-job"]
+    assert flags["gone"] and not flags["finished"] and flags["stragglers"]  # still shown, no longer alerted
     assert _alerts(store) == [] and _alerts(store, include_resolved=True)[0]["status"] == "resolved"
 
 
