@@ -32,28 +32,67 @@ class Failure:
         return f"failed: GPU lost (off the bus, XID 79 class); {xids.describe(79).action}"
 
 
-def failed_gpus(store: Any, until_ms: int | None = None) -> dict[tuple[str, int], Failure]:
-    """(node, gpu index) -> :class:`Failure` for every GPU failed at ``until_ms`` (default: now, all events)."""
-    frame = store.query_df(f"""
-        WITH fatal AS (
-            SELECT node, gpu_index, ts, kind, coalesce(code, 0) AS code FROM events
-            WHERE gpu_index >= 0 AND ($until IS NULL OR ts <= make_timestamp($until * 1000))
-              AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))),
-        starts AS (
-            SELECT node, max(ts) AS started FROM events
-            WHERE kind = '{event_kinds.AGENT_START}' AND ($until IS NULL OR ts <= make_timestamp($until * 1000))
-            GROUP BY node),
-        energy AS (
+class FailureTimeline:
+    """The fatal evidence and the resets of a store up to some time, read once, answerable at any time up to it
+    (``replay --offline`` asks at every scoring round)."""
+
+    def __init__(self, fatal: list[tuple], resets: dict[tuple[str, int], list[int]],
+                 starts: dict[str, list[int]]) -> None:
+        self._fatal = fatal  # (node, gpu_index, ts_ms, kind, code), in time order
+        self._resets = resets  # (node, gpu_index) -> driver reload times (ms)
+        self._starts = starts  # node -> agent start times (ms)
+
+    def at(self, t_ms: int) -> dict[tuple[str, int], Failure]:
+        """(node, gpu index) -> :class:`Failure` for every GPU failed at ``t_ms``."""
+        out: dict[tuple[str, int], Failure] = {}
+        for node, gpu, ts, kind, code in self._fatal:
+            if ts > t_ms:
+                break
+            if (node, gpu) in out:
+                continue
+            reset = max([r for r in self._resets.get((node, gpu), ()) if r <= t_ms]
+                        + [r for r in self._starts.get(node, ()) if r <= t_ms], default=None)
+            if reset is None or ts > reset:
+                out[(node, gpu)] = Failure(node, gpu, ts, kind, code)
+        return out
+
+
+def failure_timeline(store: Any, until_ms: int | None = None) -> FailureTimeline:
+    """Read fatal XIDs and lost GPUs, agent starts, and driver reloads (the energy counter going back) of the
+    GPUs with fatal evidence, up to ``until_ms`` (default: everything stored)."""
+    until = {"until": until_ms}
+    fatal = store.query_df(f"""
+        SELECT node, gpu_index, epoch_ms(ts) AS ts_ms, kind, coalesce(code, 0) AS code FROM events
+        WHERE gpu_index >= 0 AND ($until IS NULL OR ts <= make_timestamp($until * 1000))
+          AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
+        ORDER BY ts""", {**until, "fatal": sorted(xids.FATAL)})
+    if fatal.empty:
+        return FailureTimeline([], {}, {})
+    starts = store.query_df(f"""
+        SELECT node, epoch_ms(ts) AS ts_ms FROM events
+        WHERE kind = '{event_kinds.AGENT_START}' AND ($until IS NULL OR ts <= make_timestamp($until * 1000))""",
+                            until)
+    reloads = store.query_df("""
+        WITH energy AS (
             SELECT s.node, s.gpu_index, s.ts, s.gpu_energy_joules_total AS joules,
                    lag(s.gpu_energy_joules_total) OVER (PARTITION BY s.node, s.gpu_index ORDER BY s.ts) AS before
-            FROM gpu_samples s SEMI JOIN fatal f ON s.node = f.node AND s.gpu_index = f.gpu_index
-            WHERE s.ts >= (SELECT min(ts) FROM fatal) - INTERVAL 1 DAY  -- the samples just before the failure too
-              AND ($until IS NULL OR s.ts <= make_timestamp($until * 1000))),
-        reloads AS (SELECT node, gpu_index, max(ts) AS reloaded FROM energy WHERE joules < before GROUP BY ALL)
-        SELECT f.node, f.gpu_index, epoch_ms(min(f.ts)) AS since_ms, arg_min(f.kind, f.ts) AS kind,
-               arg_min(f.code, f.ts) AS code
-        FROM fatal f LEFT JOIN starts s USING (node) LEFT JOIN reloads r USING (node, gpu_index)
-        WHERE (s.started IS NULL OR f.ts > s.started) AND (r.reloaded IS NULL OR f.ts > r.reloaded)
-        GROUP BY f.node, f.gpu_index""", {"until": until_ms, "fatal": sorted(xids.FATAL)})
-    return {(r.node, int(r.gpu_index)): Failure(r.node, int(r.gpu_index), int(r.since_ms), r.kind, int(r.code))
-            for r in frame.itertuples(index=False)}
+            FROM gpu_samples s
+            WHERE list_contains($gpus, s.node || '/' || s.gpu_index) AND s.ts >= make_timestamp($since * 1000) - INTERVAL 1 DAY  -- the samples just before the failure
+              AND ($until IS NULL OR s.ts <= make_timestamp($until * 1000)))
+        SELECT node, gpu_index, epoch_ms(ts) AS ts_ms FROM energy WHERE joules < before""",
+                              {**until, "since": int(fatal["ts_ms"].min()),
+                               "gpus": sorted({f"{n}/{g}" for n, g in zip(fatal["node"], fatal["gpu_index"])})})
+    resets: dict[tuple[str, int], list[int]] = {}
+    for node, gpu, ts in zip(reloads["node"], reloads["gpu_index"], reloads["ts_ms"]):
+        resets.setdefault((node, int(gpu)), []).append(int(ts))
+    node_starts: dict[str, list[int]] = {}
+    for node, ts in zip(starts["node"], starts["ts_ms"]):
+        node_starts.setdefault(node, []).append(int(ts))
+    rows = [(n, int(g), int(t), k, int(c)) for n, g, t, k, c in fatal.itertuples(index=False, name=None)]
+    return FailureTimeline(rows, resets, node_starts)
+
+
+def failed_gpus(store: Any, until_ms: int | None = None) -> dict[tuple[str, int], Failure]:
+    """(node, gpu index) -> :class:`Failure` for every GPU failed at ``until_ms`` (default: now, all events)."""
+    timeline = failure_timeline(store, until_ms)
+    return timeline.at(until_ms if until_ms is not None else 2**62)
