@@ -117,6 +117,7 @@ class Command:
     fetch: Callable[[query_pb2_grpc.QueryStub, argparse.Namespace], list[dict[str, Any]]]
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     table_columns: Sequence[str] | None = None  # None: every key of the first row
+    table_row: Callable[[dict[str, Any]], dict[str, Any]] = lambda row: row  # a row as the table shows it
     empty: str = "nothing"  # said on stderr in table mode when there are no rows, so silence is never ambiguous
 
 
@@ -151,7 +152,9 @@ COMMANDS: dict[str, Command] = {
     "events": Command(fetch_events, _events_arguments, ("ts", "node", "gpu_index", "kind", "code", "message"),
                       "no events"),
     "jobs": Command(fetch_jobs, table_columns=("job_id", "sources", "ranks", "nodes", "gpus", "steps", "step_rate",
-                                               "lost_fraction", "stragglers", "hang"), empty="no jobs"),
+                                               "lost_fraction", "stragglers", "hang"), empty="no jobs",
+                    # the table counts straggler ranks (--json keeps each one's evidence)
+                    table_row=lambda job: {**job, "stragglers": len(job.get("stragglers") or [])}),
     "alerts": Command(fetch_alerts, lambda p: p.add_argument("--all", action="store_true",
                                                              help="include resolved alerts"),
                       ("alertname", "status", "starts_at", "ends_at", "summary"), "no alerts"),
@@ -177,7 +180,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     elif not rows:
         print(spec.empty, file=sys.stderr)
     else:
-        sys.stdout.write(format_table(rows, spec.table_columns))
+        sys.stdout.write(format_table([spec.table_row(row) for row in rows], spec.table_columns))
     return 0
 
 
