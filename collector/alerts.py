@@ -75,8 +75,9 @@ class Alert:
         return "failed" if self.failed else "at_risk"
 
     def summary(self) -> str:
-        if self.failed:
-            return f"GPU {self.gpu_index} on {self.node} has {self.failed} (risk had peaked at {self.peak_risk:.2f})"
+        if self.failed:  # "failed: XID 48 (...); <action>": the action is the alert's own field
+            what = self.failed.split("; ", 1)[0]
+            return f"GPU {self.gpu_index} on {self.node} has {what} (risk had peaked at {self.peak_risk:.2f})"
         return (f"GPU {self.gpu_index} on {self.node} at risk of failing: risk peaked at {self.peak_risk:.2f}"
                 f" (now {self.risk:.2f})")
 

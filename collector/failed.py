@@ -77,7 +77,8 @@ def failure_timeline(store: Any, until_ms: int | None = None) -> FailureTimeline
             SELECT s.node, s.gpu_index, s.ts, s.gpu_energy_joules_total AS joules,
                    lag(s.gpu_energy_joules_total) OVER (PARTITION BY s.node, s.gpu_index ORDER BY s.ts) AS before
             FROM gpu_samples s
-            WHERE list_contains($gpus, s.node || '/' || s.gpu_index) AND s.ts >= make_timestamp($since * 1000) - INTERVAL 1 DAY  -- the samples just before the failure
+            WHERE list_contains($gpus, s.node || '/' || s.gpu_index)
+              AND s.ts >= make_timestamp($since * 1000) - INTERVAL 1 DAY  -- the samples just before the failure
               AND ($until IS NULL OR s.ts <= make_timestamp($until * 1000)))
         SELECT node, gpu_index, epoch_ms(ts) AS ts_ms FROM energy WHERE joules < before""",
                               {**until, "since": int(fatal["ts_ms"].min()),

@@ -492,7 +492,8 @@ def render_rich(view: DemoView):
             fleet.add_row(n.node if head else "", *row,
                           _num(_mean([g.power_w for g in n.gpus]), ".0f") if head else "",
                           _num(_mean([g.temperature_c for g in n.gpus]), ".1f") if head else "",
-                          Text(_num(risk, ".2f"), style=risk_style) if head else "",
+                          Text("failed" if any(g.failed for g in n.gpus) else _num(risk, ".2f"), style=risk_style)
+                          if head else "",
                           Text(str(n.alerts), style="bold red" if n.alerts else "") if head else "")
     if not view.nodes:
         fleet.add_row("(waiting for the first batches)")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
