@@ -117,8 +117,8 @@ class Command:
     fetch: Callable[[query_pb2_grpc.QueryStub, argparse.Namespace], list[dict[str, Any]]]
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     table_columns: Sequence[str] | None = None  # None: every key of the first row
-    table_row: Callable[[dict[str, Any]], dict[str, Any]] = lambda row: row  # a row as the table shows it
     empty: str = "nothing"  # said on stderr in table mode when there are no rows, so silence is never ambiguous
+    table_row: Callable[[dict[str, Any]], dict[str, Any]] = lambda row: row  # a row as the table shows it
 
 
 def _node_gpu_filters(parser: argparse.ArgumentParser) -> None:

@@ -161,5 +161,7 @@ def test_jobs_lists_every_job_the_collector_knows_and_from_where(tmp_path, capsy
         assert cli.main(["jobs", *address]) == 0
         table = capsys.readouterr().out.splitlines()
         assert table[0].split()[:2] == ["job_id", "sources"] and table[1].split()[:2] == ["J1", "traces"]
+        column = table[0].split().index("stragglers")  # a count of straggler ranks, not a rank
+        assert [row.split()[column] for row in table[1:]] == ["0", "0"]
     finally:
         server.stop()
