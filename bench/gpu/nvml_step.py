@@ -1,0 +1,188 @@
+"""Point 1 of the validation: the real agent records the GPU while known loads run, and what it saw.
+
+``run_agent_under_load`` starts ``gpuwatch agent --record`` as its own process (the same command a node
+runs), then the load phases of loads.py in another, watching the agent's CPU time and RSS with psutil, and
+stops the agent with SIGTERM as a service manager would. The analysis functions read only the recording
+and the phase windows, so they run on the simulated fleet's recordings in CI exactly as on a real GPU's.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import psutil
+
+from gpuwatch import events as ev
+from gpuwatch.fields import GPU_FIELDS, Tier
+from gpuwatch.recording import open_recording
+
+HERE = Path(__file__).resolve().parent
+GPM_REPORTED = ("gpu_sm_active_ratio", "gpu_sm_occupancy_ratio", "gpu_tensor_active_ratio",
+                "gpu_dram_bandwidth_utilization_ratio")
+ALSO_PER_PHASE = ("gpu_utilization_ratio", "gpu_memory_utilization_ratio", "gpu_power_watts",
+                  "gpu_sm_clock_hertz", "gpu_temperature_celsius")
+# A load "raises" a GPM ratio when its phase median is at least this far above the idle phases' median
+# (ratios are 0..1): far above noise, far below what a saturating load does on any GPU.
+RISE_MIN = 0.10
+PHASE_MARGIN_S = 2.0  # GPM and utilisation average over the last sample period: skip each phase's edges
+AGENT_WARMUP_S = 5.0  # imports and inventory are not the steady-state cost
+
+
+def agent_command(record: Path, node: str, simulate: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "gpuwatch", "agent", "--record", str(record), "--node", node, "--interval", "1",
+           "--no-probe-socket", "--log-level", "WARNING"]
+    return cmd + (["--simulate", str(simulate)] if simulate else [])
+
+
+def run_agent_under_load(work: Path, phases: str, device: str, simulate: int | None, timeout_s: float) -> dict:
+    """Record with the agent while loads.py runs ``phases``; returns the phases, agent cost and paths."""
+    record, phases_json = work / "recording", work / "phases.json"
+    agent = subprocess.Popen(agent_command(record, "gpu-validate", simulate), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    watched = psutil.Process(agent.pid)
+    started = time.monotonic()
+    loads = subprocess.Popen([sys.executable, str(HERE / "loads.py"), "--phases", phases, "--out", str(phases_json),
+                              "--device", device], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rss, cpu0, t0, threads = [], None, None, 0
+    try:
+        while loads.poll() is None and agent.poll() is None:
+            if time.monotonic() - started > timeout_s:
+                loads.kill()
+                break
+            with watched.oneshot():
+                rss.append(watched.memory_info().rss)
+                threads = max(threads, watched.num_threads())
+                if cpu0 is None and time.monotonic() - started >= AGENT_WARMUP_S:
+                    cpu0, t0 = sum(watched.cpu_times()[:2]), time.monotonic()
+            time.sleep(0.5)
+        cpu1, t1 = (sum(watched.cpu_times()[:2]), time.monotonic()) if agent.poll() is None else (None, None)
+    finally:
+        loads_err = _finish(loads, kill=True)
+        agent_rc_before_stop = agent.poll()
+        if agent_rc_before_stop is None:
+            agent.send_signal(signal.SIGTERM)
+        agent_err = _finish(agent, kill=False)
+    result = {
+        "agent_command": " ".join(agent_command(record, "gpu-validate", simulate)[1:]),
+        "agent_exit_code": agent.returncode, "agent_died_early": agent_rc_before_stop is not None,
+        "agent_stderr_tail": agent_err[-1500:], "loads_exit_code": loads.returncode, "loads_stderr_tail": loads_err[-1500:],
+        "phases": json.loads(phases_json.read_text())["phases"] if phases_json.exists() else [],
+        "agent_threads": threads, "agent_rss_mib_peak": max(rss) / 2**20 if rss else None,
+        "agent_rss_mib_last": rss[-1] / 2**20 if rss else None, "recording": str(record),
+    }
+    if cpu0 is not None and cpu1 is not None and t1 > t0:
+        result["agent_cpu_s_per_node_s"] = (cpu1 - cpu0) / (t1 - t0)
+        result["agent_cpu_window_s"] = t1 - t0
+    return result
+
+
+def _finish(proc: subprocess.Popen, kill: bool, timeout_s: float = 30.0) -> str:
+    """Wait for our child (killing it if asked or if it will not stop); its stderr as text."""
+    if kill and proc.poll() is None:
+        proc.kill()
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return (err or b"").decode(errors="replace")
+
+
+def fields_by_tier(record: Path) -> dict:
+    """Per tier: the fields that returned values (with counts), those the agent reported unsupported, and
+    those that never returned a value without being reported (a silent gap is a bug to look at)."""
+    rec = open_recording(record)
+    samples = rec.table("gpu_samples")
+    events = rec.table("events")
+    refused = events[events["kind"] == ev.FIELD_UNSUPPORTED]
+    unsupported = []
+    for _, row in refused.iterrows():
+        attrs = json.loads(row["attrs"] or "{}")
+        unsupported.append({"gpu": int(row["gpu_index"]), "nvml": attrs.get("nvml", ""), "field": attrs.get("field", ""),
+                            "message": row["message"]})
+    refused_names = {u["field"] for u in unsupported} | {u["nvml"] for u in unsupported}
+    tiers = {}
+    for tier in Tier:
+        returned, silent = {}, []
+        for f in (f for f in GPU_FIELDS if f.tier == tier):
+            count = int(samples[f.name].notna().sum()) if f.name in samples else 0
+            if count:
+                returned[f.name] = count
+            elif f.name not in refused_names:
+                silent.append(f.name)
+        tiers[tier.value] = {"returned": returned, "never_returned_unreported": silent}
+    kinds = events["kind"].value_counts().to_dict()
+    return {"rows": int(len(samples)), "gpus": int(samples["gpu_index"].nunique()) if len(samples) else 0,
+            "tiers": tiers, "unsupported": unsupported, "event_kinds": {k: int(v) for k, v in kinds.items()},
+            "xid_events": int(kinds.get(ev.XID, 0))}
+
+
+def phase_metrics(samples: pd.DataFrame, phases: list[dict], margin_s: float = PHASE_MARGIN_S) -> list[dict]:
+    """Per phase (edges trimmed by ``margin_s``, at most a quarter of the phase each): rows inside it and the
+    median of each reported field."""
+    ts_ms = _epoch_ms(samples["ts"])
+    out = []
+    for phase in phases:
+        trim_ms = min(margin_s * 1000, (phase["end_ms"] - phase["start_ms"]) / 4)
+        lo, hi = phase["start_ms"] + trim_ms, phase["end_ms"] - trim_ms
+        inside = samples[(ts_ms >= lo) & (ts_ms <= hi)]
+        medians = {}
+        for name in GPM_REPORTED + ALSO_PER_PHASE:
+            values = inside[name].dropna() if name in inside else pd.Series(dtype=float)
+            medians[name] = float(values.median()) if len(values) else None
+        out.append({"kind": phase["kind"], "rows": int(len(inside)), "median": medians,
+                    **{k: phase[k] for k in ("tflops", "gb_per_s") if k in phase}})
+    return out
+
+
+def _epoch_ms(ts: pd.Series) -> np.ndarray:
+    if pd.api.types.is_datetime64_any_dtype(ts):
+        return (ts.dt.tz_convert("UTC").dt.tz_localize(None) - pd.Timestamp(0)) // pd.Timedelta(milliseconds=1)
+    return ts.to_numpy(dtype=np.int64)
+
+
+def gpm_checks(per_phase: list[dict]) -> list[dict]:
+    """The issue's checks: DRAM bandwidth rises under the copy loop, tensor activity under the matmul."""
+    def pooled(kind: str, name: str) -> float | None:
+        values = [p["median"][name] for p in per_phase if p["kind"] == kind and p["median"].get(name) is not None]
+        return float(np.median(values)) if values else None
+
+    checks = []
+    for load, name in (("copy", "gpu_dram_bandwidth_utilization_ratio"), ("matmul", "gpu_tensor_active_ratio")):
+        idle, busy = pooled("idle", name), pooled(load, name)
+        label = f"{name} rises under {load}"
+        if idle is None or busy is None:
+            checks.append({"name": label, "ok": False, "detail": f"no values: idle {idle}, {load} {busy}"})
+            continue
+        checks.append({"name": label, "ok": busy - idle >= RISE_MIN,
+                       "detail": f"idle {idle:.3f} -> {load} {busy:.3f} (needs +{RISE_MIN:.2f})"})
+    return checks
+
+
+def run(work: Path, phases: str, device: str, simulate: int | None, timeout_s: float) -> dict:
+    """The whole of point 1 except NVML latency: record under load, then analyse the recording."""
+    result = run_agent_under_load(work, phases, device, simulate, timeout_s)
+    record = Path(result["recording"])
+    if not (record / "manifest.json").exists():
+        result["checks"] = [{"name": "agent wrote a recording", "ok": False,
+                             "detail": f"no manifest in {record}; agent exit {result['agent_exit_code']}"}]
+        return result
+    result["fields"] = fields_by_tier(record)
+    samples = open_recording(record).table("gpu_samples")
+    result["per_phase"] = phase_metrics(samples, result["phases"])
+    result["checks"] = [
+        {"name": "agent ran until stopped and exited 0", "ok": not result["agent_died_early"] and result["agent_exit_code"] == 0,
+         "detail": f"exit {result['agent_exit_code']}"},
+        {"name": "every load phase finished", "ok": result["loads_exit_code"] == 0,
+         "detail": f"{len(result['phases'])} phases, loads.py exit {result['loads_exit_code']}"},
+        {"name": "no XID events on a healthy GPU", "ok": result["fields"]["xid_events"] == 0,
+         "detail": f"{result['fields']['xid_events']} xid events"},
+        *gpm_checks(result["per_phase"]),
+    ]
+    return result

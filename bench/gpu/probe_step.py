@@ -1,0 +1,140 @@
+"""Point 3 of the validation: the training probe on CUDA with NCCL, and what it costs.
+
+Runs train.py as separate processes (world size 1; then 2 ranks on the one GPU, which NCCL may refuse)
+with a real :class:`~gpuwatch.agent.probe_socket.ProbeListener` in this process receiving the probe's
+datagrams, as the agent would:
+
+1. Flight Recorder on (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_ENABLE_TIMING=1``): the probe must
+   harvest collective rows from it, DDP's C++ all-reduce included;
+2. Flight Recorder off: the Python all-reduce must arrive timed with CUDA events;
+3. the step-time A/B with and without the probe (Flight Recorder on, the production setting), with the
+   interval from stats.paired_overhead;
+4. two ranks on one GPU.
+
+On CPU (tests) the same runs use gloo, where neither GPU timing path applies and rows are host-timed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from gpuwatch.agent.probe_socket import ProbeListener
+from stats import paired_overhead
+
+HERE = Path(__file__).resolve().parent
+FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_ENABLE_TIMING": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(mode: str, out: Path, device: str, world: int, flight_recorder: bool, timeout_s: float,
+           endpoint: str | None = None, extra: list[str] = ()) -> dict:
+    """Run train.py on ``world`` ranks; rank 0's result JSON plus every rank's exit code and stderr tail."""
+    env = {k: v for k, v in os.environ.items() if k not in FLIGHT_RECORDER_ENV and k != "TORCH_FR_BUFFER_SIZE"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    if flight_recorder:
+        env.update(FLIGHT_RECORDER_ENV)
+    cmd = [sys.executable, str(HERE / "train.py"), "--mode", mode, "--out", str(out), "--device", device, *extra]
+    if endpoint:
+        cmd += ["--endpoint", endpoint]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": "0"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE) for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    ranks = []
+    for rank, proc in enumerate(procs):
+        try:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            timed_out = True
+        ranks.append({"rank": rank, "exit_code": proc.returncode, "timed_out": timed_out,
+                      "stderr_tail": err.decode(errors="replace")[-1500:]})
+    result = json.loads(out.read_text()) if out.exists() else {"error": "rank 0 wrote no result"}
+    result["processes"] = ranks
+    result["flight_recorder"] = flight_recorder
+    return result
+
+
+def received(listener: ProbeListener, settle_s: float = 0.5, limit_s: float = 10.0) -> dict:
+    """Drain the listener once datagrams stop arriving; rows by kind and the collectives' names and times."""
+    deadline, last = time.monotonic() + limit_s, -1
+    while time.monotonic() < deadline and listener.pending() != last:
+        last = listener.pending()
+        time.sleep(settle_s)
+    spans = listener.drain()
+    collectives = [(n, d) for k, n, d in zip(spans.kind, spans.name, spans.dur_us) if k in ("collective", "p2p")]
+    durations = sorted(d for _, d in collectives if d >= 0)
+    return {"rows": len(spans.kind), "by_kind": dict(Counter(spans.kind)),
+            "collective_names": dict(Counter(n for n, _ in collectives)),
+            "process_groups": sorted(set(pg for k, pg in zip(spans.kind, spans.process_group) if k == "collective")),
+            "collective_dur_us_median": durations[len(durations) // 2] if durations else None,
+            "listener": listener.stats()}
+
+
+def run(work: Path, device: str, ab_seconds: float, timeout_s: float, steps: int = 30) -> dict:
+    """Every probe run of point 3 (``steps`` steps each but the A/B), each recorded whatever the others do."""
+    listener = ProbeListener(str(work / "probe.sock"))
+    result: dict = {}
+    try:
+        runs = (("flight_recorder", "probe", True, 1, ["--steps", str(steps)]),
+                ("cuda_events", "probe", False, 1, ["--steps", str(steps)]),
+                ("ab", "ab", True, 1, ["--seconds", str(ab_seconds)]),
+                ("world2_one_gpu", "probe", True, 2, ["--steps", str(max(3, steps // 3))]))
+        for name, mode, fr, world, extra in runs:
+            limit = timeout_s + (ab_seconds if mode == "ab" else 0)
+            try:
+                outcome = launch(mode, work / f"{name}.json", device, world, fr, limit, listener.path, extra)
+            except Exception as exc:  # noqa: BLE001 - one run's failure is a result, not the end of the step
+                outcome = {"error": f"{type(exc).__name__}: {exc}"}
+            outcome["received"] = received(listener)
+            result[name] = outcome
+    finally:
+        listener.close()
+    ab = result.get("ab", {})
+    rounds = ab.get("rounds_s")
+    if rounds:
+        try:
+            ab["overhead"] = paired_overhead(rounds["without"], rounds["with"])
+        except ValueError as exc:
+            ab["overhead"] = {"error": str(exc)}
+    result["checks"] = checks(result, device)
+    return result
+
+
+def checks(result: dict, device: str) -> list[dict]:
+    def collectives(name: str) -> int:
+        got = result.get(name, {}).get("received", {}).get("by_kind", {})
+        return got.get("collective", 0)
+
+    def ran(name: str) -> bool:
+        return "error" not in result.get(name, {})
+
+    out = [{"name": f"{name}: training ran with the probe", "ok": ran(name),
+            "detail": result.get(name, {}).get("error", "ok")} for name in ("flight_recorder", "cuda_events")]
+    if device == "cuda":
+        fr_names = result.get("flight_recorder", {}).get("received", {}).get("collective_names", {})
+        out.append({"name": "Flight Recorder harvested (DDP's C++ all-reduce included)",
+                    "ok": collectives("flight_recorder") > 0, "detail": f"collective rows by name: {fr_names}"})
+        out.append({"name": "CUDA-event timed collectives without the Flight Recorder",
+                    "ok": collectives("cuda_events") > 0, "detail": f"{collectives('cuda_events')} collective rows"})
+    overhead = result.get("ab", {}).get("overhead", {})
+    if "t_ci_pct" in overhead:
+        low, high = overhead["t_ci_pct"]
+        out.append({"name": "A/B resolves 1 % (95 % t interval at most 1 point wide)", "ok": overhead["resolves_1pct"],
+                    "detail": f"overhead {overhead['overhead_pct_mean']:+.2f} % [{low:+.2f}, {high:+.2f}] over "
+                              f"{overhead['rounds']} rounds"})
+    else:
+        out.append({"name": "A/B ran", "ok": False, "detail": str(overhead.get("error") or result.get("ab", {}).get("error"))})
+    return out
