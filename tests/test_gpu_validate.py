@@ -68,8 +68,10 @@ def test_few_noisy_rounds_do_not_resolve_one_percent():
     without, with_probe = _rounds(0.02, rounds=6, seed=4)
     noisy = with_probe * (1 + np.random.default_rng(5).normal(0, 0.05, 6))
     assert not stats.paired_overhead(without, noisy)["resolves_1pct"]
-    assert not stats.resolved(without[:4], with_probe[:4])  # the stop rule waits for 5 rounds at least
-    assert stats.resolved(*_rounds(0.02))
+    precise = _rounds(0.02)
+    assert stats.paired_overhead(precise[0][:10], precise[1][:10])["resolves_1pct"]
+    assert not stats.resolved(precise[0][:10], precise[1][:10])  # the stop rule waits for MIN_ROUNDS rounds
+    assert stats.resolved(*precise)
 
 
 @pytest.mark.parametrize("without, with_probe, problem", [([1, 1, 1], [1, 1], "pair"), ([1, 1], [1, 1], "at least 3"),
@@ -124,7 +126,8 @@ def test_agent_check_json_on_a_simulated_node():
     report_ = result["report"]
     assert report_["ok"] and [g["gpm"] for g in report_["gpus"]] == [True, True]
     assert "gpu_tensor_active_ratio" in report_["gpus"][0]["fields"]
-    difference = capability.permission_difference(result, {"report": {"gpus": [{"index": 0, "fields": ["gpu_power_watts"]}]}})
+    unprivileged = {"report": {"gpus": [{"index": 0, "fields": ["gpu_power_watts"]}]}}
+    difference = capability.permission_difference(result, unprivileged)
     assert "gpu_tensor_active_ratio" in difference["0"]["only_privileged"]
     assert difference["1"]["only_privileged"] == sorted(report_["gpus"][1]["fields"])
 

@@ -99,7 +99,7 @@ def xid_idle(seconds: float, kmsg_path: str | None = "/dev/kmsg", wait_ms: int =
     return result
 
 
-def agent_check(simulate: int | None, as_nobody: bool = False, timeout_s: float = 120.0) -> dict:
+def agent_check(simulate: int | None, as_nobody: bool = False, timeout_s: float = 60.0) -> dict:
     """`gpuwatch agent --check --json`, record-only (no collector needed); optionally as user nobody."""
     with tempfile.TemporaryDirectory(prefix="gpuwatch-check-") as tmp:
         os.chmod(tmp, 0o777)  # nobody must be able to create the recording directory in it
@@ -113,6 +113,8 @@ def agent_check(simulate: int | None, as_nobody: bool = False, timeout_s: float 
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, **kwargs)
         except subprocess.TimeoutExpired:
             return {"command": " ".join(cmd[1:]), "exit_code": None, "error": f"no answer within {timeout_s:g} s"}
+        except (OSError, subprocess.SubprocessError) as exc:  # e.g. nobody may not execute this python
+            return {"command": " ".join(cmd[1:]), "exit_code": None, "error": f"{type(exc).__name__}: {exc}"}
     result = {"command": " ".join(cmd[1:]), "as": "nobody" if as_nobody else f"uid {os.geteuid()}",
               "exit_code": done.returncode, "stderr_tail": done.stderr[-1500:]}
     try:
@@ -163,11 +165,19 @@ def _mig_devices(handle) -> list[str]:
     return names
 
 
+def _attempt(function, *args, **kwargs):
+    """function(...), or {"error": ...} when it raises: one part failing must not lose the others."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - recorded in the results
+        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+
+
 def run(simulate: int | None, xid_seconds: float) -> dict:
     """All of point 2 that this machine reaches; what it cannot reach is said, not skipped silently."""
-    result: dict = {"xid": xid_idle(xid_seconds, kmsg_path=None if simulate else "/dev/kmsg")}
+    result: dict = {"xid": _attempt(xid_idle, xid_seconds, kmsg_path=None if simulate else "/dev/kmsg")}
     result["check"] = agent_check(simulate)
-    result["mig"] = mig_state()
+    result["mig"] = _attempt(mig_state)
     privileged = os.geteuid() == 0 and not simulate
     if privileged:
         result["check_as_nobody"] = agent_check(simulate, as_nobody=True)
@@ -175,7 +185,9 @@ def run(simulate: int | None, xid_seconds: float) -> dict:
     else:
         result["check_as_nobody"] = {"skipped": "not root" if os.geteuid() else "simulated GPUs have no permissions"}
     report = result["check"].get("report") or {}
-    result["checks"] = result["xid"]["checks"] + [
+    xid_checks = result["xid"].get("checks") or [{"name": "XID watcher ran", "ok": False,
+                                                  "detail": result["xid"].get("error", "")}]
+    result["checks"] = xid_checks + [
         {"name": "agent --check --json passes", "ok": result["check"].get("exit_code") == 0 and bool(report.get("ok")),
          "detail": f"exit {result['check'].get('exit_code')}, "
                    + ", ".join(f"{c['name']}: {'ok' if c['ok'] else 'FAIL'}" for c in report.get("checks", []))},

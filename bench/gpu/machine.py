@@ -61,12 +61,18 @@ def describe(simulated: bool) -> dict:
 
         info["torch_cuda"] = torch.version.cuda
         if torch.cuda.is_available():
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            info["nccl"] = nccl_version(torch)
             props = torch.cuda.get_device_properties(0)
             info["torch_gpu"] = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"
     except Exception as exc:  # noqa: BLE001 - a broken torch is itself worth reporting
         info["torch_error"] = f"{type(exc).__name__}: {exc}"
     return info
+
+
+def nccl_version(torch) -> str:
+    """NCCL's version as text (torch gives a tuple, older releases an int such as 21803)."""
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def gpu_label(info: dict) -> str:

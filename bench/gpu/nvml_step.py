@@ -71,7 +71,8 @@ def run_agent_under_load(work: Path, phases: str, device: str, simulate: int | N
     result = {
         "agent_command": " ".join(agent_command(record, "gpu-validate", simulate)[1:]),
         "agent_exit_code": agent.returncode, "agent_died_early": agent_rc_before_stop is not None,
-        "agent_stderr_tail": agent_err[-1500:], "loads_exit_code": loads.returncode, "loads_stderr_tail": loads_err[-1500:],
+        "agent_stderr_tail": agent_err[-1500:], "loads_exit_code": loads.returncode,
+        "loads_stderr_tail": loads_err[-1500:],
         "phases": json.loads(phases_json.read_text())["phases"] if phases_json.exists() else [],
         "agent_threads": threads, "agent_rss_mib_peak": max(rss) / 2**20 if rss else None,
         "agent_rss_mib_last": rss[-1] / 2**20 if rss else None, "recording": str(record),
@@ -104,8 +105,8 @@ def fields_by_tier(record: Path) -> dict:
     unsupported = []
     for _, row in refused.iterrows():
         attrs = json.loads(row["attrs"] or "{}")
-        unsupported.append({"gpu": int(row["gpu_index"]), "nvml": attrs.get("nvml", ""), "field": attrs.get("field", ""),
-                            "message": row["message"]})
+        unsupported.append({"gpu": int(row["gpu_index"]), "nvml": attrs.get("nvml", ""),
+                            "field": attrs.get("field", ""), "message": row["message"]})
     refused_names = {u["field"] for u in unsupported} | {u["nvml"] for u in unsupported}
     tiers = {}
     for tier in Tier:
@@ -173,11 +174,16 @@ def run(work: Path, phases: str, device: str, simulate: int | None, timeout_s: f
         result["checks"] = [{"name": "agent wrote a recording", "ok": False,
                              "detail": f"no manifest in {record}; agent exit {result['agent_exit_code']}"}]
         return result
-    result["fields"] = fields_by_tier(record)
-    samples = open_recording(record).table("gpu_samples")
-    result["per_phase"] = phase_metrics(samples, result["phases"])
+    try:
+        result["fields"] = fields_by_tier(record)
+        samples = open_recording(record).table("gpu_samples")
+        result["per_phase"] = phase_metrics(samples, result["phases"])
+    except Exception as exc:  # noqa: BLE001 - keep the agent's cost and phases measured above
+        result["checks"] = [{"name": "recording analysed", "ok": False, "detail": f"{type(exc).__name__}: {exc}"}]
+        return result
     result["checks"] = [
-        {"name": "agent ran until stopped and exited 0", "ok": not result["agent_died_early"] and result["agent_exit_code"] == 0,
+        {"name": "agent ran until stopped and exited 0",
+         "ok": not result["agent_died_early"] and result["agent_exit_code"] == 0,
          "detail": f"exit {result['agent_exit_code']}"},
         {"name": "every load phase finished", "ok": result["loads_exit_code"] == 0,
          "detail": f"{len(result['phases'])} phases, loads.py exit {result['loads_exit_code']}"},

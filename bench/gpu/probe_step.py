@@ -28,7 +28,8 @@ from gpuwatch.agent.probe_socket import ProbeListener
 from stats import paired_overhead
 
 HERE = Path(__file__).resolve().parent
-FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_ENABLE_TIMING": "1"}
+FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_ENABLE_TIMING": "1"}
+RUN_LIMIT_S = 90.0  # one short run: process start, NCCL init, a few dozen steps (a hung rank is killed then)
 
 
 def _free_port() -> int:
@@ -83,8 +84,10 @@ def received(listener: ProbeListener, settle_s: float = 0.5, limit_s: float = 10
             "listener": listener.stats()}
 
 
-def run(work: Path, device: str, ab_seconds: float, timeout_s: float, steps: int = 30) -> dict:
-    """Every probe run of point 3 (``steps`` steps each but the A/B), each recorded whatever the others do."""
+def run(work: Path, device: str, ab_seconds: float, total_s: float, steps: int = 30) -> dict:
+    """Every probe run of point 3 (``steps`` steps each but the A/B) within ``total_s`` seconds, each
+    recorded whatever the others do."""
+    deadline = time.monotonic() + total_s
     listener = ProbeListener(str(work / "probe.sock"))
     result: dict = {}
     try:
@@ -93,7 +96,10 @@ def run(work: Path, device: str, ab_seconds: float, timeout_s: float, steps: int
                 ("ab", "ab", True, 1, ["--seconds", str(ab_seconds)]),
                 ("world2_one_gpu", "probe", True, 2, ["--steps", str(max(3, steps // 3))]))
         for name, mode, fr, world, extra in runs:
-            limit = timeout_s + (ab_seconds if mode == "ab" else 0)
+            limit = min(RUN_LIMIT_S + (ab_seconds if mode == "ab" else 0), deadline - time.monotonic())
+            if limit < 5.0:
+                result[name] = {"error": f"time budget: {limit:.0f} s left"}
+                continue
             try:
                 outcome = launch(mode, work / f"{name}.json", device, world, fr, limit, listener.path, extra)
             except Exception as exc:  # noqa: BLE001 - one run's failure is a result, not the end of the step
@@ -136,5 +142,6 @@ def checks(result: dict, device: str) -> list[dict]:
                     "detail": f"overhead {overhead['overhead_pct_mean']:+.2f} % [{low:+.2f}, {high:+.2f}] over "
                               f"{overhead['rounds']} rounds"})
     else:
-        out.append({"name": "A/B ran", "ok": False, "detail": str(overhead.get("error") or result.get("ab", {}).get("error"))})
+        why = overhead.get("error") or result.get("ab", {}).get("error")
+        out.append({"name": "A/B ran", "ok": False, "detail": str(why)})
     return out

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gpuwatch.fields import BY_NAME
+
 GPM_COLUMNS = (("gpu_sm_active_ratio", "SM active"), ("gpu_sm_occupancy_ratio", "SM occupancy"),
                ("gpu_tensor_active_ratio", "tensor active"), ("gpu_dram_bandwidth_utilization_ratio", "DRAM BW"),
                ("gpu_utilization_ratio", "util"))
@@ -16,10 +18,12 @@ def render(results: dict) -> str:
     steps = results.get("steps", {})
     lines = ["# GPU validation", ""]
     if results.get("mode") == "simulated":
-        lines += ["> **Simulated run, no GPU.** The GPUs below are gpuwatch's simulated fleet and the training ran on",
-                  "> the CPU: this exercises the kit, it measures no GPU. Never quote these numbers as GPU results.", ""]
-    lines += [f"Written by `python bench/gpu/validate.py` ({results.get('started', '?')} to {results.get('finished', '?')} UTC, "
-              f"{results.get('elapsed_s', 0):.0f} s of a {results.get('budget_s', 0):.0f} s budget).", ""]
+        lines += ["> **Simulated run, no GPU.** The GPUs below are gpuwatch's simulated fleet and the training ran",
+                  "> on the CPU: this exercises the kit, it measures no GPU. Never quote these numbers as GPU results.",
+                  ""]
+    lines += [f"Written by `python bench/gpu/validate.py` ({results.get('started', '?')} to "
+              f"{results.get('finished', '?')} UTC, {results.get('elapsed_s', 0):.0f} s of a "
+              f"{results.get('budget_s', 0):.0f} s budget).", ""]
     lines += _machine(results.get("machine", {}))
     lines += ["## Summary", "", *_table(["step", "status", "seconds", "failed checks"], [
         [name, step.get("status", "?"), f"{step.get('seconds', 0):.0f}",
@@ -52,10 +56,13 @@ def _machine(info: dict) -> list[str]:
     rows = [["GPU", (", ".join(info.get("gpus") or []) or info.get("nvml_error", "none")) + simulated],
             ["torch sees", info.get("torch_gpu", "no CUDA device")],
             ["driver (CUDA of the driver)", f"{info.get('driver', '?')} ({info.get('driver_cuda', '?')})"],
-            ["torch (its CUDA), NCCL", f"{info.get('torch_version')} ({info.get('torch_cuda')}), {info.get('nccl', '-')}"],
-            ["nvidia-ml-py, python, kernel", f"{info.get('nvidia-ml-py_version')}, {info.get('python')}, {info.get('kernel')}"],
+            ["torch (its CUDA), NCCL",
+             f"{info.get('torch_version')} ({info.get('torch_cuda')}), {info.get('nccl', '-')}"],
+            ["nvidia-ml-py, python, kernel",
+             f"{info.get('nvidia-ml-py_version')}, {info.get('python')}, {info.get('kernel')}"],
             ["CPUs", str(info.get("cpus"))],
-            ["gpuwatch commit", f"{info.get('gpuwatch_commit')}{' (with local changes)' if info.get('gpuwatch_dirty') else ''}"]]
+            ["gpuwatch commit",
+             f"{info.get('gpuwatch_commit')}{' (with local changes)' if info.get('gpuwatch_dirty') else ''}"]]
     return ["## Machine", "", *_table(["", ""], rows), ""]
 
 
@@ -74,24 +81,25 @@ def _nvml_agent(r: dict) -> list[str]:
                          ", ".join(got["never_returned_unreported"]) or "-"])
         other = sorted({u["field"] for u in fields["unsupported"] if _tier_of(u["field"]) is None})
         lines += [f"{fields['rows']} sample rows from {fields['gpus']} GPU(s); events: {fields['event_kinds']}.", "",
-                  *_table(["tier", "returned values", "reported unsupported", "never returned, not reported"], rows), ""]
+                  *_table(["tier", "returned values", "reported unsupported", "never returned, not reported"], rows),
+                  ""]
         if other:
             lines += [f"Unsupported NVML calls outside the field tiers: {', '.join(other)}.", ""]
     if r.get("per_phase"):
         rows = []
         for p in r["per_phase"]:
             m = p["median"]
-            achieved = (f"{p['tflops']:.0f} TFLOP/s" if "tflops" in p else f"{p['gb_per_s']:.0f} GB/s" if "gb_per_s" in p else "-")
+            achieved = (f"{p['tflops']:.0f} TFLOP/s" if "tflops" in p
+                        else f"{p['gb_per_s']:.0f} GB/s" if "gb_per_s" in p else "-")
             rows.append([p["kind"], str(p["rows"]), *[_num(m.get(k)) for k, _ in GPM_COLUMNS],
-                         _num(m.get("gpu_power_watts"), 0), _num(_scaled(m.get("gpu_sm_clock_hertz"), 1e-6), 0), achieved])
-        lines += ["Medians per phase (edges trimmed):", "",
-                  *_table(["phase", "rows", *[label for _, label in GPM_COLUMNS], "power W", "SM MHz", "load achieved"], rows), ""]
+                         _num(m.get("gpu_power_watts"), 0), _num(_scaled(m.get("gpu_sm_clock_hertz"), 1e-6), 0),
+                         achieved])
+        header = ["phase", "rows", *[label for _, label in GPM_COLUMNS], "power W", "SM MHz", "load achieved"]
+        lines += ["Medians per phase (edges trimmed):", "", *_table(header, rows), ""]
     return lines
 
 
 def _tier_of(field: str) -> str | None:
-    from gpuwatch.fields import BY_NAME
-
     f = BY_NAME.get(field)
     return f.tier.value if f is not None else None
 
@@ -108,7 +116,8 @@ def _latency(r: dict) -> list[str]:
     per_function = [[tier, name, str(s["count"]), _num(s["median_us"], 1), _num(s["p99_us"], 1)]
                     for tier, t in r.get("tiers", {}).items() for name, s in t["per_function"].items()]
     if per_function:
-        lines += ["Per NVML function:", "", *_table(["tier", "function", "calls", "median µs", "p99 µs"], per_function), ""]
+        lines += ["Per NVML function:", "",
+                  *_table(["tier", "function", "calls", "median µs", "p99 µs"], per_function), ""]
     return lines
 
 
@@ -117,7 +126,8 @@ def _capability(r: dict) -> list[str]:
     x = r.get("xid")
     if x:
         cpu = ", ".join(f"{k} {v:.3f} %" for k, v in x["thread_cpu_pct_of_core"].items())
-        lines += [f"XID watcher for {x['seconds']:.0f} s on {x['gpus']} GPU(s): threads {', '.join(x['threads']) or 'none'}; "
+        lines += [f"XID watcher for {x['seconds']:.0f} s on {x['gpus']} GPU(s): threads "
+                  f"{', '.join(x['threads']) or 'none'}; "
                   f"{x['event_waits']} `nvmlEventSetWait` calls ({x['event_wait_timeouts']} timeouts, "
                   f"{x['event_waits_per_s']:.2f}/s at {x['wait_ms']} ms each); {len(x['events'])} events; "
                   f"thread CPU (% of one core): {cpu or '-'}.", ""]
@@ -127,10 +137,12 @@ def _capability(r: dict) -> list[str]:
             lines += [f"{label}: not run ({c['skipped']}).", ""]
             continue
         report = c.get("report") or {}
-        items = "; ".join(f"{i['name']}: {'ok' if i['ok'] else 'FAIL'} ({i['detail']})" for i in report.get("checks", []))
+        items = "; ".join(f"{i['name']}: {'ok' if i['ok'] else 'FAIL'} ({i['detail']})"
+                          for i in report.get("checks", []))
         gpus = "; ".join(f"GPU {g['index']} {g['name']}: {len(g['fields'])} fields, GPM {'yes' if g['gpm'] else 'no'}, "
                          f"unsupported: {', '.join(g['unsupported']) or 'none'}" for g in report.get("gpus", []))
-        lines += [f"{label} ({c.get('as', '?')}): exit {c.get('exit_code')}; {items or c.get('error') or c.get('stderr_tail', '')}",
+        said = items or c.get("error") or c.get("stderr_tail", "")
+        lines += [f"{label} ({c.get('as', '?')}): exit {c.get('exit_code')}; {said}",
                   "", f"  {gpus}" if gpus else "", ""]
     diff = r.get("permission_difference")
     if diff:
@@ -152,7 +164,8 @@ def _probe(r: dict) -> list[str]:
         if run is None:
             continue
         env, got = run.get("environment", {}), run.get("received", {})
-        exits = ", ".join(str(p["exit_code"]) + (" (timed out)" if p["timed_out"] else "") for p in run.get("processes", []))
+        exits = ", ".join(str(p["exit_code"]) + (" (timed out)" if p["timed_out"] else "")
+                          for p in run.get("processes", []))
         rows.append([name, env.get("probe_gpu_timing", "-"), str(env.get("world_size", "-")), exits or "-",
                      _num(run.get("median_step_s") and 1000 * run["median_step_s"], 2), str(got.get("by_kind", {})),
                      str(got.get("collective_names", {})), _num(got.get("collective_dur_us_median"), 1),
@@ -161,7 +174,8 @@ def _probe(r: dict) -> list[str]:
                       "median collective µs", "probe stats", "error"], rows), ""]
     overhead = r.get("ab", {}).get("overhead", {})
     if "t_ci_pct" in overhead:
-        lines += [f"Step-time A/B, {overhead['rounds']} interleaved rounds of {r['ab'].get('block_steps')} steps per variant "
+        lines += [f"Step-time A/B, {overhead['rounds']} interleaved rounds of {r['ab'].get('block_steps')} steps "
+                  "per variant "
                   f"(Flight Recorder on in both): mean step {1000 * overhead['mean_step_s_without']:.3f} ms without, "
                   f"{1000 * overhead['mean_step_s_with']:.3f} ms with the probe; overhead "
                   f"**{overhead['overhead_pct_mean']:+.2f} %** (median {overhead['overhead_pct_median']:+.2f} %), "
@@ -184,7 +198,8 @@ def _trace(r: dict) -> list[str]:
         lines += ["`gpuwatch analyze` (job, % of the window "
                   f"{a['window_us'] / 1000:.1f} ms, {a['steps']} steps):", "",
                   *_table(list(a["breakdown_pct"]), [[f"{v:.2f}" for v in a["breakdown_pct"].values()]]), "",
-                  f"Short kernels: {a['short_kernels']['count']} taking {a['short_kernels']['time_us'] / 1000:.2f} ms.", ""]
+                  f"Short kernels: {a['short_kernels']['count']} taking "
+                  f"{a['short_kernels']['time_us'] / 1000:.2f} ms.", ""]
     elif a:
         lines += [f"`gpuwatch analyze`: exit {a.get('exit_code')}: {a.get('error')}", ""]
     hta = r.get("hta", {})
@@ -193,9 +208,11 @@ def _trace(r: dict) -> list[str]:
         lines += [f"HTA's temporal breakdown beside gpuwatch over HTA's window ({agree['window_us'] / 1000:.1f} ms): "
                   f"compute {agree['hta_compute_pct']:.2f} % vs {agree['gpuwatch_compute_pct']:.2f} %, idle "
                   f"{agree['hta_idle_pct']:.2f} % vs {agree['gpuwatch_idle_pct']:.2f} %; differences "
-                  f"{agree['compute_diff_pct_of_window']:.3f} % and {agree['idle_diff_pct_of_window']:.3f} % of the window.", ""]
+                  f"{agree['compute_diff_pct_of_window']:.3f} % and {agree['idle_diff_pct_of_window']:.3f} % "
+                  "of the window.", ""]
     elif hta.get("available"):
-        lines += [f"HTA ran but gave no comparison: {hta.get('hta_error') or hta.get('gpuwatch_same_window_error')}", ""]
+        why = hta.get("hta_error") or hta.get("gpuwatch_same_window_error")
+        lines += [f"HTA ran but gave no comparison: {why}", ""]
     elif hta:
         lines += [f"HTA not run: {hta.get('reason')}", ""]
     return lines

@@ -15,6 +15,7 @@ import numpy as np
 from scipy import stats as sps
 
 RESOLUTION_PCT = 1.0
+MIN_ROUNDS = 20
 
 
 def paired_overhead(without_s: Sequence[float], with_s: Sequence[float], *, confidence: float = 0.95,
@@ -61,8 +62,9 @@ def _bootstrap_mean(values: np.ndarray, confidence: float, resamples: int, seed:
 
 
 def resolved(without_s: Sequence[float], with_s: Sequence[float]) -> bool:
-    """True once enough rounds ran for the t interval to resolve RESOLUTION_PCT (the A/B's stop rule)."""
-    if len(without_s) < 5:
+    """True once MIN_ROUNDS ran and the t interval resolves RESOLUTION_PCT (the A/B's stop rule; the minimum
+    keeps a lucky early interval from stopping it)."""
+    if len(without_s) < MIN_ROUNDS:
         return False
     return paired_overhead(without_s, with_s, resamples=200)["resolves_1pct"]
 

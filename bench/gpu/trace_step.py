@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from probe_step import launch
@@ -19,7 +20,8 @@ from probe_step import launch
 
 def _bench_analyze():
     """bench/analyze.py as a module (bench/ is no package): its HTA and same-window scripts."""
-    spec = importlib.util.spec_from_file_location("bench_analyze", Path(__file__).resolve().parent.parent / "analyze.py")
+    path = Path(__file__).resolve().parent.parent / "analyze.py"
+    spec = importlib.util.spec_from_file_location("bench_analyze", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -37,8 +39,11 @@ HTA_AGREEMENT_PCT = 0.5  # README's target for compute and idle against HTA, % o
 def analyze_trace(trace: Path, timeout_s: float) -> dict:
     """`gpuwatch analyze TRACE --json`: exit code, and the job's breakdown fractions and short kernels, or
     the one-line error it printed."""
-    done = subprocess.run([sys.executable, "-m", "gpuwatch", "analyze", str(trace), "--json", "--per-step"],
-                          capture_output=True, text=True, timeout=timeout_s)
+    try:
+        done = subprocess.run([sys.executable, "-m", "gpuwatch", "analyze", str(trace), "--json", "--per-step"],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"exit_code": None, "error": f"no answer within {timeout_s:.0f} s"}
     result: dict = {"exit_code": done.returncode}
     if done.returncode != 0:
         result["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no message"
@@ -65,11 +70,13 @@ def hta_beside(trace: Path, timeout_s: float) -> dict:
     probe = subprocess.run([sys.executable, "-c", "import hta"], capture_output=True, text=True)
     if probe.returncode != 0:
         return {"available": False, "reason": (probe.stderr.strip().splitlines() or ["import hta failed"])[-1]}
-    folder = trace.parent
-    hta = subprocess.run([sys.executable, "-c", HTA_SCRIPT, str(folder)], capture_output=True, text=True,
-                         timeout=timeout_s)
-    mine = subprocess.run([sys.executable, "-c", GPUWATCH_WINDOW, str(trace)], capture_output=True, text=True,
-                          timeout=timeout_s)
+    try:
+        hta = subprocess.run([sys.executable, "-c", HTA_SCRIPT, str(trace.parent)], capture_output=True, text=True,
+                             timeout=timeout_s)
+        mine = subprocess.run([sys.executable, "-c", GPUWATCH_WINDOW, str(trace)], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"available": True, "hta_error": f"no answer within {timeout_s:.0f} s"}
     result: dict = {"available": True}
     for name, done in (("hta", hta), ("gpuwatch_same_window", mine)):
         if done.returncode == 0:
@@ -93,22 +100,26 @@ def agreement(hta: dict, mine: dict) -> dict:
 
 
 def run(work: Path, out: Path, device: str, gpu_label: str, timeout_s: float) -> dict:
+    """Profile, keep the trace in ``out``, analyse it (and HTA beside it), all within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
     trace_dir = work / "trace"
     trace_dir.mkdir(parents=True, exist_ok=True)
-    profiled = launch("profile", work / "profile.json", device, 1, False, timeout_s,
+    profiled = launch("profile", work / "profile.json", device, 1, False, left(),
                       extra=["--trace-dir", str(trace_dir)])
     result: dict = {"profile": profiled}
     trace = Path(profiled.get("trace", ""))
     if "error" in profiled or not trace.is_file():
-        result["checks"] = [{"name": "profiler wrote a trace", "ok": False, "detail": profiled.get("error", "no trace")}]
+        why = profiled.get("error", "no trace")
+        result["checks"] = [{"name": "profiler wrote a trace", "ok": False, "detail": why}]
         return result
     kept = out / f"kineto_{gpu_label}_rank0.json.gz"
     shutil.copyfile(trace, kept)
     result["trace_file"] = kept.name
     result["trace_gz_bytes"] = kept.stat().st_size
     result["small_enough_for_test_data"] = kept.stat().st_size <= TEST_DATA_MAX_BYTES
-    result["analyze"] = analyze_trace(trace, timeout_s)
-    result["hta"] = hta_beside(trace, timeout_s)
+    result["analyze"] = analyze_trace(trace, left())
+    result["hta"] = hta_beside(trace, left())
     analysis = result["analyze"]
     result["checks"] = [
         {"name": "profiler wrote a trace", "ok": True, "detail": f"{result['trace_gz_bytes']} bytes gzip"},

@@ -31,6 +31,7 @@ from torch import nn
 
 import gpuwatch.probe
 from gpuwatch.probe.flight_recorder import find_dump_function, flight_recorder_enabled
+from machine import nccl_version
 from stats import resolved
 
 JOB = "gpu-validate"
@@ -151,8 +152,7 @@ def environment(device: str) -> dict:
             "probe_gpu_timing": ("host time (CPU tensors)" if device != "cuda" else
                                  "flight recorder" if fr_on and fr_dump else "cuda events")}
     if device == "cuda":
-        info.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0),
-                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+        info.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0), nccl=nccl_version(torch))
     return info
 
 

@@ -83,8 +83,9 @@ def step_machine(plan: Plan, allowed_s: float) -> dict:
 def step_nvml_latency(plan: Plan, allowed_s: float) -> dict:
     with plan.nvml():
         result = nvml_latency.measure_latency(ticks=20 if plan.quick else 100)
-    result["checks"] = [{"name": f"{tier} tier made NVML calls", "ok": result["tiers"][tier]["per_call"]["count"] > 0,
-                         "detail": f"{result['tiers'][tier]['per_call']['count']} calls"} for tier in nvml_latency.TIERS]
+    counts = {tier: result["tiers"][tier]["per_call"]["count"] for tier in nvml_latency.TIERS}
+    result["checks"] = [{"name": f"{tier} tier made NVML calls", "ok": count > 0, "detail": f"{count} calls"}
+                        for tier, count in counts.items()]
     return result
 
 
@@ -108,10 +109,9 @@ def step_trace(plan: Plan, allowed_s: float) -> dict:
 
 
 def step_probe(plan: Plan, allowed_s: float) -> dict:
-    runs_s = 45.0 if plan.quick else 90.0  # the three short runs: process start, NCCL init, 30 steps each
+    runs_s = 90.0  # the three short runs and the A/B's start: process start, NCCL init, a few steps each
     ab_s = 4.0 if plan.quick else max(10.0, allowed_s - runs_s - 30.0)
-    return probe_step.run(plan.work, plan.device, ab_seconds=ab_s, timeout_s=min(120.0, allowed_s),
-                          steps=5 if plan.quick else 30)
+    return probe_step.run(plan.work, plan.device, ab_seconds=ab_s, total_s=allowed_s, steps=5 if plan.quick else 30)
 
 
 # name -> (function, minimum seconds to start it, share of the budget it may use at most)
@@ -165,15 +165,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json, the report and the trace")
     parser.add_argument("--budget-s", type=float, default=480.0, help="total seconds for every step (default 480)")
-    parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps (default all: {','.join(STEPS)})")
-    parser.add_argument("--quick", action="store_true", help="minimal durations: checks the kit runs, numbers are rough")
+    parser.add_argument("--only", default=",".join(STEPS),
+                        help=f"comma-separated steps (default all: {','.join(STEPS)})")
+    parser.add_argument("--quick", action="store_true",
+                        help="minimal durations: checks the kit runs, numbers are rough")
     parser.add_argument("--simulate", type=int, default=None, metavar="N",
                         help="no GPU: N simulated GPUs beneath pynvml, training on the CPU (exercises the kit only)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in STEPS]
     if unknown or not names:
-        parser.error(f"--only {args.only!r}: unknown step(s) {', '.join(unknown) or '(none given)'}; steps: {', '.join(STEPS)}")
+        parser.error(f"--only {args.only!r}: unknown step(s) {', '.join(unknown) or '(none given)'}; "
+                     f"steps: {', '.join(STEPS)}")
     if not args.budget_s > 0:
         parser.error(f"--budget-s {args.budget_s}: must be > 0 seconds")
     if args.simulate is not None and args.simulate < 1:
