@@ -85,14 +85,15 @@ def test_paired_overhead_refuses_bad_rounds(without, with_probe, problem):
 def test_nvml_latency_is_measured_through_the_agents_sampler():
     originals = {name: getattr(pynvml, name) for name in ("nvmlDeviceGetFieldValues", "nvmlGpmSampleGet")}
     with SimulatedFleet(2):
-        result = nvml_latency.measure_latency(ticks=5, spacing_s=0.11)
+        result = nvml_latency.measure_latency(ticks=5)
     tiers = result["tiers"]
     assert result["gpus"] == 2
     assert tiers["fast"]["per_gpu_tick"]["count"] == tiers["slow"]["per_gpu_tick"]["count"] == 10  # 2 GPUs x 5
     assert {"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetFieldValues"} <= set(tiers["fast"]["per_function"])
     assert {"nvmlDeviceGetRemappedRows", "nvmlDeviceGetFieldValues"} <= set(tiers["slow"]["per_function"])
-    assert tiers["gpm"]["per_function"]["nvmlGpmSampleGet"]["count"] == 10
-    assert tiers["gpm"]["per_function"]["nvmlGpmMetricsGet"]["count"] == 8  # from the second sample on
+    samples = tiers["gpm"]["per_function"]["nvmlGpmSampleGet"]["count"]
+    assert 4 <= samples == tiers["gpm"]["per_gpu_tick"]["count"] <= 10  # a late tick may find GPM not yet due
+    assert tiers["gpm"]["per_function"]["nvmlGpmMetricsGet"]["count"] == samples - 2  # from each GPU's second on
     for tier in tiers.values():
         call = tier["per_call"]
         assert call["count"] > 0 and 0 < call["median_us"] <= call["p99_us"]

@@ -95,12 +95,11 @@ def measure_latency(ticks: int, spacing_s: float = GPM_MIN_SPACING_S * 1.2) -> d
     with timing_pynvml(sampler):
         devices = sampler.open()
         try:
-            next_at = time.monotonic()
             for _ in range(ticks):
+                started = time.monotonic()  # each tick at least spacing_s after the last, even when one ran late
                 tick = sampler.sample()
                 unsupported.update(e.attrs.get("nvml", "") for e in tick.events if e.kind == "field_unsupported")
-                next_at += spacing_s
-                time.sleep(max(0.0, next_at - time.monotonic()))
+                time.sleep(max(0.0, started + spacing_s - time.monotonic()))
         finally:
             sampler.close()
     result = {"gpus": len(devices), "ticks": ticks, "spacing_s": spacing_s, "tiers": {},

@@ -30,6 +30,7 @@ from stats import paired_overhead
 HERE = Path(__file__).resolve().parent
 FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_ENABLE_TIMING": "1"}
 RUN_LIMIT_S = 90.0  # one short run: process start, NCCL init, a few dozen steps (a hung rank is killed then)
+AB_START_S = 45.0  # the A/B's process start, NCCL init, warm-up and calibration, before its rounds
 
 
 def _free_port() -> int:
@@ -84,21 +85,27 @@ def received(listener: ProbeListener, settle_s: float = 0.5, limit_s: float = 10
             "listener": listener.stats()}
 
 
-def run(work: Path, device: str, ab_seconds: float, total_s: float, steps: int = 30) -> dict:
-    """Every probe run of point 3 (``steps`` steps each but the A/B) within ``total_s`` seconds, each
-    recorded whatever the others do."""
+def run(work: Path, device: str, total_s: float, steps: int = 30, block_s: float = 2.0,
+        ab_max_s: float | None = None) -> dict:
+    """Every probe run of point 3 within ``total_s`` seconds, each recorded whatever the others do: the short
+    runs (``steps`` steps each) first, then the A/B with the time that is left (at most ``ab_max_s``)."""
     deadline = time.monotonic() + total_s
     listener = ProbeListener(str(work / "probe.sock"))
     result: dict = {}
     try:
         runs = (("flight_recorder", "probe", True, 1, ["--steps", str(steps)]),
                 ("cuda_events", "probe", False, 1, ["--steps", str(steps)]),
-                ("ab", "ab", True, 1, ["--seconds", str(ab_seconds)]),
-                ("world2_one_gpu", "probe", True, 2, ["--steps", str(max(3, steps // 3))]))
+                ("world2_one_gpu", "probe", True, 2, ["--steps", str(max(3, steps // 3))]),
+                ("ab", "ab", True, 1, ["--block-s", str(block_s)]))
         for name, mode, fr, world, extra in runs:
-            limit = min(RUN_LIMIT_S + (ab_seconds if mode == "ab" else 0), deadline - time.monotonic())
-            if limit < 5.0:
-                result[name] = {"error": f"time budget: {limit:.0f} s left"}
+            left = deadline - time.monotonic()
+            if mode == "ab":
+                ab_s = min(ab_max_s or left, left - AB_START_S)
+                extra, limit = [*extra, "--seconds", f"{ab_s:.0f}"], left
+            else:
+                ab_s, limit = None, min(RUN_LIMIT_S, left)
+            if limit < 5.0 or (ab_s is not None and ab_s < 3 * block_s):
+                result[name] = {"error": f"time budget: {left:.0f} s left"}
                 continue
             try:
                 outcome = launch(mode, work / f"{name}.json", device, world, fr, limit, listener.path, extra)

@@ -7,9 +7,9 @@ NCCL on CUDA, gloo on CPU (the tests run it small on CPU). The model is wrapped 
 all-reduce is issued from C++ (seen only through the NCCL Flight Recorder), and every step also all-reduces
 the loss from Python (seen by the probe's wrapper, CUDA-event timed when the Flight Recorder is off).
 
-* ``ab``: rounds of one block of steps without the probe and one with it (order alternating), each
-  block timed from a device synchronisation to the next, until the t interval of the overhead resolves
-  1 % (stats.resolved) or ``--seconds`` run out. World size 1 only.
+* ``ab``: rounds of one block of steps (``--block-s`` long) without the probe and one with it (order
+  alternating), each block timed from a device synchronisation to the next, until the t interval of the
+  overhead resolves 1 % (stats.resolved) or ``--seconds`` run out. World size 1 only.
 * ``probe``: the probe on for ``--steps`` steps; reports its stats and which GPU timing path it took.
 * ``profile``: ``torch.profiler`` (CPU and CUDA activities) over a few steps, written as a Kineto trace.
 """
@@ -38,8 +38,6 @@ JOB = "gpu-validate"
 # vocab, d_model, heads, feed-forward, layers, sequence, batch: ~100 M parameters and ~50 ms steps on an
 # H100 (big enough that kernels, not launches, dominate); tiny on CPU.
 SIZES = {"cuda": (32000, 1024, 16, 4096, 8, 1024, 8), "cpu": (256, 32, 2, 64, 1, 16, 2)}
-BLOCK_STEPS = {"cuda": 10, "cpu": 3}
-
 
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, d_model: int, heads: int, ff: int, layers: int) -> None:
@@ -94,8 +92,11 @@ def _timed_block(trainer: Trainer, steps: int, probe) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def run_ab(trainer: Trainer, device: str, seconds: float, endpoint: str) -> dict:
-    block = BLOCK_STEPS[device]
+def run_ab(trainer: Trainer, seconds: float, block_s: float, endpoint: str) -> dict:
+    """Interleaved rounds; each block lasts about ``block_s`` (longer than the probe's 1 s Flight Recorder
+    interval, so its periodic harvests fall inside), after one untimed step in each variant: the probe's
+    first step converts the whole recorder backlog once (a restart cost, not the steady state timed here)."""
+    block = max(3, round(block_s / _timed_block(trainer, 3, None)))
     rounds: dict[str, list[float]] = {"without": [], "with": []}
     stats = []
     end_at = time.monotonic() + seconds
@@ -103,11 +104,12 @@ def run_ab(trainer: Trainer, device: str, seconds: float, endpoint: str) -> dict
         order = ("without", "with") if len(rounds["with"]) % 2 == 0 else ("with", "without")
         for variant in order:
             probe = gpuwatch.probe.start(job=JOB, endpoint=endpoint) if variant == "with" else None
+            _timed_block(trainer, 1, probe)  # untimed: the same extra step in both variants
             rounds[variant].append(_timed_block(trainer, block, probe))
             if probe is not None:
                 probe.close()  # outside the timed block, as in bench/probe_overhead.py
                 stats.append(probe.stats())
-    return {"block_steps": block, "rounds_s": rounds, "probe_stats": _sum_stats(stats)}
+    return {"block_steps": block, "block_s": block_s, "rounds_s": rounds, "probe_stats": _sum_stats(stats)}
 
 
 def run_probe(trainer: Trainer, steps: int, endpoint: str) -> dict:
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="result JSON (rank 0 writes it)")
     parser.add_argument("--device", default="cuda", choices=sorted(SIZES))
     parser.add_argument("--seconds", type=float, default=60.0, help="ab: time limit of the rounds")
+    parser.add_argument("--block-s", type=float, default=2.0, help="ab: seconds of steps per variant and round")
     parser.add_argument("--steps", type=int, default=30, help="probe: steps with the probe on")
     parser.add_argument("--active", type=int, default=3, help="profile: profiled steps")
     parser.add_argument("--trace-dir", type=Path, default=None, help="profile: folder of the trace (default: --out's)")
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.step()
         trainer.sync()
         if args.mode == "ab":
-            result.update(run_ab(trainer, args.device, args.seconds, args.endpoint))
+            result.update(run_ab(trainer, args.seconds, args.block_s, args.endpoint))
         elif args.mode == "probe":
             result.update(run_probe(trainer, args.steps, args.endpoint))
         else:

@@ -109,9 +109,8 @@ def step_trace(plan: Plan, allowed_s: float) -> dict:
 
 
 def step_probe(plan: Plan, allowed_s: float) -> dict:
-    runs_s = 90.0  # the three short runs and the A/B's start: process start, NCCL init, a few steps each
-    ab_s = 4.0 if plan.quick else max(10.0, allowed_s - runs_s - 30.0)
-    return probe_step.run(plan.work, plan.device, ab_seconds=ab_s, total_s=allowed_s, steps=5 if plan.quick else 30)
+    return probe_step.run(plan.work, plan.device, total_s=allowed_s, steps=5 if plan.quick else 30,
+                          block_s=0.3 if plan.quick else 2.0, ab_max_s=4.0 if plan.quick else None)
 
 
 # name -> (function, minimum seconds to start it, share of the budget it may use at most)
