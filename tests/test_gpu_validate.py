@@ -272,7 +272,9 @@ def test_validate_runs_every_step_on_the_simulated_fleet(tmp_path):
                                                "kineto_simulated_rank0.json.gz"}
     agent = steps["nvml_agent"]["result"]
     assert [p["kind"] for p in agent["phases"]] == ["idle", "matmul", "copy", "idle"]
-    assert agent["fields"]["tiers"]["fast"]["returned"]["gpu_power_watts"] > 0 and agent["agent_cpu_s_per_node_s"] > 0
+    assert agent["fields"]["tiers"]["fast"]["returned"]["gpu_power_watts"] > 0
+    assert all(a["cpu_s_per_node_s"] > 0 and a["exit_code"] == 0 for a in agent["agents"].values())
+    assert agent["streaming_batches_acknowledged"] > 0
     probe = steps["probe"]["result"]
     assert probe["flight_recorder"]["received"]["by_kind"]["step"] == 5
     assert probe["world2_one_gpu"]["received"]["by_kind"]["step"] == 6  # two ranks, three steps each

@@ -1,8 +1,8 @@
 """Point 1 of the validation: the real agent records the GPU while known loads run, and what it saw.
 
-``run_agent_under_load`` starts ``gpuwatch agent --record`` as its own process (the same command a node
-runs), then the load phases of loads.py in another, watching the agent's CPU time and RSS with psutil, and
-stops the agent with SIGTERM as a service manager would. The analysis functions read only the recording
+``run_agent_under_load`` starts ``gpuwatch agent --record`` and a streaming ``gpuwatch agent --collector``
+as their own processes (the commands a node runs), then the load phases of loads.py in another, watching
+the agents' CPU time and RSS with psutil, and stops them with SIGTERM as a service manager would. The analysis functions read only the recording
 and the phase windows, so they run on the simulated fleet's recordings in CI exactly as on a real GPU's.
 """
 from __future__ import annotations
@@ -35,64 +35,111 @@ AGENT_WARMUP_S = 5.0  # imports and inventory are not the steady-state cost
 
 
 def agent_command(record: Path, node: str, simulate: int | None) -> list[str]:
+    """The recording agent: its recording is what the analysis below reads."""
     cmd = [sys.executable, "-m", "gpuwatch", "agent", "--record", str(record), "--node", node, "--interval", "1",
            "--no-probe-socket", "--log-level", "WARNING"]
     return cmd + (["--simulate", str(simulate)] if simulate else [])
 
 
+def streaming_command(collector: str, spool: Path, node: str, simulate: int | None) -> list[str]:
+    """The production agent (stream to a collector, no recording): its cost is the one README quotes."""
+    cmd = [sys.executable, "-m", "gpuwatch", "agent", "--collector", collector, "--spool", str(spool), "--node", node,
+           "--interval", "1", "--no-probe-socket", "--log-level", "WARNING"]
+    return cmd + (["--simulate", str(simulate)] if simulate else [])
+
+
+class _Usage:
+    """CPU seconds per wall second (after a warm-up) and peak RSS of one child process, sampled by polling."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.process = proc, psutil.Process(proc.pid)
+        self.started = time.monotonic()
+        self.rss: list[int] = []
+        self.threads = 0
+        self.cpu0 = self.t0 = self.cpu1 = self.t1 = None
+
+    def sample(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        with self.process.oneshot():
+            self.rss.append(self.process.memory_info().rss)
+            self.threads = max(self.threads, self.process.num_threads())
+            cpu, now = sum(self.process.cpu_times()[:2]), time.monotonic()
+        if self.cpu0 is None and now - self.started >= AGENT_WARMUP_S:
+            self.cpu0, self.t0 = cpu, now
+        self.cpu1, self.t1 = cpu, now
+
+    def summary(self) -> dict:
+        out = {"threads": self.threads, "rss_mib_peak": max(self.rss) / 2**20 if self.rss else None,
+               "rss_mib_last": self.rss[-1] / 2**20 if self.rss else None}
+        if self.cpu0 is not None and self.t1 > self.t0:
+            out["cpu_s_per_node_s"] = (self.cpu1 - self.cpu0) / (self.t1 - self.t0)
+            out["cpu_window_s"] = self.t1 - self.t0
+        return out
+
+
 def run_agent_under_load(work: Path, phases: str, device: str, simulate: int | None, timeout_s: float) -> dict:
-    """Record with the agent while loads.py runs ``phases``; returns the phases, agent cost and paths."""
+    """Two agents watch the GPU while loads.py runs ``phases``: one records (for the analysis), one streams
+    to an in-process Ingest sink on loopback (the production setting, for its cost). Returns the phases,
+    each agent's cost and exit, and the recording's path."""
+    from gpuwatch.agent.sink import IngestSink  # grpc: imported only for this step
+
     record, phases_json = work / "recording", work / "phases.json"
-    agent = subprocess.Popen(agent_command(record, "gpu-validate", simulate), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
-    watched = psutil.Process(agent.pid)
-    started = time.monotonic()
+    sink = IngestSink()
+    port = sink.start()
+    commands = {"recording": agent_command(record, "gpu-validate", simulate),
+                "streaming": streaming_command(f"127.0.0.1:{port}", work / "spool", "gpu-validate-stream", simulate)}
+    logs = {name: (work / f"{name}.stderr").open("wb") for name in (*commands, "loads")}
+    agents = {name: subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logs[name])
+              for name, cmd in commands.items()}
+    usage = {name: _Usage(proc) for name, proc in agents.items()}
     loads = subprocess.Popen([sys.executable, str(HERE / "loads.py"), "--phases", phases, "--out", str(phases_json),
-                              "--device", device], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    rss, cpu0, t0, threads = [], None, None, 0
+                              "--device", device], stdout=subprocess.DEVNULL, stderr=logs["loads"])
+    deadline = time.monotonic() + timeout_s
+    died_early = {}
     try:
-        while loads.poll() is None and agent.poll() is None:
-            if time.monotonic() - started > timeout_s:
-                loads.kill()
-                break
-            with watched.oneshot():
-                rss.append(watched.memory_info().rss)
-                threads = max(threads, watched.num_threads())
-                if cpu0 is None and time.monotonic() - started >= AGENT_WARMUP_S:
-                    cpu0, t0 = sum(watched.cpu_times()[:2]), time.monotonic()
+        while loads.poll() is None and all(a.poll() is None for a in agents.values()) and time.monotonic() < deadline:
+            for u in usage.values():
+                u.sample()
             time.sleep(0.5)
-        cpu1, t1 = (sum(watched.cpu_times()[:2]), time.monotonic()) if agent.poll() is None else (None, None)
     finally:
-        loads_err = _finish(loads, kill=True)
-        agent_rc_before_stop = agent.poll()
-        if agent_rc_before_stop is None:
-            agent.send_signal(signal.SIGTERM)
-        agent_err = _finish(agent, kill=False)
+        _finish(loads, kill=True)
+        for name, proc in agents.items():
+            died_early[name] = proc.poll() is not None
+            if not died_early[name]:
+                proc.send_signal(signal.SIGTERM)  # as a service manager stops it
+        for proc in agents.values():
+            _finish(proc, kill=False)
+        for log in logs.values():
+            log.close()
+        batches = len(sink.store.batches)
+        sink.stop()
     result = {
-        "agent_command": " ".join(agent_command(record, "gpu-validate", simulate)[1:]),
-        "agent_exit_code": agent.returncode, "agent_died_early": agent_rc_before_stop is not None,
-        "agent_stderr_tail": agent_err[-1500:], "loads_exit_code": loads.returncode,
-        "loads_stderr_tail": loads_err[-1500:],
+        "agent_command": " ".join(commands["recording"][1:]),
+        "streaming_command": " ".join(commands["streaming"][1:]),
+        "agents": {name: {"exit_code": agents[name].returncode, "died_early": died_early[name],
+                          "stderr_tail": _tail(work / f"{name}.stderr"), **usage[name].summary()} for name in agents},
+        "streaming_batches_acknowledged": batches,
+        "loads_exit_code": loads.returncode, "loads_stderr_tail": _tail(work / "loads.stderr"),
         "phases": json.loads(phases_json.read_text())["phases"] if phases_json.exists() else [],
-        "agent_threads": threads, "agent_rss_mib_peak": max(rss) / 2**20 if rss else None,
-        "agent_rss_mib_last": rss[-1] / 2**20 if rss else None, "recording": str(record),
+        "recording": str(record),
     }
-    if cpu0 is not None and cpu1 is not None and t1 > t0:
-        result["agent_cpu_s_per_node_s"] = (cpu1 - cpu0) / (t1 - t0)
-        result["agent_cpu_window_s"] = t1 - t0
     return result
 
 
-def _finish(proc: subprocess.Popen, kill: bool, timeout_s: float = 30.0) -> str:
-    """Wait for our child (killing it if asked or if it will not stop); its stderr as text."""
+def _finish(proc: subprocess.Popen, kill: bool, timeout_s: float = 30.0) -> None:
+    """Wait for our child, killing it if asked or if it will not stop."""
     if kill and proc.poll() is None:
         proc.kill()
     try:
-        _, err = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        _, err = proc.communicate()
-    return (err or b"").decode(errors="replace")
+        proc.wait()
+
+
+def _tail(path: Path, size: int = 1500) -> str:
+    return path.read_bytes()[-size:].decode(errors="replace") if path.exists() else ""
 
 
 def fields_by_tier(record: Path) -> dict:
@@ -172,7 +219,7 @@ def run(work: Path, phases: str, device: str, simulate: int | None, timeout_s: f
     record = Path(result["recording"])
     if not (record / "manifest.json").exists():
         result["checks"] = [{"name": "agent wrote a recording", "ok": False,
-                             "detail": f"no manifest in {record}; agent exit {result['agent_exit_code']}"}]
+                             "detail": f"no manifest in {record}: {result['agents']['recording']['stderr_tail']}"}]
         return result
     try:
         result["fields"] = fields_by_tier(record)
@@ -182,9 +229,12 @@ def run(work: Path, phases: str, device: str, simulate: int | None, timeout_s: f
         result["checks"] = [{"name": "recording analysed", "ok": False, "detail": f"{type(exc).__name__}: {exc}"}]
         return result
     result["checks"] = [
-        {"name": "agent ran until stopped and exited 0",
-         "ok": not result["agent_died_early"] and result["agent_exit_code"] == 0,
-         "detail": f"exit {result['agent_exit_code']}"},
+        *({"name": f"{name} agent ran until stopped and exited 0", "ok": not a["died_early"] and a["exit_code"] == 0,
+           "detail": f"exit {a['exit_code']}" + (f": {a['stderr_tail'][-300:]}" if a["exit_code"] else "")}
+          for name, a in result["agents"].items()),
+        {"name": "the collector acknowledged the streaming agent's batches",
+         "ok": result["streaming_batches_acknowledged"] > 0,
+         "detail": f"{result['streaming_batches_acknowledged']} batches"},
         {"name": "every load phase finished", "ok": result["loads_exit_code"] == 0,
          "detail": f"{len(result['phases'])} phases, loads.py exit {result['loads_exit_code']}"},
         {"name": "no XID events on a healthy GPU", "ok": result["fields"]["xid_events"] == 0,

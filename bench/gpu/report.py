@@ -67,11 +67,16 @@ def _machine(info: dict) -> list[str]:
 
 
 def _nvml_agent(r: dict) -> list[str]:
-    lines = [f"`{r.get('agent_command', '')}` while `bench/gpu/loads.py` ran the phases below.", ""]
-    if "agent_cpu_s_per_node_s" in r:
-        lines += [f"Agent cost: **{100 * r['agent_cpu_s_per_node_s']:.2f} % of one core** "
-                  f"(CPU s per node-second over {r['agent_cpu_window_s']:.0f} s), RSS peak "
-                  f"**{r['agent_rss_mib_peak']:.1f} MiB**, {r.get('agent_threads')} threads.", ""]
+    lines = [f"`{r.get('agent_command', '')}` (recording, analysed below) and `{r.get('streaming_command', '')}` "
+             f"(streaming to an Ingest sink on loopback: {r.get('streaming_batches_acknowledged')} batches "
+             "acknowledged) while `bench/gpu/loads.py` ran the phases below.", ""]
+    rows = [[name, _num(a.get("cpu_s_per_node_s") and 100 * a["cpu_s_per_node_s"], 2), _num(a.get("cpu_window_s"), 0),
+             _num(a.get("rss_mib_peak"), 1), str(a.get("threads")), str(a.get("exit_code"))]
+            for name, a in r.get("agents", {}).items()]
+    if rows:
+        lines += ["Agent cost, side by side in one run:", "",
+                  *_table(["agent", "CPU % of one core (CPU s per node-second)", "over s", "RSS peak MiB", "threads",
+                           "exit"], rows), ""]
     fields = r.get("fields")
     if fields:
         rows = []

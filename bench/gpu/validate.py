@@ -110,7 +110,7 @@ def step_trace(plan: Plan, allowed_s: float) -> dict:
 
 def step_probe(plan: Plan, allowed_s: float) -> dict:
     return probe_step.run(plan.work, plan.device, total_s=allowed_s, steps=5 if plan.quick else 30,
-                          block_s=0.3 if plan.quick else 2.0, ab_max_s=4.0 if plan.quick else None)
+                          block_s=0.3 if plan.quick else 2.0, ab_max_s=8.0 if plan.quick else None)
 
 
 # name -> (function, minimum seconds to start it, share of the budget it may use at most)
