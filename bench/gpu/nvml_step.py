@@ -2,8 +2,9 @@
 
 ``run_agent_under_load`` starts ``gpuwatch agent --record`` and a streaming ``gpuwatch agent --collector``
 as their own processes (the commands a node runs), then the load phases of loads.py in another, watching
-the agents' CPU time and RSS with psutil, and stops them with SIGTERM as a service manager would. The analysis functions read only the recording
-and the phase windows, so they run on the simulated fleet's recordings in CI exactly as on a real GPU's.
+the agents' CPU time and RSS with psutil, and stops them with SIGTERM as a service manager would. The
+analysis functions read only the recording and the phase windows, so they run on the simulated fleet's
+recordings in CI exactly as on a real GPU's.
 """
 from __future__ import annotations
 

@@ -161,7 +161,9 @@ def _now() -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="exit codes: 0 every step passed, 1 a step failed, errored or was skipped, "
+                                            "2 bad arguments, 3 no GPU here (see bench/gpu/README.md)")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json, the report and the trace")
     parser.add_argument("--budget-s", type=float, default=480.0, help="total seconds for every step (default 480)")
     parser.add_argument("--only", default=",".join(STEPS),
