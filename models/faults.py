@@ -12,15 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from gpuwatch import xids
 from gpuwatch.recording import ts_ms
 
-#: One hit does not indict the GPU (application or sympathetic errors).
-APPLICATION_XIDS = frozenset({8, 13, 31, 32, 43, 45, 68, 69, 39, 40, 41, 70, 71, 72, 73, 75, 76, 77}
-                             | set(range(126, 136)))
-#: The GPU is degrading but the job goes on: remaps recorded, excessive SBE, InfoROM wear, C2C, resource
-#: retirement, power-smoothing wear.
-PRECURSOR_XIDS = frozenset({63, 92, 93, 121, 156, 157, 162, 163, 164, 165})
-#: The job on that GPU stops, by subsystem (the fault's kind in the per-kind recall).
+#: The job on that GPU stops, by subsystem (the fault's kind in the per-kind recall): the catalogue's fatal
+#: XIDs (gpuwatch.xids, nvml-and-dcgm.md §6) plus XID 94, which the catalogue files under "degrading" for
+#: the GPU but which kills the job using that memory.
 FAULT_XID_KINDS: dict[int, str] = {
     **dict.fromkeys((48, 64, 94, 95, 140), "memory"),  # DBE, remap failure, contained/uncontained ECC, ECC escape
     **dict.fromkeys((79, 167, 136), "bus"),  # fell off the bus, PCIe fatal, link training
@@ -28,6 +25,11 @@ FAULT_XID_KINDS: dict[int, str] = {
     **dict.fromkeys((46, 62, 109, 119, 120, 143, 154, 158), "gsp_driver"),  # timeouts, PMU halt, GSP, init
 }
 FATAL_XIDS = frozenset(FAULT_XID_KINDS)
+#: One hit does not indict the GPU (application or sympathetic errors).
+APPLICATION_XIDS = xids.APPLICATION
+#: The GPU is degrading but the job goes on: remaps recorded, excessive SBE, InfoROM wear, C2C, resource
+#: retirement, power-smoothing wear.
+PRECURSOR_XIDS = xids.PRECURSOR - FATAL_XIDS
 #: Fault evidence that is not an XID, by kind.
 EVIDENCE_KINDS = {"gpu_lost": "bus", "dbe": "memory", "remap_failure": "memory"}
 

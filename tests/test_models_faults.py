@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from gpuwatch.models.faults import fault_events, xid_class
+from gpuwatch import xids
+from gpuwatch.models.faults import FATAL_XIDS, PRECURSOR_XIDS, fault_events, xid_class
 from helpers import MIN, T0, event_rows, minute_samples
 
 def test_xid_classes_follow_the_catalog():
@@ -12,6 +13,7 @@ def test_xid_classes_follow_the_catalog():
     assert [xid_class(c) for c in (63, 92)] == ["precursor"] * 2
     assert [xid_class(c) for c in (13, 31, 43, 45)] == ["application"] * 4
     assert xid_class(99999) == "unknown"
+    assert xids.FATAL <= FATAL_XIDS and not FATAL_XIDS & PRECURSOR_XIDS  # every catalogue fatal XID has a kind
 
 
 def test_fatal_xids_coalesce_per_gpu_and_application_xids_are_not_faults():
