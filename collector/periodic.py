@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.collector.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,14 @@ class PeriodicService:
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self._store: DuckDBStore | None = None
+        self._store: Store | None = None
         self._periodic: Periodic | None = None
 
-    def bind(self, store: DuckDBStore) -> None:
+    def bind(self, store: Store) -> None:
         """Use ``store`` without the periodic thread."""
         self._store = store
 
-    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+    def start(self, store: Store) -> Mapping[str, Any]:
         self.bind(store)
         self._periodic = Periodic(self.name, self.interval_s, self.run_round)
         self._periodic.start()

@@ -3,6 +3,7 @@ import pytest
 
 from gpuwatch import fields
 from gpuwatch.collector.store.duckdb import DDL, DuckDBStore
+from gpuwatch.collector.store.base import TABLES
 from gpuwatch.errors import UserError
 from helpers import ROWS_PER_BATCH, T0_MS, TICKS, make_batch
 
@@ -19,7 +20,8 @@ def test_wide_tables_have_one_column_per_catalogue_field(store):
     host_columns = store.query_df("SELECT * FROM host_samples LIMIT 0").columns.tolist()
     assert gpu_columns == ["node", "gpu_index", "ts", "job_id", "rank", "local_rank", *fields.GPU_FIELD_NAMES]
     assert host_columns == ["node", "ts", *fields.HOST_FIELD_NAMES]
-    assert len(DDL) == 8
+    assert len(DDL) == len(TABLES) == 14  # every table, features' included, is created when the store opens
+    assert all(store.count(table) == 0 for table in TABLES)
 
 
 def test_group_with_duplicates_stores_each_batch_once(store):

@@ -30,6 +30,8 @@ import pyarrow.compute as pc
 from gpuwatch import events as event_kinds
 from gpuwatch import fields
 from gpuwatch.collector.exporter import LatencyHistogram
+from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
+                                           DEFAULT_SPAN_TRIM_INTERVAL_S, StoreClosed, WriteResult)
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -73,11 +75,37 @@ DDL: list[str] = [
     """CREATE TABLE IF NOT EXISTS alerts (
     id VARCHAR PRIMARY KEY, alertname VARCHAR NOT NULL, subject VARCHAR NOT NULL, status VARCHAR NOT NULL,
     starts_at TIMESTAMP NOT NULL, ends_at TIMESTAMP, updated_at TIMESTAMP NOT NULL, doc JSON NOT NULL)""",
+    # the step marks ("step" and "end" span rows) of every job: kept as long as samples, while the raw spans
+    # are trimmed to a window (steps, step rate and finished ranks over a job's whole life come from here)
+    """CREATE TABLE IF NOT EXISTS job_steps (
+    job_id VARCHAR, rank INTEGER, step BIGINT, kind VARCHAR, start_us DOUBLE, dur_us DOUBLE, world_size INTEGER,
+    node VARCHAR, ts TIMESTAMP NOT NULL)""",
+    # per-step efficiency of live jobs (category -> us), written by the jobs monitor from the spans it analysed
+    """CREATE TABLE IF NOT EXISTS step_breakdowns (
+    job_id VARCHAR NOT NULL, rank INTEGER NOT NULL, step BIGINT, category VARCHAR NOT NULL, us DOUBLE NOT NULL,
+    ts TIMESTAMP NOT NULL)""",
+    # submitted traces (one compact timeline per job and rank) and the breakdowns computed from them
+    """CREATE TABLE IF NOT EXISTS job_timelines (
+    job_id VARCHAR NOT NULL, rank INTEGER NOT NULL, filename VARCHAR, timeline BLOB NOT NULL,
+    submitted_at TIMESTAMP NOT NULL, PRIMARY KEY (job_id, rank))""",
+    """CREATE TABLE IF NOT EXISTS breakdowns (
+    job_id VARCHAR NOT NULL, source VARCHAR NOT NULL, rank INTEGER NOT NULL, step BIGINT, category VARCHAR NOT NULL,
+    us DOUBLE NOT NULL, computed_at TIMESTAMP NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS breakdown_docs (
+    job_id VARCHAR NOT NULL, source VARCHAR NOT NULL, doc JSON NOT NULL, computed_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (job_id, source))""",
+    # who runs the once-per-cluster work (scoring, jobs monitor, alert delivery) until when (epoch ms)
+    """CREATE TABLE IF NOT EXISTS leases (
+    name VARCHAR PRIMARY KEY, holder VARCHAR NOT NULL, expires_ms BIGINT NOT NULL)""",
 ]
+
+#: The span kinds that are step marks (copied to job_steps).
+STEP_MARK_KINDS = ("step", "end")
 
 # Tables that retention trims, with the timestamp column it compares.
 RETENTION: dict[str, str] = {
     "gpu_samples": "ts", "host_samples": "ts", "events": "ts", "spans": "ts", "ingested": "ingested_at",
+    "job_steps": "ts", "step_breakdowns": "ts",
 }
 
 # SpanTable column -> (Arrow type, value used when a batch leaves the column empty).
@@ -91,15 +119,6 @@ _SPAN_COLUMNS: dict[str, tuple[pa.DataType, Any]] = {
 _GPU_FIELD_INDEX = {name: i for i, name in enumerate(fields.GPU_FIELD_NAMES)}
 _HOST_FIELD_INDEX = {name: i for i, name in enumerate(fields.HOST_FIELD_NAMES)}
 _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes", "architecture", "gpm_supported")
-
-
-@dataclass(frozen=True)
-class WriteResult:
-    """What the writer did with one batch: stored it, or recognised it as already stored."""
-
-    agent_id: str
-    sequence: int
-    duplicate: bool
 
 
 @dataclass
@@ -117,10 +136,6 @@ class _Task:
 
 
 _STOP = object()
-
-
-class StoreClosed(RuntimeError):
-    """The store no longer accepts writes."""
 
 
 class IngestCounters:
@@ -174,16 +189,23 @@ class DuckDBStore:
         retention_interval_s: float = 3600.0,
         max_group_batches: int = 2048,
         max_queued_batches: int = 8192,
+        memory_limit: str = DEFAULT_MEMORY_LIMIT,
+        span_retention_s: float | None = DEFAULT_SPAN_RETENTION_S,
+        span_trim_interval_s: float = DEFAULT_SPAN_TRIM_INTERVAL_S,
     ) -> None:
         try:
-            self._con = duckdb.connect(path)
+            self._con = duckdb.connect(path, config={"memory_limit": memory_limit})
         except duckdb.IOException as exc:
+            raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
+        except duckdb.Error as exc:  # an invalid memory_limit: DuckDB names the setting
             raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
         for statement in DDL:
             self._con.execute(statement)
         self.path = path
         self.retention_days = retention_days
+        self.span_retention_s = span_retention_s
         self._retention_interval_s = retention_interval_s
+        self._span_trim_interval_s = span_trim_interval_s
         self._max_group = max_group_batches
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued_batches)
         self._cursor_lock = threading.Lock()
@@ -243,12 +265,20 @@ class DuckDBStore:
         self._queue.put(task)
         return task.future.result(timeout)
 
+    def trim_spans(self, timeout: float | None = None) -> int:
+        """Delete the raw spans older than ``span_retention_s`` before their job's newest span (the job's own
+        clock, so replayed or simulated time is trimmed like live time); return how many were deleted."""
+        if not self.span_retention_s:
+            return 0
+        return self.run_write(lambda con: _trim_spans(con, self.span_retention_s), timeout)
+
     def _write_loop(self) -> None:
         next_retention = time.monotonic() + self._retention_interval_s
+        next_trim = time.monotonic() + self._span_trim_interval_s
         stopping = False
         while not stopping:
             try:
-                first = [self._queue.get(timeout=max(0.01, next_retention - time.monotonic()))]
+                first = [self._queue.get(timeout=max(0.01, min(next_retention, next_trim) - time.monotonic()))]
             except queue.Empty:
                 first = []
             group: list = []
@@ -262,9 +292,22 @@ class DuckDBStore:
                 else:
                     group.append(item)
             self._write_group(group)
+            if stopping:
+                break
             if time.monotonic() >= next_retention:
                 next_retention = time.monotonic() + self._retention_interval_s
                 self._periodic_retention()
+            if time.monotonic() >= next_trim:
+                next_trim = time.monotonic() + self._span_trim_interval_s
+                self._periodic_trim()
+
+    def _periodic_trim(self) -> None:
+        if not self.span_retention_s:
+            return
+        try:
+            _trim_spans(self._con, self.span_retention_s)
+        except Exception:  # like retention: retried next interval, ingest goes on
+            log.exception("trimming spans failed")
 
     def _periodic_retention(self) -> None:
         if not self.retention_days:
@@ -513,21 +556,204 @@ class DuckDBStore:
             raise UserError(f"unknown table {table!r}")
         return int(self.query_df(f"SELECT count(*) AS n FROM {table}")["n"].iloc[0])
 
+    # ---- scoring ---------------------------------------------------------------------------------------
+    def gpu_minutes(self, since_ms: int, until_ms: int, *, last: Sequence[str], means: Sequence[str],
+                    mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
+        """Every GPU's samples per minute between the two times: node, gpu_index, minute, ts (last sample),
+        job_id and rank of the last sample, then the last value of ``last``, the mean of ``means``, the
+        minimum of ``mins`` and the maximum of ``maxs`` (each under its own name)."""
+        _check_fields([*last, *means, *mins, *maxs])
+        values = ([f"arg_max({c}, ts) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
+                  + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
+        return self.query_df(f"""
+            SELECT node, gpu_index, date_trunc('minute', ts) AS minute, max(ts) AS ts, arg_max(job_id, ts) AS job_id,
+                   arg_max(rank, ts) AS rank{''.join(', ' + v for v in values)}
+            FROM gpu_samples WHERE ts >= $since AND ts <= $until
+            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""",
+            {"since": ms_to_datetime(since_ms), "until": ms_to_datetime(until_ms)})
+
+    def newest_sample_ms(self) -> int | None:
+        """The time of the newest stored GPU sample (epoch ms), None before the first."""
+        newest = self.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
+        return None if pd.isna(newest) else int(newest)
+
+    def event_rows(self, kinds: Sequence[str], since_ms: int | None = None,
+                   until_ms: int | None = None) -> pd.DataFrame:
+        """Events of ``kinds`` after ``since_ms`` up to ``until_ms``: node, gpu_index, ts, kind, code."""
+        return self.query_df("""
+            SELECT node, gpu_index, ts, kind, code FROM events
+            WHERE list_contains($kinds, kind) AND ($since IS NULL OR ts > $since) AND ($until IS NULL OR ts <= $until)""",
+            {"kinds": list(kinds), "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms)})
+
+    def event_counts_by_node(self) -> dict[str, int]:
+        """Events stored per node."""
+        return {r["node"]: int(r["n"]) for r in self._records("SELECT node, count(*) AS n FROM events GROUP BY node")}
+
+    def first_failures(self, fatal_xids: Sequence[int]) -> pd.DataFrame:
+        """Per GPU that failed (lost, or a fatal XID): node, gpu_index and the first failure (failed_ms)."""
+        return self.query_df(f"""
+            SELECT node, gpu_index, epoch_ms(min(ts)) AS failed_ms FROM events
+            WHERE gpu_index >= 0 AND (kind = '{event_kinds.GPU_LOST}'
+                                      OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
+            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(int(c) for c in fatal_xids)})
+
+    # ---- jobs ------------------------------------------------------------------------------------------
+    def recent_spans(self, window_s: float, job_id: str | None = None) -> pd.DataFrame:
+        """Spans within ``window_s`` of their job's newest span (the job's own clock), like :meth:`spans`."""
+        return self.query_df("""
+            WITH j AS (SELECT job_id, max(start_us) AS newest FROM spans
+                       WHERE $job IS NULL OR job_id = $job GROUP BY job_id)
+            SELECT s.* FROM spans s JOIN j USING (job_id)
+            WHERE s.start_us + greatest(s.dur_us, 0) >= j.newest - $window
+            ORDER BY s.job_id, s.rank, s.start_us""", {"job": job_id, "window": window_s * 1e6})
+
+    def span_job_ids(self) -> list[str]:
+        """Jobs with step marks or raw spans, sorted."""
+        return self.query_df("""
+            SELECT job_id FROM job_steps WHERE job_id <> '' UNION SELECT job_id FROM spans WHERE job_id <> ''
+            ORDER BY 1""")["job_id"].tolist()
+
+    def job_progress(self) -> pd.DataFrame:
+        """Per job, from its step marks over its whole life: ranks, nodes (sorted list), world_size, steps
+        (last finished step + 1), last_step_us (end of the last finished step) and finished (every rank
+        sent its end mark)."""
+        return self.query_df("""
+            SELECT job_id, count(DISTINCT rank) AS ranks, list_sort(list(DISTINCT node)) AS nodes,
+                   max(world_size) AS world_size,
+                   coalesce(max(step) FILTER (WHERE kind = 'step' AND dur_us >= 0) + 1, 0) AS steps,
+                   max(start_us + dur_us) FILTER (WHERE kind = 'step' AND dur_us >= 0) AS last_step_us,
+                   count(DISTINCT rank) FILTER (WHERE kind = 'end') >= count(DISTINCT rank) AS finished
+            FROM job_steps WHERE job_id <> '' GROUP BY job_id ORDER BY job_id""")
+
+    def add_step_breakdowns(self, rows: pd.DataFrame) -> None:
+        """Append per-step efficiency rows (job_id, rank, step, category, us)."""
+        if len(rows):
+            table = rows[["job_id", "rank", "step", "category", "us"]].assign(ts=_utc_now())
+            self.run_write(lambda con: _insert_frame(con, "INSERT INTO step_breakdowns BY NAME SELECT * FROM {view}",
+                                                     table))
+
+    def step_breakdown_totals(self, job_id: str) -> pd.DataFrame:
+        """The job's per-step efficiency summed per category: category, us, steps (distinct), ranks."""
+        return self.query_df("""
+            SELECT category, sum(us) AS us, count(DISTINCT step) AS steps, count(DISTINCT rank) AS ranks
+            FROM step_breakdowns WHERE job_id = $job GROUP BY category ORDER BY category""", {"job": job_id})
+
+    # ---- breakdowns of submitted traces ----------------------------------------------------------------
+    def job_timelines(self, job_id: str) -> list[bytes]:
+        """The job's submitted rank timelines (serialized), by rank."""
+        df = self.query_df("SELECT timeline FROM job_timelines WHERE job_id = ? ORDER BY rank", [job_id])
+        return [bytes(blob) for blob in df["timeline"]]
+
+    def traced_jobs(self) -> list[dict[str, Any]]:
+        """Jobs with submitted traces: job_id, ranks, submitted_ms (the last submission)."""
+        return self._records("""SELECT job_id, count(*) AS ranks, epoch_ms(max(submitted_at)) AS submitted_ms
+                                FROM job_timelines GROUP BY job_id ORDER BY job_id""")
+
+    def save_submission(self, job_id: str, timelines: pd.DataFrame, rows: pd.DataFrame, doc_json: str,
+                        source: str) -> None:
+        """Store submitted rank timelines (job_id, rank, filename, timeline) and the job's new breakdown,
+        in one transaction."""
+        timelines = timelines.assign(submitted_at=_utc_now())
+
+        def write(con: duckdb.DuckDBPyConnection) -> None:
+            con.begin()
+            try:
+                _insert_frame(con, "INSERT OR REPLACE INTO job_timelines BY NAME SELECT * FROM {view}", timelines)
+                _replace_breakdown(con, job_id, source, rows, doc_json)
+                con.commit()
+            except BaseException:
+                con.rollback()
+                raise
+
+        self.run_write(write)
+
+    def save_breakdown(self, job_id: str, source: str, rows: pd.DataFrame, doc_json: str) -> None:
+        """Replace the job's breakdown from ``source``: its rows (rank, step, category, us) and document."""
+        self.run_write(lambda con: _replace_breakdown(con, job_id, source, rows, doc_json))
+
+    def breakdown_doc(self, job_id: str, source: str) -> str | None:
+        """The last breakdown document (JSON text) stored for the job from ``source``, or None."""
+        df = self.query_df("SELECT doc FROM breakdown_docs WHERE job_id = ? AND source = ?", [job_id, source])
+        return str(df["doc"].iloc[0]) if len(df) else None
+
+    def breakdown_rows(self, job_id: str, source: str | None = None) -> pd.DataFrame:
+        """The job's stored breakdown rows: source, rank, step, category, us, ordered."""
+        return self.query_df("""
+            SELECT source, rank, step, category, us FROM breakdowns WHERE job_id = $job AND ($source IS NULL OR
+            source = $source) ORDER BY source, rank, step NULLS FIRST, category""", {"job": job_id, "source": source})
+
+    # ---- alerts ----------------------------------------------------------------------------------------
+    def upsert_alerts(self, rows: pd.DataFrame) -> None:
+        """Insert or update alert rows (id, alertname, subject, status, starts_at, ends_at, updated_at, doc)."""
+        if not len(rows):
+            return
+        self.run_write(lambda con: _insert_frame(con, """
+            INSERT INTO alerts BY NAME SELECT * REPLACE (doc::JSON AS doc) FROM {view}
+            ON CONFLICT (id) DO UPDATE SET status = excluded.status, ends_at = excluded.ends_at,
+                updated_at = excluded.updated_at, doc = excluded.doc""", rows))
+
+    def firing_alerts(self) -> pd.DataFrame:
+        """Alerts persisted as firing: alertname, subject, updated_ms, doc (JSON text)."""
+        return self.query_df("""
+            SELECT alertname, subject, epoch_ms(updated_at) AS updated_ms, doc::VARCHAR AS doc FROM alerts
+            WHERE status = 'firing'""")
+
+    def alert_docs(self, include_resolved: bool) -> list[str]:
+        """Alert documents (JSON text): firing ones, newest first, then resolved ones with ``include_resolved``."""
+        return self.query_df("""
+            SELECT doc::VARCHAR AS doc FROM alerts WHERE status = 'firing' OR $all
+            ORDER BY status = 'firing' DESC, starts_at DESC""", {"all": bool(include_resolved)})["doc"].tolist()
+
+    def alert_starts(self, alertname: str) -> pd.DataFrame:
+        """Every ``alertname`` alert: node, gpu_index, starts_ms, peak_risk (from its document), oldest first."""
+        return self.query_df("""
+            SELECT doc->>'node' AS node, CAST(doc->>'gpu_index' AS INTEGER) AS gpu_index,
+                   epoch_ms(starts_at) AS starts_ms, CAST(doc->>'peak_risk' AS DOUBLE) AS peak_risk
+            FROM alerts WHERE alertname = $name ORDER BY starts_at""", {"name": alertname})
+
+    # ---- leases ----------------------------------------------------------------------------------------
+    def take_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew the lease ``name`` for ``ttl_s`` seconds; False while another holder's is unexpired.
+        One DuckDB file has one collector, so this always succeeds unless a caller in it holds the lease."""
+        now = int(time.time() * 1000)
+
+        def write(con: duckdb.DuckDBPyConnection) -> bool:
+            con.execute("""
+                INSERT INTO leases VALUES ($name, $holder, $expires) ON CONFLICT (name) DO UPDATE
+                SET holder = excluded.holder, expires_ms = excluded.expires_ms
+                WHERE leases.holder = excluded.holder OR leases.expires_ms < $now""",
+                        {"name": name, "holder": holder, "expires": now + int(ttl_s * 1000), "now": now})
+            return con.execute("SELECT holder FROM leases WHERE name = ?", [name]).fetchone()[0] == holder
+
+        return self.run_write(write)
+
+    def release_lease(self, name: str, holder: str) -> None:
+        """Give the lease up (a clean stop), so another collector takes over at once."""
+        self.run_write(lambda con: con.execute("DELETE FROM leases WHERE name = ? AND holder = ?", [name, holder]))
+
 
 # ------------------------------------------------------------------------------ columnar conversion
-def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatch]) -> None:
-    """Insert a group of fresh batches: one Arrow table and one INSERT ... SELECT per target table."""
-    now = ms_to_datetime(int(time.time() * 1000))
-    tables = {
+def batch_tables(batches: list[pb.TelemetryBatch], now: dt.datetime) -> dict[str, pa.Table]:
+    """The rows a group of batches adds to each append-only table, as Arrow tables (both engines insert these)."""
+    spans = _spans_table(batches, now)
+    return {
         "gpu_samples": _gpu_samples_table(batches),
         "host_samples": _host_samples_table(batches),
         "events": _events_table(batches),
-        "spans": _spans_table(batches, now),
+        "spans": spans,
+        "job_steps": spans.filter(pc.is_in(spans["kind"], pa.array(STEP_MARK_KINDS))).select(
+            ["job_id", "rank", "step", "kind", "start_us", "dur_us", "world_size", "node", "ts"]),
         "ingested": pa.table({
             "agent_id": [b.agent_id for b in batches], "sequence": pa.array([b.sequence for b in batches], pa.uint64()),
             "ingested_at": pa.array([now] * len(batches), pa.timestamp("ms")),
         }),
     }
+
+
+def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatch]) -> None:
+    """Insert a group of fresh batches: one Arrow table and one INSERT ... SELECT per target table."""
+    now = ms_to_datetime(int(time.time() * 1000))
+    tables = batch_tables(batches, now)
     for name, table in tables.items():
         if table is not None and table.num_rows:
             _insert_arrow(con, f"INSERT INTO {name} BY NAME SELECT * FROM {{view}}", table)
@@ -684,6 +910,42 @@ def _stored_keys(con: duckdb.DuckDBPyConnection, keys: list[tuple[str, int]]) ->
     finally:
         con.unregister("_probe")
     return {(agent, int(seq)) for agent, seq in rows}
+
+
+def _check_fields(names: Iterable[str]) -> None:
+    unknown = [c for c in names if c not in _GPU_FIELD_INDEX]
+    if unknown:
+        raise UserError(f"unknown GPU field(s) {', '.join(map(repr, unknown))}")
+
+
+def _insert_frame(con: duckdb.DuckDBPyConnection, sql: str, frame: pd.DataFrame | pa.Table) -> None:
+    con.register("_frame", frame)
+    try:
+        con.execute(sql.format(view="_frame"))
+    finally:
+        con.unregister("_frame")
+
+
+def _replace_breakdown(con: duckdb.DuckDBPyConnection, job_id: str, source: str, rows: pd.DataFrame,
+                       doc_json: str) -> None:
+    now = _utc_now()
+    con.execute("DELETE FROM breakdowns WHERE job_id = ? AND source = ?", [job_id, source])
+    _insert_frame(con, "INSERT INTO breakdowns BY NAME SELECT * FROM {view}",
+                  rows[["rank", "step", "category", "us"]].assign(job_id=job_id, source=source, computed_at=now))
+    con.execute("INSERT OR REPLACE INTO breakdown_docs VALUES (?, ?, ?, ?)", [job_id, source, doc_json, now])
+
+
+def _utc_now() -> dt.datetime:
+    return ms_to_datetime(int(time.time() * 1000))
+
+
+def _trim_spans(con: duckdb.DuckDBPyConnection, keep_s: float) -> int:
+    deleted = con.execute("""
+        DELETE FROM spans USING (SELECT job_id, max(start_us) AS newest FROM spans GROUP BY job_id) AS j
+        WHERE spans.job_id = j.job_id AND spans.start_us < j.newest - $keep""", {"keep": keep_s * 1e6}).fetchone()[0]
+    if deleted:
+        log.debug("trimmed %d spans older than %g s before their job's newest", deleted, keep_s)
+    return int(deleted)
 
 
 def _delete_before(con: duckdb.DuckDBPyConnection, cutoff: dt.datetime) -> dict[str, int]:
