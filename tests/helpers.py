@@ -63,6 +63,14 @@ def alertmanager_alerts(url: str, alertname: str, active: bool = True) -> list[d
     return [a for a in alerts if a["labels"].get("alertname") == alertname]
 
 
+STORE_KINDS = ("duckdb", "chdb")  # the store engines the store and end-to-end tests run against
+
+
+def store_url(kind: str, folder: Path, name: str = "store") -> str:
+    """A --store URL of engine ``kind`` in ``folder``: a DuckDB file, or a chdb (in-process ClickHouse) directory."""
+    return str(folder / f"{name}.duckdb") if kind == "duckdb" else f"chdb://{folder / (name + '-chdb')}"
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now (for servers that must know their port up front)."""
     with socket.socket() as s:

@@ -2,22 +2,26 @@
 import pytest
 
 from gpuwatch import fields
-from gpuwatch.collector.store.duckdb import DDL, DuckDBStore
+from gpuwatch.collector.store.duckdb import DDL, ms_to_datetime
+from gpuwatch.collector.store import open_store
 from gpuwatch.collector.store.base import TABLES
 from gpuwatch.errors import UserError
-from helpers import ROWS_PER_BATCH, T0_MS, TICKS, make_batch
+from helpers import ROWS_PER_BATCH, T0_MS, TICKS, make_batch, store_url, STORE_KINDS
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = DuckDBStore(str(tmp_path / "store.duckdb"), retention_days=1)
+RETENTION_DAYS = 3650  # the test data lies in 2023; ClickHouse's TTL would drop it at insert under a short one
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request, tmp_path):
+    s = open_store(store_url(request.param, tmp_path), retention_days=RETENTION_DAYS)
     yield s
     s.close()
 
 
 def test_wide_tables_have_one_column_per_catalogue_field(store):
-    gpu_columns = store.query_df("SELECT * FROM gpu_samples LIMIT 0").columns.tolist()
-    host_columns = store.query_df("SELECT * FROM host_samples LIMIT 0").columns.tolist()
+    gpu_columns = store.columns("gpu_samples")
+    host_columns = store.columns("host_samples")
     assert gpu_columns == ["node", "gpu_index", "ts", "job_id", "rank", "local_rank", *fields.GPU_FIELD_NAMES]
     assert host_columns == ["node", "ts", *fields.HOST_FIELD_NAMES]
     assert len(DDL) == len(TABLES) == 14  # every table, features' included, is created when the store opens
@@ -76,19 +80,20 @@ def test_retention_deletes_only_rows_older_than_the_window(store):
     store.write(make_batch(1))
     store.write(make_batch(1000))
     last_old_ms = T0_MS + 1000 * (1 * TICKS + TICKS - 1)
-    deleted = store.apply_retention(now_ms=last_old_ms + 86_400_000 + 1)
+    deleted = store.apply_retention(now_ms=last_old_ms + RETENTION_DAYS * 86_400_000 + 1)
     assert deleted["gpu_samples"] == ROWS_PER_BATCH and deleted["events"] == 1 and deleted["host_samples"] == 1
     assert store.count("gpu_samples") == ROWS_PER_BATCH
-    assert store.query_df("SELECT min(epoch_ms(ts)) AS t FROM gpu_samples")["t"][0] > last_old_ms
+    assert store.gpu_samples()["ts"].min() > ms_to_datetime(last_old_ms)
 
 
-def test_reopened_store_keeps_rows_and_dedup_state(tmp_path):
-    path = str(tmp_path / "reopen.duckdb")
-    first = DuckDBStore(path)
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_reopened_store_keeps_rows_and_dedup_state(kind, tmp_path):
+    path = store_url(kind, tmp_path, "reopen")
+    first = open_store(path)
     first.write(make_batch(1))
     first.write(make_batch(2))
     first.close()
-    second = DuckDBStore(path)
+    second = open_store(path)
     try:
         assert second.write(make_batch(1)).duplicate  # below last_sequence: found in `ingested`
         assert not second.write(make_batch(3)).duplicate

@@ -13,12 +13,9 @@ import datetime as dt
 import itertools
 import json
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import duckdb
@@ -29,9 +26,8 @@ import pyarrow.compute as pc
 
 from gpuwatch import events as event_kinds
 from gpuwatch import fields
-from gpuwatch.collector.exporter import LatencyHistogram
-from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
-                                           DEFAULT_SPAN_TRIM_INTERVAL_S, StoreClosed, WriteResult)
+from gpuwatch.collector.store.base import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, DEFAULT_SPAN_TRIM_INTERVAL_S
+from gpuwatch.collector.store.writer import GroupWriter, IngestCounters, StoreClosed, WriteResult  # noqa: F401
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -121,64 +117,7 @@ _HOST_FIELD_INDEX = {name: i for i, name in enumerate(fields.HOST_FIELD_NAMES)}
 _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes", "architecture", "gpm_supported")
 
 
-@dataclass
-class _Pending:
-    batch: pb.TelemetryBatch
-    future: Future = field(default_factory=Future)
-
-
-@dataclass
-class _Task:
-    """Work other than a batch that must run on the writer thread (retention, flush barriers)."""
-
-    fn: Callable[[duckdb.DuckDBPyConnection], Any]
-    future: Future = field(default_factory=Future)
-
-
-_STOP = object()
-
-
-class IngestCounters:
-    """What the writer committed since the store was opened (exported as gpuwatch_ingest_* metrics)."""
-
-    def __init__(self) -> None:
-        self.batches = self.samples = self.duplicates = self.rejected = 0
-        self.commit_seconds = LatencyHistogram()
-        self._oldest_sample_ms: int | None = None
-        self._lock = threading.Lock()
-
-    def committed(self, batches: Sequence[pb.TelemetryBatch], duplicates: int, seconds: float) -> None:
-        blocks = [s.ts_ms for b in batches for s in b.samples if len(s.ts_ms)]
-        rows = sum(len(ts) for ts in blocks)
-        oldest = min(min(ts) for ts in blocks) if blocks else None
-        with self._lock:
-            self.batches += len(batches)
-            self.samples += rows
-            self.duplicates += duplicates
-            if oldest is not None and (self._oldest_sample_ms is None or oldest < self._oldest_sample_ms):
-                self._oldest_sample_ms = oldest
-        self.commit_seconds.observe(seconds)
-
-    def take_oldest_sample_ms(self) -> int | None:
-        """The oldest GPU sample time committed since the last call (None: no samples since), so a reader
-        that keeps aggregates of recent data (the scorer) knows when late data (a spool replay) needs a re-read."""
-        with self._lock:
-            oldest, self._oldest_sample_ms = self._oldest_sample_ms, None
-        return oldest
-
-    def reject(self) -> None:
-        """The server refused a batch before it reached the store (malformed, oversized, wrong version)."""
-        with self._lock:
-            self.rejected += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            counts = {"batches_total": self.batches, "samples_total": self.samples,
-                      "duplicates_total": self.duplicates, "rejected_total": self.rejected}
-        return {**counts, "commit_seconds": self.commit_seconds.snapshot()}
-
-
-class DuckDBStore:
+class DuckDBStore(GroupWriter):
     """One DuckDB database file (or ":memory:"), written by one writer thread, read through cursors."""
 
     def __init__(
@@ -202,68 +141,20 @@ class DuckDBStore:
         for statement in DDL:
             self._con.execute(statement)
         self.path = path
-        self.retention_days = retention_days
-        self.span_retention_s = span_retention_s
-        self._retention_interval_s = retention_interval_s
-        self._span_trim_interval_s = span_trim_interval_s
-        self._max_group = max_group_batches
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queued_batches)
         self._cursor_lock = threading.Lock()
-        self._closed = False
-        self.counters = IngestCounters()
-        self._last_sequence: dict[str, int] = dict(
-            self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()
-        )
-        self._writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
-        self._writer.start()
+        super().__init__(
+            dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()),
+            retention_days=retention_days, span_retention_s=span_retention_s,
+            retention_interval_s=retention_interval_s, span_trim_interval_s=span_trim_interval_s,
+            max_group_batches=max_group_batches, max_queued_batches=max_queued_batches)
 
     # ----------------------------------------------------------------------------------------- writes
-    def submit(self, batch: pb.TelemetryBatch) -> Future:
-        """Queue a validated batch; the future resolves to a :class:`WriteResult` once it is committed.
-
-        Blocks while the queue is full, which pushes back on the senders instead of growing memory.
-        """
-        if self._closed:
-            raise StoreClosed("the store is closed")
-        pending = _Pending(batch)
-        self._queue.put(pending)
-        return pending.future
-
-    def write(self, batch: pb.TelemetryBatch, timeout: float | None = None) -> WriteResult:
-        """Store one batch and wait for its commit (tests, simple tools)."""
-        return self.submit(batch).result(timeout)
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Return once every batch queued before this call is committed."""
-        self.run_write(lambda con: None, timeout)
-
     def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
         """Delete rows older than ``retention_days`` before ``now_ms``; return rows deleted per table."""
         if not self.retention_days:
             return {}
-        cutoff = self._retention_cutoff(now_ms)
+        cutoff = ms_to_datetime(self._retention_cutoff_ms(now_ms))
         return self.run_write(lambda con: _delete_before(con, cutoff), timeout)
-
-    def close(self) -> None:
-        """Commit everything queued, stop the writer and close the database."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
-        self._writer.join()
-        self._con.close()
-
-    def run_write(self, fn: Callable[[duckdb.DuckDBPyConnection], Any], timeout: float | None = None) -> Any:
-        """Run ``fn(connection)`` on the writer thread, between batch groups, and return its result.
-
-        Features that keep their own tables (breakdowns, alerts) write through this, so DuckDB only ever
-        sees one writer and their writes are ordered with ingest.
-        """
-        if self._closed:
-            raise StoreClosed("the store is closed")
-        task = _Task(fn)
-        self._queue.put(task)
-        return task.future.result(timeout)
 
     def trim_spans(self, timeout: float | None = None) -> int:
         """Delete the raw spans older than ``span_retention_s`` before their job's newest span (the job's own
@@ -272,83 +163,17 @@ class DuckDBStore:
             return 0
         return self.run_write(lambda con: _trim_spans(con, self.span_retention_s), timeout)
 
-    def _write_loop(self) -> None:
-        next_retention = time.monotonic() + self._retention_interval_s
-        next_trim = time.monotonic() + self._span_trim_interval_s
-        stopping = False
-        while not stopping:
-            try:
-                first = [self._queue.get(timeout=max(0.01, min(next_retention, next_trim) - time.monotonic()))]
-            except queue.Empty:
-                first = []
-            group: list = []
-            for item in itertools.chain(first, self._drain()):
-                if item is _STOP:
-                    stopping = True
-                elif isinstance(item, _Task):
-                    self._write_group(group)
-                    group = []
-                    _resolve(item.future, item.fn, self._con)
-                else:
-                    group.append(item)
-            self._write_group(group)
-            if stopping:
-                break
-            if time.monotonic() >= next_retention:
-                next_retention = time.monotonic() + self._retention_interval_s
-                self._periodic_retention()
-            if time.monotonic() >= next_trim:
-                next_trim = time.monotonic() + self._span_trim_interval_s
-                self._periodic_trim()
-
-    def _periodic_trim(self) -> None:
-        if not self.span_retention_s:
-            return
-        try:
+    def _housekeeping(self, retention: bool, trim: bool) -> None:
+        if retention and self.retention_days:
+            _delete_before(self._con, ms_to_datetime(self._retention_cutoff_ms()))
+        if trim and self.span_retention_s:
             _trim_spans(self._con, self.span_retention_s)
-        except Exception:  # like retention: retried next interval, ingest goes on
-            log.exception("trimming spans failed")
 
-    def _periodic_retention(self) -> None:
-        if not self.retention_days:
-            return
-        try:
-            _delete_before(self._con, self._retention_cutoff())
-        except Exception:  # a failed clean-up must not stop ingest; it is retried next interval
-            log.exception("retention failed")
+    def _task_argument(self) -> duckdb.DuckDBPyConnection:
+        return self._con
 
-    def _retention_cutoff(self, now_ms: int | None = None) -> dt.datetime:
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        return ms_to_datetime(now_ms - int(self.retention_days * 86_400_000))
-
-    def _drain(self) -> Iterable:
-        for _ in range(self._max_group - 1):
-            try:
-                yield self._queue.get_nowait()
-            except queue.Empty:
-                return
-
-    def _write_group(self, group: list[_Pending]) -> None:
-        if not group:
-            return
-        results, fresh = self._deduplicate(group)
-        started = time.perf_counter()
-        try:
-            self._commit([p.batch for p in fresh])
-        except Exception as exc:
-            if len(group) > 1:  # find the batch that cannot be stored so it does not fail the others
-                log.warning("storing a group of %d batches failed (%s); storing them one by one", len(group), exc)
-                for p in group:
-                    self._write_group([p])
-                return
-            log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id, exc)
-            group[0].future.set_exception(exc)
-            return
-        self.counters.committed([p.batch for p in fresh], len(group) - len(fresh), time.perf_counter() - started)
-        for p in fresh:
-            self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
-        for p, result in zip(group, results):
-            p.future.set_result(result)
+    def _close_engine(self) -> None:
+        self._con.close()
 
     def _commit(self, batches: list[pb.TelemetryBatch]) -> None:
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
@@ -362,19 +187,8 @@ class DuckDBStore:
             self._con.rollback()
             raise
 
-    def _deduplicate(self, group: list[_Pending]) -> tuple[list[WriteResult], list[_Pending]]:
-        """Mark batches stored before, or earlier in the same group, as duplicates; return the rest to write."""
-        maybe_stored = [p for p in group if p.batch.sequence <= self._last_sequence.get(p.batch.agent_id, 0)]
-        stored = _stored_keys(self._con, [(p.batch.agent_id, p.batch.sequence) for p in maybe_stored])
-        results, fresh = [], []
-        for p in group:
-            key = (p.batch.agent_id, p.batch.sequence)
-            duplicate = key in stored
-            stored.add(key)
-            results.append(WriteResult(key[0], key[1], duplicate))
-            if not duplicate:
-                fresh.append(p)
-        return results, fresh
+    def _stored_keys(self, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
+        return _stored_keys(self._con, keys)
 
     # ------------------------------------------------------------------------------------------ reads
     def query_df(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
@@ -531,10 +345,6 @@ class DuckDBStore:
         """Whether ``name`` exists yet (tables that features create on first use, e.g. job_timelines)."""
         return bool(self._records("SELECT 1 FROM duckdb_tables() WHERE table_name = $name", {"name": name}))
 
-    def queue_depth(self) -> int:
-        """Batches and tasks waiting for the writer."""
-        return self._queue.qsize()
-
     def xid_counts(self) -> list[dict[str, Any]]:
         """XID events stored per node, GPU and code."""
         return self._records(f"""
@@ -549,6 +359,11 @@ class DuckDBStore:
             SELECT a.node, coalesce(max(d.dropped), 0)::BIGINT AS spool_dropped,
                    epoch_ms(max(a.last_seen)) AS last_seen_ms
             FROM agents a LEFT JOIN d USING (node) GROUP BY a.node ORDER BY a.node""")
+
+    def columns(self, table: str) -> list[str]:
+        """The column names of one of the store's tables, in order."""
+        self.count(table)  # names an unknown table
+        return self.query_df(f"SELECT * FROM {table} LIMIT 0").columns.tolist()
 
     def count(self, table: str) -> int:
         """Rows in one of the store's tables."""
@@ -960,13 +775,6 @@ def _delete_before(con: duckdb.DuckDBPyConnection, cutoff: dt.datetime) -> dict[
         raise
     log.info("retention before %s deleted %s", cutoff.isoformat(), deleted)
     return deleted
-
-
-def _resolve(future: Future, fn: Callable, *args: Any) -> None:
-    try:
-        future.set_result(fn(*args))
-    except Exception as exc:
-        future.set_exception(exc)
 
 
 def ms_to_datetime(ms: int) -> dt.datetime:
