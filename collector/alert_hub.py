@@ -102,7 +102,14 @@ class AlertHub:
         self._restore(store)
         return {"Alerts": list_alerts}
 
-    def _restore(self, store: Store) -> None:
+    def reload(self) -> None:
+        """Replace the alerts held here by those the store says are firing (another collector raised them
+        while it held the cluster lease), so taking the work over neither re-fires nor resolves twice."""
+        with self._lock:
+            self._jobs.clear()
+        self._restore(self._store, replace=True)
+
+    def _restore(self, store: Store, replace: bool = False) -> None:
         firing = store.firing_alerts()
         gpu_alerts = []
         with self._lock:
@@ -114,7 +121,7 @@ class AlertHub:
                 else:
                     self._jobs[(row.alertname, row.subject)] = JobAlert.from_json(doc, row.subject)
         if self.engine is not None:
-            self.engine.restore(gpu_alerts)
+            self.engine.restore(gpu_alerts, replace=replace)
 
     def stop(self) -> None:
         if self.engine is not None:

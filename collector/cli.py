@@ -16,6 +16,7 @@ from gpuwatch import config
 from gpuwatch.collector import jobs, scoring
 from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
+from gpuwatch.collector.lease import ClusterLease, holder_id
 from gpuwatch.collector.server import CollectorServer, serve
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.collector.store import redacted
@@ -39,7 +40,11 @@ def start_collector(cfg: config.Config) -> CollectorServer:
     scorer = scoring.Scorer(model, hub, interval_s=cfg.score_interval)
     monitor = jobs.JobsMonitor(hub, interval_s=cfg.jobs_interval, window_s=cfg.jobs_window,
                                hang_threshold_s=cfg.hang_threshold)
-    services: list[Any] = [hub, scorer, monitor]
+    # one collector among those sharing a store scores, monitors jobs and sends alerts (collector/lease.py)
+    lease = ClusterLease(min(cfg.score_interval, cfg.jobs_interval), holder=holder_id(cfg.listen),
+                         on_acquire=[hub.reload])
+    scorer.gate = monitor.gate = lease.held
+    services: list[Any] = [hub, lease, scorer, monitor]  # started in order: the hub before the lease reloads it
     if cfg.metrics_listen:
         metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
         services.append(MetricsService(cfg.metrics_listen, scorer=scorer, jobs=monitor, token=metrics_token,

@@ -29,7 +29,7 @@ from gpuwatch.collector.efficiency.engine import analyze
 from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
 from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.collector.query_cli import iso_utc
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import STEP_MARK_KINDS, Store
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
 
@@ -54,8 +54,10 @@ def list_jobs(store: Store, now_us: float | None = None, window_s: float = DEFAU
         return job
 
     now = time.time() * 1e6 if now_us is None else now_us
-    spans = store.recent_spans(window_s)
-    summaries = {s["job_id"]: s for s in job_summaries(spans, now, window_s)} if not spans.empty else {}
+    # with the monitor's flags (which carry each job's lost fraction) the step marks are enough
+    spans = store.recent_spans(window_s, kinds=None if flags is None else STEP_MARK_KINDS)
+    summaries = ({s["job_id"]: s for s in job_summaries(spans, now, window_s, lost=flags is None)}
+                 if not spans.empty else {})
     for progress in store.job_progress().to_dict("records"):
         summaries[progress["job_id"]] = _whole_life(summaries.get(progress["job_id"]), progress, now)
     for job_id in sorted(summaries):
@@ -179,6 +181,8 @@ class JobsMonitor(PeriodicService):
         fresh = spans["ts"] > self._ingested_upto if self._ingested_upto is not None else spans["ts"].notna()
         flags: dict[str, dict[str, Any]] = {}
         for job_id in sorted(set(recent["job_id"]) | set(hangs)):
+            if self.stopping:  # the collector is shutting down: the round's remaining jobs wait for a restart
+                return flags
             if job_id:
                 mine = spans["job_id"] == job_id
                 flags[job_id] = {**self._job_flags(job_id, spans[mine], spans[mine & fresh], now, hangs.get(job_id)),
@@ -197,7 +201,7 @@ class JobsMonitor(PeriodicService):
         fresh = analyse_spans(new_rows, job_id, per_step=True) if len(new_rows) else None
         if fresh:  # the per-step aggregates that outlive the raw spans
             steps = breakdown_rows(fresh)
-            self._store.add_step_breakdowns(steps[steps["step"].notna()].assign(job_id=job_id))
+            self._store.add_step_breakdowns(steps[steps["step"].notna() & (steps["us"] > 0)].assign(job_id=job_id))
         lost = self._lost_s.get(job_id, 0.0) + (fresh["job"]["lost_us"] / 1e6 if fresh else 0.0)
         self._lost_s[job_id] = lost
         stragglers = []
@@ -209,6 +213,8 @@ class JobsMonitor(PeriodicService):
             del self._since[key]
         return {
             "breakdown": doc["job"]["breakdown_fraction"] if doc else {},
+            "lost_fraction": doc["job"]["lost_us"] / doc["job"]["window_us"] if doc and doc["job"]["window_us"]
+            else None,
             "rank_lost_ratio": {r["rank"]: r["lost_us"] / r["window_us"] for r in doc["ranks"] if r["window_us"]}
             if doc else {},
             "lost_gpu_seconds_total": lost,

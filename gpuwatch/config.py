@@ -72,6 +72,15 @@ def address(value: str) -> None:
     split_address(value)
 
 
+def addresses(value: str) -> None:
+    """HOST:PORT, or several separated by commas."""
+    parts = [a.strip() for a in value.split(",")]
+    if not all(parts):
+        raise ValueError(f"{value!r}: an empty address in the list (HOST:PORT[,HOST:PORT...])")
+    for part in parts:
+        split_address(part)
+
+
 def positive(value: float) -> None:
     if value <= 0:
         raise ValueError(f"must be greater than 0, got {value}")
@@ -110,7 +119,9 @@ DEFAULT_CHECKPOINT_COST_S = 300.0  # gpuwatch.collector.alerts.DEFAULT_CHECKPOIN
 LOG_LEVEL = Option("log_level", str, "info", "log level", one_of("debug", "info", "warning", "error"))
 
 AGENT_OPTIONS: tuple[Option, ...] = (
-    Option("collector", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}", "collector address HOST:PORT", address),
+    Option("collector", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}",
+           "collector address HOST:PORT, or several HOST:PORT,HOST:PORT sharing one store (failed over in turn)",
+           addresses),
     Option("node", str, None, "node name (default: the hostname)"),
     Option("interval", float, 1.0, "fast-tier sampling interval in seconds", positive),
     Option("slow_interval", float, 30.0, "slow-tier (reliability counters) interval in seconds", positive),

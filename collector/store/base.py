@@ -21,6 +21,9 @@ DEFAULT_MEMORY_LIMIT = "1GB"  # the engine's own limit (DuckDB memory_limit, Cli
 DEFAULT_SPAN_RETENTION_S = 1800.0  # raw probe spans kept per job, seconds of the job's own (span) time
 DEFAULT_SPAN_TRIM_INTERVAL_S = 30.0  # how often spans older than that are deleted
 
+#: The span kinds that are step marks: kept (in job_steps) as long as samples, while raw spans are trimmed.
+STEP_MARK_KINDS = ("step", "end")
+
 #: Every table of a store, created when it opens (docs/store-schema.md).
 TABLES = ("gpu_samples", "host_samples", "events", "gpus", "agents", "ingested", "spans", "alerts", "job_steps",
           "step_breakdowns", "job_timelines", "breakdowns", "breakdown_docs", "leases")
@@ -79,7 +82,8 @@ class Store(Protocol):
 
     # ---- jobs: probe spans and their per-step aggregates -----------------------------------------------
     def spans(self, job_id: str | None = None, since_us: float | None = None) -> pd.DataFrame: ...
-    def recent_spans(self, window_s: float, job_id: str | None = None) -> pd.DataFrame: ...
+    def recent_spans(self, window_s: float, job_id: str | None = None,
+                     kinds: Sequence[str] | None = None) -> pd.DataFrame: ...
     def span_job_ids(self) -> list[str]: ...
     def job_progress(self) -> pd.DataFrame: ...
     def add_step_breakdowns(self, rows: pd.DataFrame) -> None: ...

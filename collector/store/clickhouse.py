@@ -450,14 +450,17 @@ class ClickHouseStore(GroupWriter):
               AND (isNull({since:Nullable(Float64)}) OR start_us >= {since:Nullable(Float64)})
             ORDER BY job_id, rank, start_us""", {"job": job_id, "since": since_us}))
 
-    def recent_spans(self, window_s: float, job_id: str | None = None) -> pd.DataFrame:
+    def recent_spans(self, window_s: float, job_id: str | None = None,
+                     kinds: Sequence[str] | None = None) -> pd.DataFrame:
         return _spans_frame(self._query("""
             SELECT s.* FROM spans AS s INNER JOIN (
                 SELECT job_id, max(start_us) AS newest FROM spans
                 WHERE isNull({job:Nullable(String)}) OR job_id = {job:Nullable(String)} GROUP BY job_id) AS j
               ON s.job_id = j.job_id
             WHERE s.start_us + greatest(s.dur_us, 0) >= j.newest - {window:Float64}
-            ORDER BY s.job_id, s.rank, s.start_us""", {"job": job_id, "window": window_s * 1e6}))
+              AND (empty({kinds:Array(String)}) OR has({kinds:Array(String)}, s.kind))
+            ORDER BY s.job_id, s.rank, s.start_us""",
+            {"job": job_id, "window": window_s * 1e6, "kinds": list(kinds or [])}))
 
     def span_job_ids(self) -> list[str]:
         return self._query("""
@@ -594,13 +597,19 @@ class ClickHouseStore(GroupWriter):
         return winner == holder
 
     def _lease_state(self, name: str) -> tuple[int, str | None, int]:
+        """The lease's current term, its winner (earliest claim) and when it expires (the winner's latest
+        claim's expiry: renewals extend it, a release sets it to 0)."""
         df = self._query("""
             SELECT term, argMin(holder, (claimed_ms, holder)) AS winner,
-                   maxIf(expires_ms, holder = winner) AS expires
-            FROM leases WHERE name = {name:String} GROUP BY term ORDER BY term DESC LIMIT 1""", {"name": name})
+                   groupArray((holder, claimed_ms, expires_ms)) AS claims
+            FROM leases WHERE name = {name:String}
+              AND term = (SELECT max(term) FROM leases WHERE name = {name:String})
+            GROUP BY term""", {"name": name})
         if df.empty:
             return 0, None, 0
-        return int(df["term"].iloc[0]), str(df["winner"].iloc[0]), int(df["expires"].iloc[0])
+        winner = str(df["winner"].iloc[0])
+        expires = max((c for c in df["claims"].iloc[0] if c[0] == winner), key=lambda c: c[1])[2]
+        return int(df["term"].iloc[0]), winner, int(expires)
 
     def release_lease(self, name: str, holder: str) -> None:
         term, winner, _ = self._lease_state(name)

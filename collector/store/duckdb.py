@@ -26,7 +26,8 @@ import pyarrow.compute as pc
 
 from gpuwatch import events as event_kinds
 from gpuwatch import fields
-from gpuwatch.collector.store.base import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, DEFAULT_SPAN_TRIM_INTERVAL_S
+from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
+                                           DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS)
 from gpuwatch.collector.store.writer import GroupWriter, IngestCounters, StoreClosed, WriteResult  # noqa: F401
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -95,8 +96,6 @@ DDL: list[str] = [
     name VARCHAR PRIMARY KEY, holder VARCHAR NOT NULL, expires_ms BIGINT NOT NULL)""",
 ]
 
-#: The span kinds that are step marks (copied to job_steps).
-STEP_MARK_KINDS = ("step", "end")
 
 # Tables that retention trims, with the timestamp column it compares.
 RETENTION: dict[str, str] = {
@@ -413,14 +412,18 @@ class DuckDBStore(GroupWriter):
             GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(int(c) for c in fatal_xids)})
 
     # ---- jobs ------------------------------------------------------------------------------------------
-    def recent_spans(self, window_s: float, job_id: str | None = None) -> pd.DataFrame:
-        """Spans within ``window_s`` of their job's newest span (the job's own clock), like :meth:`spans`."""
+    def recent_spans(self, window_s: float, job_id: str | None = None,
+                     kinds: Sequence[str] | None = None) -> pd.DataFrame:
+        """Spans (of ``kinds``, default all) within ``window_s`` of their job's newest span (the job's own
+        clock), like :meth:`spans`."""
         return self.query_df("""
             WITH j AS (SELECT job_id, max(start_us) AS newest FROM spans
                        WHERE $job IS NULL OR job_id = $job GROUP BY job_id)
             SELECT s.* FROM spans s JOIN j USING (job_id)
             WHERE s.start_us + greatest(s.dur_us, 0) >= j.newest - $window
-            ORDER BY s.job_id, s.rank, s.start_us""", {"job": job_id, "window": window_s * 1e6})
+              AND ($kinds IS NULL OR list_contains($kinds, s.kind))
+            ORDER BY s.job_id, s.rank, s.start_us""",
+            {"job": job_id, "window": window_s * 1e6, "kinds": list(kinds) if kinds else None})
 
     def span_job_ids(self) -> list[str]:
         """Jobs with step marks or raw spans, sorted."""
