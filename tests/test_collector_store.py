@@ -123,3 +123,40 @@ def test_a_batch_that_cannot_be_stored_fails_alone_not_its_group(store):
         futures[1].result(30)
     assert store.count("gpu_samples") == 2 * ROWS_PER_BATCH
     assert store.write(make_batch(3)).sequence == 3  # the writer keeps going
+
+
+def test_raw_spans_are_trimmed_per_job_while_step_marks_stay(store):
+    from gpuwatch.v1 import telemetry_pb2 as pb
+    batch = make_batch(1)
+    steps = range(0, 3000, 10)  # a step every 10 s of the job's clock, 3000 s in all
+    starts = [s * 1e6 for s in steps for _ in (0, 1)]
+    batch.spans.CopyFrom(pb.SpanTable(
+        job_id=["j"] * len(starts), rank=[0] * len(starts), step=[s // 10 for s in steps for _ in (0, 1)],
+        kind=["step", "compute"] * len(steps), name=["step", "fwd"] * len(steps), start_us=starts,
+        dur_us=[9e6] * len(starts)))
+    store.write(batch)
+    store.span_retention_s = 1000.0
+    deleted = store.trim_spans()
+    kept = store.spans("j")
+    assert deleted == len(starts) - len(kept) > 0
+    assert kept["start_us"].min() >= (2990 - 1000) * 1e6  # the last 1000 s before the job's newest span
+    progress = store.job_progress().set_index("job_id").loc["j"]
+    assert progress["steps"] == len(steps) and not progress["finished"]  # step marks outlive the raw spans
+    assert len(store.recent_spans(100.0, "j")) < len(kept)
+
+
+def test_cluster_schema_parses(tmp_path):
+    """The --clickhouse-cluster DDL (ReplicatedMergeTree + Distributed) is valid ClickHouse SQL; running it
+    needs a cluster with ZooKeeper/Keeper, which these tests do not have."""
+    import clickhouse_connect
+
+    from gpuwatch.collector.store.clickhouse import create_statements
+
+    client = clickhouse_connect.get_client(dsn=f"chdb://{tmp_path / 'ddl'}")
+    try:
+        statements = create_statements("gpuwatch", 30, cluster="prod")
+        assert sum("Distributed(prod" in s for s in statements) == len(TABLES)
+        for statement in statements:
+            client.query(f"EXPLAIN AST {statement}")
+    finally:
+        client.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -102,27 +103,29 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
     }
 
 
+_ENGINE = re.compile(r"^(Replacing)?\{engine\}(?:\((\w+)\))?(.*)$", re.S)
+
+
 def create_statements(database: str, ttl_days: float | None, cluster: str | None = None) -> list[str]:
     """Every CREATE statement of the schema: local MergeTree tables, or with ``cluster`` Replicated tables on
-    every node of the cluster (``<table>_local``) behind Distributed tables sharded by node or job."""
-    statements = [f"CREATE DATABASE IF NOT EXISTS {database}" + (f" ON CLUSTER {cluster}" if cluster else "")]
+    every node of the cluster (``<table>_local``) behind Distributed tables, sharded by node (samples,
+    events, inventory) or job (spans), so that one GPU's or one job's rows meet on one shard."""
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    statements = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
     for table, (columns, engine) in _ddl(ttl_days).items():
+        replacing, version, rest = _ENGINE.match(engine).groups()
+        kind = replacing or ""
         if cluster is None:
             statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n    {columns}\n) ENGINE = "
-                              + engine.format(engine="MergeTree"))
+                              f"{kind}MergeTree{f'({version})' if version else ''}{rest}")
             continue
-        replicated = engine.format(engine="ReplicatedMergeTree('/clickhouse/tables/{shard}/" + database + "/"
-                                   + table + "', '{replica}')")
-        if "(last_" in replicated or "(updated_at)" in replicated or "(submitted_at)" in replicated \
-                or "(computed_at)" in replicated:  # ReplacingMergeTree(version): the version follows the path
-            replicated = replicated.replace("', '{replica}')(", "', '{replica}', ")
-        statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table}_local ON CLUSTER {cluster} (\n    "
-                          f"{columns}\n) ENGINE = {replicated}")
-        shard_key = "cityHash64(node)" if "node LowCardinality" in columns and table != "spans" else \
-            "cityHash64(job_id)" if "job_id" in columns else "cityHash64(" + columns.split()[0] + ")"
-        statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table} ON CLUSTER {cluster} AS "
-                          f"{database}.{table}_local ENGINE = Distributed({cluster}, {database}, {table}_local, "
-                          f"{shard_key})")
+        zk_path = f"'/clickhouse/tables/{{shard}}/{database}/{table}', '{{replica}}'"
+        statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table}_local{on_cluster} (\n    {columns}\n) "
+                          f"ENGINE = Replicated{kind}MergeTree({zk_path}{f', {version}' if version else ''}){rest}")
+        key = next((c for c in ("node", "job_id", "agent_id", "id", "name") if re.search(rf"\b{c} ", columns)), None)
+        key = "job_id" if table in ("spans", "job_steps", "step_breakdowns") else key
+        statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table}{on_cluster} AS {database}.{table}_local "
+                          f"ENGINE = Distributed({cluster}, {database}, {table}_local, cityHash64({key}))")
     return statements
 
 
@@ -146,7 +149,9 @@ class ClickHouseStore(GroupWriter):
     ) -> None:
         self.path = url
         self._connect_args, self.database = _connection(url)
-        self._settings = {"final": 1, "max_memory_usage": _bytes(memory_limit)}
+        self._settings = {"final": 1, "max_memory_usage": _bytes(memory_limit),
+                          # a cluster's Distributed inserts land before they are acknowledged
+                          **({"insert_distributed_sync": 1} if clickhouse_cluster else {})}
         self._local = threading.local()
         self._clients: list[Any] = []  # every thread's client, closed with the store (chdb: frees the engine)
         self._clients_lock = threading.Lock()
@@ -254,16 +259,22 @@ class ClickHouseStore(GroupWriter):
             self._clients.clear()
 
     def _trim(self, keep_s: float) -> int:
-        old = int(self._query("""
-            SELECT count() AS n FROM spans WHERE (job_id, start_us) IN (
-                SELECT job_id, start_us FROM spans AS s INNER JOIN (SELECT job_id, max(start_us) AS newest FROM spans
-                GROUP BY job_id) AS j USING (job_id) WHERE s.start_us < j.newest - {keep:Float64})""",
-            {"keep": keep_s * 1e6})["n"].iloc[0])
+        """Delete each job's raw spans older than ``keep_s`` before its newest span; return how many."""
+        cutoffs = self._query("SELECT job_id, max(start_us) - {keep:Float64} AS cutoff FROM spans GROUP BY job_id",
+                              {"keep": keep_s * 1e6})
+        if cutoffs.empty:
+            return 0
+        where = ("start_us < transform(job_id, {jobs:Array(String)}, {cutoffs:Array(Float64)}, "
+                 "toFloat64(-inf))")
+        params = {"jobs": cutoffs["job_id"].astype(str).tolist(), "cutoffs": cutoffs["cutoff"].astype(float).tolist()}
+        old = int(self._query(f"SELECT count() AS n FROM spans WHERE {where}", params)["n"].iloc[0])
         if old:
-            self._command("""
-                DELETE FROM spans WHERE start_us < (SELECT max(start_us) FROM spans AS s WHERE s.job_id = spans.job_id)
-                                                   - {keep:Float64}""", {"keep": keep_s * 1e6})
+            self._command(f"DELETE FROM {self._table_for_delete('spans')} WHERE {where}", params)
         return old
+
+    def _table_for_delete(self, table: str) -> str:
+        """Where a DELETE goes: the table, or on a cluster its local tables on every node."""
+        return f"{table}_local ON CLUSTER {self.cluster}" if self.cluster else table
 
     # ---- writes other than ingest ----------------------------------------------------------------------
     def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
@@ -280,7 +291,7 @@ class ClickHouseStore(GroupWriter):
                 deleted[table] = int(self._query(f"SELECT count() AS n FROM {table} WHERE {column} < {{cutoff:DateTime64(3)}}",
                                                  params)["n"].iloc[0])
                 if deleted[table]:
-                    self._command(f"DELETE FROM {table} WHERE {column} < {{cutoff:DateTime64(3)}}", params)
+                    self._command(f"DELETE FROM {self._table_for_delete(table)} WHERE {column} < {{cutoff:DateTime64(3)}}", params)
             return deleted
 
         return self.run_write(delete, timeout)
@@ -541,7 +552,7 @@ class ClickHouseStore(GroupWriter):
 
     def _replace_breakdown(self, job_id: str, source: str, rows: pd.DataFrame, doc_json: str) -> None:
         now = _utc_now()
-        self._command("DELETE FROM breakdowns WHERE job_id = {job:String} AND source = {source:String}",
+        self._command(f"DELETE FROM {self._table_for_delete('breakdowns')} WHERE job_id = {{job:String}} AND source = {{source:String}}",
                       {"job": job_id, "source": source})
         frame = rows[["rank", "step", "category", "us"]].assign(job_id=job_id, source=source, computed_at=now)
         self._insert("breakdowns", frame.astype({"rank": "int32"}))
