@@ -340,10 +340,6 @@ class DuckDBStore(GroupWriter):
                    epoch_ms(max(ts)) AS last_seen_ms
             FROM gpu_samples WHERE job_id IS NOT NULL AND job_id <> '' GROUP BY job_id ORDER BY job_id""")
 
-    def has_table(self, name: str) -> bool:
-        """Whether ``name`` exists yet (tables that features create on first use, e.g. job_timelines)."""
-        return bool(self._records("SELECT 1 FROM duckdb_tables() WHERE table_name = $name", {"name": name}))
-
     def xid_counts(self) -> list[dict[str, Any]]:
         """XID events stored per node, GPU and code."""
         return self._records(f"""
@@ -541,13 +537,14 @@ class DuckDBStore(GroupWriter):
                 SET holder = excluded.holder, expires_ms = excluded.expires_ms
                 WHERE leases.holder = excluded.holder OR leases.expires_ms < $now""",
                         {"name": name, "holder": holder, "expires": now + int(ttl_s * 1000), "now": now})
-            return con.execute("SELECT holder FROM leases WHERE name = ?", [name]).fetchone()[0] == holder
+            return con.execute("SELECT holder FROM leases WHERE name = ?", [name]).fetchall()[0][0] == holder
 
         return self.run_write(write)
 
     def release_lease(self, name: str, holder: str) -> None:
         """Give the lease up (a clean stop), so another collector takes over at once."""
-        self.run_write(lambda con: con.execute("DELETE FROM leases WHERE name = ? AND holder = ?", [name, holder]))
+        self.run_write(lambda con: con.execute("DELETE FROM leases WHERE name = ? AND holder = ?", [name, holder])
+                       .fetchall())
 
 
 # ------------------------------------------------------------------------------ columnar conversion
@@ -760,7 +757,7 @@ def _utc_now() -> dt.datetime:
 def _trim_spans(con: duckdb.DuckDBPyConnection, keep_s: float) -> int:
     deleted = con.execute("""
         DELETE FROM spans USING (SELECT job_id, max(start_us) AS newest FROM spans GROUP BY job_id) AS j
-        WHERE spans.job_id = j.job_id AND spans.start_us < j.newest - $keep""", {"keep": keep_s * 1e6}).fetchone()[0]
+        WHERE spans.job_id = j.job_id AND spans.start_us < j.newest - $keep""", {"keep": keep_s * 1e6}).fetchall()[0][0]
     if deleted:
         log.debug("trimmed %d spans older than %g s before their job's newest", deleted, keep_s)
     return int(deleted)

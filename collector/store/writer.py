@@ -215,9 +215,9 @@ class GroupWriter:
     def _write_group(self, group: list[_Pending]) -> None:
         if not group:
             return
-        results, fresh = self._deduplicate(group)
         started = time.perf_counter()
         try:
+            results, fresh = self._deduplicate(group)
             self._commit([p.batch for p in fresh])
         except Exception as exc:
             if len(group) > 1:  # find the batch that cannot be stored so it does not fail the others
