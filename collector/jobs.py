@@ -176,7 +176,7 @@ class JobsMonitor(PeriodicService):
         now = time.time() * 1e6 if now_us is None else now_us
         spans = self._store.recent_spans(max(self.window_s, self.hang_threshold_s))
         hangs = {h["job_id"]: h for h in detect_hangs(spans, now, self.hang_threshold_s)}
-        finished = {s["job_id"] for s in job_summaries(spans, now, self.window_s) if s["finished"]}
+        finished = {s["job_id"] for s in job_summaries(spans, now, self.window_s, lost=False) if s["finished"]}
         recent = spans[spans["start_us"] >= now - self.window_s * 1e6]
         fresh = spans["ts"] > self._ingested_upto if self._ingested_upto is not None else spans["ts"].notna()
         flags: dict[str, dict[str, Any]] = {}
