@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 
 from gpuwatch.collector.client import connect
@@ -86,7 +87,7 @@ def timed(call, repeats: int = 3) -> tuple[float, str]:
         try:
             call()
         except Exception as exc:  # a deadline or an error is a result here, printed beside the numbers
-            error = str(getattr(exc, "details", lambda: exc)() or exc).splitlines()[0]
+            error = (exc.details() if isinstance(exc, grpc.RpcError) else str(exc)).splitlines()[0]
         worst = max(worst, time.perf_counter() - started)
     return worst, error
 

@@ -182,8 +182,7 @@ class ClickHouseStore(GroupWriter):
         return client
 
     def _query(self, sql: str, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        df = self._client().query_df(sql.replace("{db}", self.database), parameters=params or {})
-        return df
+        return self._client().query_df(sql, parameters=params or {})
 
     def _records(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         df = self._query(sql, params)
