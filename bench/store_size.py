@@ -3,8 +3,10 @@
 Writes a recording with `gpuwatch simulate` (NODES nodes x GPUS GPUs, HOURS hours at --resolution), replays it
 with `gpuwatch replay --fast` through a real collector on each store (the ingest path agents use), stops the
 collector, and prints per store: replay wall time, stored GPU sample rows, bytes on disk per GPU sample row
-and per GPU-day at the simulated resolution; for ClickHouse also compressed vs uncompressed bytes per table
-(system.columns), i.e. the codecs' compression ratio. docs/scale.md and docs/store-schema.md quote it.
+and per GPU-day at the simulated resolution (ClickHouse: the tables' parts, system.parts); for ClickHouse also
+compressed vs uncompressed bytes per table (system.columns), i.e. the codecs' compression ratio.
+`gpuwatch simulate` draws every value as a full-precision float with noise, which no codec compresses much;
+NVML's integer-valued readings compress far better (see docs/store-schema.md for both).
 
     python bench/store_size.py [--nodes 2] [--gpus 8] [--hours 6] [--resolution 1s]
 """
@@ -38,6 +40,16 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
 
 
+def parts_bytes(url: str) -> int:
+    """The gpuwatch tables' active parts on disk (the engine directory also holds its own system logs)."""
+    client = clickhouse_connect.get_client(dsn=url)
+    try:
+        return int(client.query("SELECT sum(bytes_on_disk) FROM system.parts WHERE database = 'gpuwatch' AND active")
+                   .result_rows[0][0])
+    finally:
+        client.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2)
@@ -68,7 +80,7 @@ def main() -> None:
             rows = store.count("gpu_samples")
         finally:
             store.close()
-        size = du(path)
+        size = du(path) if name == "duckdb" else parts_bytes(url)
         per_gpu_day = size / rows * 86400 / seconds
         print(f"\n{name}: replay {replay_s:.1f} s, {rows} GPU sample rows, {size / 2**20:.1f} MiB on disk, "
               f"{size / rows:.0f} B per GPU sample row (all tables), {per_gpu_day / 2**20:.2f} MiB per GPU-day "
