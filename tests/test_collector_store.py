@@ -160,3 +160,18 @@ def test_cluster_schema_parses(tmp_path):
             client.query(f"EXPLAIN AST {statement}")
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("url, options, message", [
+    ("mysql://h/db", {}, "unknown scheme"),
+    ("chdb://", {}, "give a directory"),
+    ("clickhouse://127.0.0.1:1/gpuwatch", {}, "cannot open store clickhouse://127.0.0.1:1/gpuwatch"),
+    ("clickhouse://u:secret@127.0.0.1:1/gpu-watch", {}, r"database name 'gpu-watch'.*letters"),
+    ("DUCKDB", {"memory_limit": "lots"}, "cannot open store"),
+    ("chdb://DIR", {"memory_limit": "lots"}, "memory limit 'lots'"),
+])
+def test_a_store_that_cannot_be_opened_is_one_clear_error(tmp_path, url, options, message):
+    url = url.replace("DUCKDB", str(tmp_path / "s.duckdb")).replace("DIR", str(tmp_path / "ch"))
+    with pytest.raises(UserError, match=message) as info:
+        open_store(url, **options).close()
+    assert "secret" not in str(info.value) and "\n" not in str(info.value)
