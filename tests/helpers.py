@@ -124,7 +124,8 @@ class CollectorProcess:
 
     def start(self, timeout_s: float = 60.0, *extra: str) -> CollectorProcess:
         stderr_path = Path(f"{self._chdb_dir or self.db}.stderr")
-        store = ["--store", self.db] if self._chdb_dir else ["--db", self.db]
+        # ClickHouse drops rows past the TTL at insert: test batches carry 2023 times, so no TTL there
+        store = ["--store", self.db, "--retention-days", "0"] if self._chdb_dir else ["--db", self.db]
         with stderr_path.open("a") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpuwatch", "collector", "--listen", self.address, *store,
