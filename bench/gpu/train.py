@@ -95,7 +95,8 @@ def _timed_block(trainer: Trainer, steps: int, probe) -> float:
 def run_ab(trainer: Trainer, seconds: float, block_s: float, endpoint: str) -> dict:
     """Interleaved rounds; each block lasts about ``block_s`` (longer than the probe's 1 s Flight Recorder
     interval, so its periodic harvests fall inside), after one untimed step in each variant: the probe's
-    first step converts the whole recorder backlog once (a restart cost, not the steady state timed here)."""
+    start reads the whole recorder buffer once to skip earlier probes' entries (a restart cost, not the steady
+    state timed here)."""
     block = max(3, round(block_s / _timed_block(trainer, 3, None)))
     rounds: dict[str, list[float]] = {"without": [], "with": []}
     stats = []

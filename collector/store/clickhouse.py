@@ -400,6 +400,39 @@ class ClickHouseStore(GroupWriter):
                                       OR (kind = '{event_kinds.XID}' AND has({{fatal:Array(Int64)}}, code)))
             GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(int(c) for c in fatal_xids)})
 
+    def fatal_events(self, fatal_xids: Sequence[int], until_ms: int | None = None) -> pd.DataFrame:
+        return self._query(f"""
+            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, kind, ifNull(code, 0) AS code
+            FROM events WHERE gpu_index >= 0 AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
+              AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND has({{fatal:Array(Int64)}}, code)))
+            ORDER BY ts""", {"until": _until(until_ms), "fatal": sorted(int(c) for c in fatal_xids)})
+
+    def event_times(self, kind: str, until_ms: int | None = None) -> pd.DataFrame:
+        return self._query("""
+            SELECT node, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms FROM events
+            WHERE kind = {kind:String} AND ts <= fromUnixTimestamp64Milli({until:Int64})""",
+            {"kind": kind, "until": _until(until_ms)})
+
+    def counter_drops(self, field: str, gpus: Sequence[tuple[str, int]], since_ms: int,
+                      until_ms: int | None = None) -> pd.DataFrame:
+        _check_field(field)
+        return self._query(f"""
+            SELECT node, gpu_index, ts_ms FROM (
+                SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, {field} AS value,
+                       lagInFrame({field}) OVER (PARTITION BY node, gpu_index ORDER BY ts
+                                                 ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS before,
+                       row_number() OVER (PARTITION BY node, gpu_index ORDER BY ts) AS n
+                FROM gpu_samples WHERE has({{gpus:Array(String)}}, concat(toString(node), '/', toString(gpu_index)))
+                  AND ts >= fromUnixTimestamp64Milli({{since:Int64}}) AND ts <= fromUnixTimestamp64Milli({{until:Int64}}))
+            WHERE n > 1 AND value < before""",
+            {"gpus": [f"{n}/{g}" for n, g in gpus], "since": since_ms, "until": _until(until_ms)})
+
+    def stopped_agents(self) -> pd.DataFrame:
+        return self._query(f"""
+            SELECT node, toInt64(toUnixTimestamp64Micro(max(ts))) AS stopped_us FROM events
+            WHERE kind IN ('{event_kinds.AGENT_START}', '{event_kinds.AGENT_STOP}') GROUP BY node
+            HAVING argMax(kind, ts) = '{event_kinds.AGENT_STOP}'""")
+
     def gpu_samples(self, since_ms: int | None = None, until_ms: int | None = None,
                     nodes: Sequence[str] | None = None, columns: Sequence[str] | None = None) -> pd.DataFrame:
         for c in columns or ():
@@ -691,6 +724,11 @@ def _spans_frame(df: pd.DataFrame) -> pd.DataFrame:
         if column in df.columns:
             df[column] = df[column].astype(object)
     return df
+
+
+def _until(until_ms: int | None) -> int:
+    """An upper time bound for a query: ``until_ms``, or the far future."""
+    return until_ms if until_ms is not None else 2**62 // 1000
 
 
 def _check_field(name: str) -> None:

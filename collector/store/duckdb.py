@@ -407,6 +407,42 @@ class DuckDBStore(GroupWriter):
                                       OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
             GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(int(c) for c in fatal_xids)})
 
+    def fatal_events(self, fatal_xids: Sequence[int], until_ms: int | None = None) -> pd.DataFrame:
+        """Lost GPUs and fatal XIDs up to ``until_ms``, oldest first: node, gpu_index, ts_ms, kind, code (0 if none)."""
+        return self.query_df(f"""
+            SELECT node, gpu_index, epoch_ms(ts) AS ts_ms, kind, coalesce(code, 0) AS code FROM events
+            WHERE gpu_index >= 0 AND ($until IS NULL OR ts <= $until)
+              AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
+            ORDER BY ts""", {"until": _ms_or_none(until_ms), "fatal": sorted(int(c) for c in fatal_xids)})
+
+    def event_times(self, kind: str, until_ms: int | None = None) -> pd.DataFrame:
+        """When each node logged events of ``kind`` up to ``until_ms``: node, ts_ms."""
+        return self.query_df("""
+            SELECT node, epoch_ms(ts) AS ts_ms FROM events WHERE kind = $kind AND ($until IS NULL OR ts <= $until)""",
+            {"kind": kind, "until": _ms_or_none(until_ms)})
+
+    def counter_drops(self, field: str, gpus: Sequence[tuple[str, int]], since_ms: int,
+                      until_ms: int | None = None) -> pd.DataFrame:
+        """Samples of ``gpus`` where the counter ``field`` went back (a driver reload restarts NVML's counters),
+        between the two times: node, gpu_index, ts_ms."""
+        _check_fields([field])
+        return self.query_df(f"""
+            WITH c AS (
+                SELECT node, gpu_index, ts, {field} AS value,
+                       lag({field}) OVER (PARTITION BY node, gpu_index ORDER BY ts) AS before
+                FROM gpu_samples WHERE list_contains($gpus, node || '/' || gpu_index)
+                  AND ts >= $since AND ($until IS NULL OR ts <= $until))
+            SELECT node, gpu_index, epoch_ms(ts) AS ts_ms FROM c WHERE value < before""",
+            {"gpus": [f"{n}/{g}" for n, g in gpus], "since": ms_to_datetime(since_ms),
+             "until": _ms_or_none(until_ms)})
+
+    def stopped_agents(self) -> pd.DataFrame:
+        """Nodes whose agent's last lifecycle event is a stop: node, stopped_us (epoch µs)."""
+        return self.query_df(f"""
+            SELECT node, epoch_us(max(ts)) AS stopped_us FROM events
+            WHERE kind IN ('{event_kinds.AGENT_START}', '{event_kinds.AGENT_STOP}') GROUP BY node
+            HAVING arg_max(kind, ts) = '{event_kinds.AGENT_STOP}'""")
+
     # ---- jobs ------------------------------------------------------------------------------------------
     def recent_spans(self, window_s: float, job_id: str | None = None,
                      kinds: Sequence[str] | None = None) -> pd.DataFrame:
