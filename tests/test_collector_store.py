@@ -175,3 +175,24 @@ def test_a_store_that_cannot_be_opened_is_one_clear_error(tmp_path, url, options
     with pytest.raises(UserError, match=message) as info:
         open_store(url, **options).close()
     assert "secret" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_failure_evidence_reads(store):
+    """What collector/failed.py and the jobs monitor read: fatal events, agent starts and stops, counter resets."""
+    from gpuwatch.batches import BatchBuilder
+    from gpuwatch.v1 import telemetry_pb2 as pb
+    builder = BatchBuilder(pb.NodeIdentity(node="n"), "agent-f", [pb.GpuInfo(index=0, uuid="GPU-f")])
+    for i, joules in enumerate([10.0, 20.0, 5.0, 6.0]):  # the driver reloaded before the third sample
+        builder.add_gpu_row(0, T0_MS + 1000 * i, {"gpu_energy_joules_total": joules})
+    builder.add_event("agent_start", T0_MS, gpu_index=-1)
+    builder.add_event("xid", T0_MS + 500, gpu_index=0, code=48, message="DBE")
+    builder.add_event("xid", T0_MS + 600, gpu_index=0, code=13, message="not fatal")
+    builder.add_event("agent_stop", T0_MS + 4000, gpu_index=-1)
+    store.write(builder.build(1))
+    fatal = store.fatal_events([48, 79])
+    assert fatal[["node", "gpu_index", "ts_ms", "kind", "code"]].values.tolist() == [["n", 0, T0_MS + 500, "xid", 48]]
+    assert store.fatal_events([48], until_ms=T0_MS + 100).empty
+    assert store.event_times("agent_start")["ts_ms"].tolist() == [T0_MS]
+    drops = store.counter_drops("gpu_energy_joules_total", [("n", 0)], T0_MS - 1000)
+    assert drops[["node", "gpu_index", "ts_ms"]].values.tolist() == [["n", 0, T0_MS + 2000]]
+    assert store.stopped_agents()[["node", "stopped_us"]].values.tolist() == [["n", (T0_MS + 4000) * 1000]]
