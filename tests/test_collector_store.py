@@ -196,3 +196,9 @@ def test_failure_evidence_reads(store):
     drops = store.counter_drops("gpu_energy_joules_total", [("n", 0)], T0_MS - 1000)
     assert drops[["node", "gpu_index", "ts_ms"]].values.tolist() == [["n", 0, T0_MS + 2000]]
     assert store.stopped_agents()[["node", "stopped_us"]].values.tolist() == [["n", (T0_MS + 4000) * 1000]]
+
+
+def test_empty_answers_keep_their_columns(store):
+    assert list(store.recent_spans(60.0).columns[:3]) == ["job_id", "rank", "step"]
+    assert list(store.stopped_agents().columns) == ["node", "stopped_us"]
+    assert list(store.event_rows(["xid"]).columns) == ["node", "gpu_index", "ts", "kind", "code"]

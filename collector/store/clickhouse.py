@@ -182,7 +182,10 @@ class ClickHouseStore(GroupWriter):
         return client
 
     def _query(self, sql: str, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        return self._client().query_df(sql, parameters=params or {})
+        df = self._client().query_df(sql, parameters=params or {})
+        if df.columns.empty:  # an empty answer comes without columns; Arrow's keeps the schema
+            df = self._client().query_arrow(sql, parameters=params or {}).to_pandas()
+        return df
 
     def _records(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         df = self._query(sql, params)
