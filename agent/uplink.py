@@ -4,7 +4,8 @@ One long-lived bidi ``Ingest.Stream`` carries the spooled bytes as they are (no 
 ``window`` batches unacknowledged. When the collector is away the uplink reconnects with capped, jittered
 exponential backoff and resends everything not yet acknowledged (the collector deduplicates by agent id and
 sequence); given several collectors (``a:7700,b:7700``, sharing one store) it moves on to the next one.
-When the collector refuses the stream with INVALID_ARGUMENT or FAILED_PRECONDITION, the batches that were in flight are retried one by one with ``Ingest.Push`` to find the refused one, which is moved to
+When the collector refuses the stream with INVALID_ARGUMENT or FAILED_PRECONDITION, the batches that were in
+flight are retried one by one with ``Ingest.Push`` to find the refused one, which is moved to
 ``<spool>/rejected/`` so it can never block the rest.
 """
 from __future__ import annotations

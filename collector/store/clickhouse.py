@@ -61,7 +61,8 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
     {_value_columns(fields.GPU_FIELD_NAMES)}""",
                         f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, gpu_index, ts){ttl}"),
         "host_samples": (f"""node LowCardinality(String), ts {_TS},
-    {_value_columns(fields.HOST_FIELD_NAMES)}""", f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, ts){ttl}"),
+    {_value_columns(fields.HOST_FIELD_NAMES)}""",
+                         f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, ts){ttl}"),
         "events": (f"""node LowCardinality(String), gpu_index Int32, ts {_TS}, kind LowCardinality(String),
     code Nullable(Int64), message String CODEC(ZSTD(3)), attrs String CODEC(ZSTD(3))""",
                    f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, gpu_index, ts, kind, ifNull(code, 0), "
@@ -70,7 +71,8 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
     kind LowCardinality(String), name LowCardinality(String), start_us Float64 CODEC(Delta, ZSTD(1)),
     dur_us Float64 CODEC(Gorilla, ZSTD(1)), process_group LowCardinality(String), seq Int64 CODEC(Delta, ZSTD(1)),
     bytes Int64 CODEC(ZSTD(1)), world_size Int32, node LowCardinality(String), peer Int32, ts {_TS}""",
-                  f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (job_id, rank, start_us, kind, name, seq){ttl}"),
+                  f"Replacing{{engine}} PARTITION BY toDate(ts) "
+                  f"ORDER BY (job_id, rank, start_us, kind, name, seq){ttl}"),
         "job_steps": (f"""job_id LowCardinality(String), rank Int32, step Int64 CODEC(Delta, ZSTD(1)),
     kind LowCardinality(String), start_us Float64 CODEC(Delta, ZSTD(1)), dur_us Float64 CODEC(Gorilla, ZSTD(1)),
     world_size Int32, node LowCardinality(String), ts {_TS}""",
@@ -290,10 +292,11 @@ class ClickHouseStore(GroupWriter):
             for table, column in (("gpu_samples", "ts"), ("host_samples", "ts"), ("events", "ts"), ("spans", "ts"),
                                   ("ingested", "ingested_at"), ("job_steps", "ts"), ("step_breakdowns", "ts")):
                 params = {"cutoff": cutoff}
-                deleted[table] = int(self._query(f"SELECT count() AS n FROM {table} WHERE {column} < {{cutoff:DateTime64(3)}}",
-                                                 params)["n"].iloc[0])
+                where = f"{column} < {{cutoff:DateTime64(3)}}"
+                found = self._query(f"SELECT count() AS n FROM {table} WHERE {where}", params)
+                deleted[table] = int(found["n"].iloc[0])
                 if deleted[table]:
-                    self._command(f"DELETE FROM {self._table_for_delete(table)} WHERE {column} < {{cutoff:DateTime64(3)}}", params)
+                    self._command(f"DELETE FROM {self._table_for_delete(table)} WHERE {where}", params)
             return deleted
 
         return self.run_write(delete, timeout)
@@ -312,20 +315,24 @@ class ClickHouseStore(GroupWriter):
             SELECT a.node AS node, toInt64(coalesce(any(g.gpus), 0)) AS gpus,
                    toInt64(coalesce(any(s.samples), 0)) AS samples,
                    toInt64(toUnixTimestamp64Milli(max(a.last_seen))) AS last_seen_ms,
-                   argMax(a.agent_id, a.last_seen) AS agent_id, toInt64(argMax(a.last_sequence, a.last_seen)) AS last_sequence
+                   argMax(a.agent_id, a.last_seen) AS agent_id,
+                   toInt64(argMax(a.last_sequence, a.last_seen)) AS last_sequence
             FROM agents AS a LEFT JOIN g ON g.node = a.node LEFT JOIN s ON s.node = a.node
             GROUP BY a.node ORDER BY a.node SETTINGS join_use_nulls = 1""")
 
     def gpus(self, node: str | None = None) -> list[dict[str, Any]]:
         return self._records("""
-            WITH s AS (SELECT node, gpu_index, count() AS samples, toInt64(toUnixTimestamp64Milli(max(ts))) AS last_sample_ms,
+            WITH s AS (SELECT node, gpu_index, count() AS samples,
+                              toInt64(toUnixTimestamp64Milli(max(ts))) AS last_sample_ms,
                               argMax(job_id, ts) AS job_id, argMax(rank, ts) AS rank
                        FROM gpu_samples WHERE isNull({node:Nullable(String)}) OR node = {node:Nullable(String)}
                        GROUP BY node, gpu_index)
             SELECT g.node AS node, g.`index` AS `index`, g.uuid AS uuid, g.name AS name, g.pci_bus_id AS pci_bus_id,
-                   g.serial AS serial, toInt64(g.memory_total_bytes) AS memory_total_bytes, g.architecture AS architecture,
+                   g.serial AS serial, toInt64(g.memory_total_bytes) AS memory_total_bytes,
+                   g.architecture AS architecture,
                    g.gpm_supported AS gpm_supported, toInt64(toUnixTimestamp64Milli(g.first_seen)) AS first_seen_ms,
-                   toInt64(toUnixTimestamp64Milli(g.last_seen)) AS last_seen_ms, toInt64(coalesce(s.samples, 0)) AS samples,
+                   toInt64(toUnixTimestamp64Milli(g.last_seen)) AS last_seen_ms,
+                   toInt64(coalesce(s.samples, 0)) AS samples,
                    s.last_sample_ms AS last_sample_ms, s.job_id AS job_id, s.rank AS rank
             FROM gpus AS g LEFT JOIN s ON s.node = g.node AND s.gpu_index = g.`index`
             WHERE isNull({node:Nullable(String)}) OR g.node = {node:Nullable(String)} ORDER BY g.node, g.`index`
@@ -407,7 +414,8 @@ class ClickHouseStore(GroupWriter):
         return self._query(f"""
             SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, kind, ifNull(code, 0) AS code
             FROM events WHERE gpu_index >= 0 AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
-              AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND has({{fatal:Array(Int64)}}, code)))
+              AND (kind = '{event_kinds.GPU_LOST}'
+                   OR (kind = '{event_kinds.XID}' AND has({{fatal:Array(Int64)}}, code)))
             ORDER BY ts""", {"until": _until(until_ms), "fatal": sorted(int(c) for c in fatal_xids)})
 
     def event_times(self, kind: str, until_ms: int | None = None) -> pd.DataFrame:
@@ -426,7 +434,8 @@ class ClickHouseStore(GroupWriter):
                                                  ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS before,
                        row_number() OVER (PARTITION BY node, gpu_index ORDER BY ts) AS n
                 FROM gpu_samples WHERE has({{gpus:Array(String)}}, concat(toString(node), '/', toString(gpu_index)))
-                  AND ts >= fromUnixTimestamp64Milli({{since:Int64}}) AND ts <= fromUnixTimestamp64Milli({{until:Int64}}))
+                  AND ts >= fromUnixTimestamp64Milli({{since:Int64}})
+                  AND ts <= fromUnixTimestamp64Milli({{until:Int64}}))
             WHERE n > 1 AND value < before""",
             {"gpus": [f"{n}/{g}" for n, g in gpus], "since": since_ms, "until": _until(until_ms)})
 
@@ -587,8 +596,8 @@ class ClickHouseStore(GroupWriter):
 
     def _replace_breakdown(self, job_id: str, source: str, rows: pd.DataFrame, doc_json: str) -> None:
         now = _utc_now()
-        self._command(f"DELETE FROM {self._table_for_delete('breakdowns')} WHERE job_id = {{job:String}} AND source = {{source:String}}",
-                      {"job": job_id, "source": source})
+        self._command(f"DELETE FROM {self._table_for_delete('breakdowns')} "
+                      "WHERE job_id = {job:String} AND source = {source:String}", {"job": job_id, "source": source})
         frame = rows[["rank", "step", "category", "us"]].assign(job_id=job_id, source=source, computed_at=now)
         self._insert("breakdowns", frame.astype({"rank": "int32"}))
         self._insert("breakdown_docs", pd.DataFrame([{"job_id": job_id, "source": source, "doc": doc_json,
@@ -622,7 +631,8 @@ class ClickHouseStore(GroupWriter):
     def alert_starts(self, alertname: str) -> pd.DataFrame:
         return self._query("""
             SELECT JSONExtractString(doc, 'node') AS node, toInt32(JSONExtractInt(doc, 'gpu_index')) AS gpu_index,
-                   toInt64(toUnixTimestamp64Milli(starts_at)) AS starts_ms, JSONExtractFloat(doc, 'peak_risk') AS peak_risk
+                   toInt64(toUnixTimestamp64Milli(starts_at)) AS starts_ms,
+                   JSONExtractFloat(doc, 'peak_risk') AS peak_risk
             FROM alerts WHERE alertname = {name:String} ORDER BY starts_at""", {"name": alertname})
 
     def take_lease(self, name: str, holder: str, ttl_s: float) -> bool:
@@ -679,8 +689,9 @@ def _connection(url: str) -> tuple[dict[str, Any], str]:
     database = parts.path.strip("/") or DEFAULT_DATABASE
     if not database.replace("_", "").isalnum():
         raise UserError(f"--store {_redacted(url)}: database name {database!r} must be letters, digits and _")
-    args: dict[str, Any] = {"host": parts.hostname, "port": parts.port or (8443 if parts.scheme == "clickhouses" else 8123),
-                            "interface": "https" if parts.scheme == "clickhouses" else "http"}
+    https = parts.scheme == "clickhouses"
+    args: dict[str, Any] = {"host": parts.hostname, "port": parts.port or (8443 if https else 8123),
+                            "interface": "https" if https else "http"}
     if parts.username:
         args["username"] = parts.username
     if parts.password:

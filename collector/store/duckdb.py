@@ -392,7 +392,8 @@ class DuckDBStore(GroupWriter):
         """Events of ``kinds`` after ``since_ms`` up to ``until_ms``: node, gpu_index, ts, kind, code."""
         return self.query_df("""
             SELECT node, gpu_index, ts, kind, code FROM events
-            WHERE list_contains($kinds, kind) AND ($since IS NULL OR ts > $since) AND ($until IS NULL OR ts <= $until)""",
+            WHERE list_contains($kinds, kind) AND ($since IS NULL OR ts > $since)
+              AND ($until IS NULL OR ts <= $until)""",
             {"kinds": list(kinds), "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms)})
 
     def event_counts_by_node(self) -> dict[str, int]:

@@ -225,7 +225,8 @@ class GroupWriter:
                 for p in group:
                     self._write_group([p])
                 return
-            log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id, exc)
+            log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id,
+                      exc)
             group[0].future.set_exception(exc)
             return
         self.counters.committed([p.batch for p in fresh], len(group) - len(fresh), time.perf_counter() - started)
