@@ -40,7 +40,7 @@ def html_report(doc: dict) -> str:
         f"<h1>Where the GPU time went</h1><p class='note'>{escape(_subtitle(doc))}</p>",
         _cards(doc),
         _section("What was analysed", _coverage(doc)),
-        _section("Breakdown per rank", _legend() + _bars(doc)),
+        _section("Breakdown per rank", _legend() + _bars(doc) + _stragglers(doc)),
         _section("Lost time per step", _trend(doc)),
         _section("What-if: the job without stragglers", _what_if(doc)),
         _section("Top kernels", _top_kernels(doc)),
@@ -113,6 +113,17 @@ def _bars(doc: dict) -> str:
             x += w
     note = "<p class='note'>★ straggler (holds peers back through its own work), ◆ delayed (late, but waiting on another).</p>" if marked else ""
     return "".join(svg) + "</svg>" + note
+
+
+def _stragglers(doc: dict) -> str:
+    items = [("straggler", s) for s in doc["stragglers"]] + [("delayed", s) for s in doc["delayed"]]
+    if not items:
+        return ""
+    return "<ul>" + "".join(
+        f"<li><b>{label} rank {s['rank']}</b>: last at {100 * s['last_share']:.0f} % of {s['collectives']} collectives "
+        f"(chance {100 * s['chance_share']:.0f} %), mean lateness {s['mean_lateness_us'] / 1000:.2f} ms, "
+        f"busy {s['busy_per_step_us'] / 1000:.2f} ms/step vs peers {s['peer_median_busy_per_step_us'] / 1000:.2f}</li>"
+        for label, s in items) + "</ul>"
 
 
 def _trend(doc: dict) -> str:
