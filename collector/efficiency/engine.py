@@ -102,27 +102,34 @@ def _window_entry(window: dict, timelines: list[RankTimeline], parts: list[Parti
 
 
 def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> dict:
-    """The kernels that take the most GPU time, and the most frequent ones (with their share of the
-    kernels under 10 us: the small kernels behind `small_kernel_overhead`), over all ranks."""
-    names = np.concatenate([tl.kernel_names() for tl in timelines])
-    dur = np.concatenate([tl.end_us - tl.start_us for tl in timelines])
-    kind = np.concatenate([tl.kind for tl in timelines])
-    if not len(names):
-        return {"by_time": [], "by_count": []}
-    uniq, code = np.unique(names.astype(str), return_inverse=True)
-    code = code.ravel()
-    time = np.bincount(code, weights=dur)
-    count = np.bincount(code)
-    short = np.bincount(code, weights=(dur < 10.0))
-    first_kind = np.zeros(len(uniq), np.int64)
-    first_kind[code[::-1]] = kind[::-1]
+    """The kernels that take the most GPU time, and the most frequent ones (with how many ran under
+    10 us: the small kernels behind `small_kernel_overhead`), over all ranks. Summed per timeline over
+    its name ids, then merged by name (names are few; kernels are many)."""
+    merged: dict[str, list] = {}
+    for tl in timelines:
+        if not len(tl):
+            continue
+        ids = np.where(tl.name >= 0, tl.name, len(tl.names))
+        dur = tl.end_us - tl.start_us
+        n = len(tl.names) + 1
+        time = np.bincount(ids, weights=dur, minlength=n)
+        count = np.bincount(ids, minlength=n)
+        short = np.bincount(ids, weights=dur < 10.0, minlength=n)
+        kind = np.zeros(n, np.int64)
+        kind[ids[::-1]] = tl.kind[::-1]  # the kind of its first activity
+        for i in np.flatnonzero(count):
+            name = tl.names[i] if i < len(tl.names) else ""
+            row = merged.setdefault(name, [0.0, 0, 0, int(kind[i])])
+            row[0] += float(time[i])
+            row[1] += int(count[i])
+            row[2] += int(short[i])
 
-    def rows(order):
-        return [{"name": str(uniq[i]), "kind": KIND_NAMES[first_kind[i]], "count": int(count[i]),
-                 "time_us": round(float(time[i]), 3), "mean_us": round(float(time[i] / count[i]), 3),
-                 "short_count": int(short[i])} for i in order[:limit]]
+    def rows(key) -> list[dict]:
+        ordered = sorted(merged.items(), key=key)[:limit]
+        return [{"name": name, "kind": KIND_NAMES[k], "count": c, "time_us": round(t, 3),
+                 "mean_us": round(t / c, 3), "short_count": sh} for name, (t, c, sh, k) in ordered]
 
-    return {"by_time": rows(np.argsort(-time, kind="stable")), "by_count": rows(np.argsort(-count, kind="stable"))}
+    return {"by_time": rows(lambda item: (-item[1][0], item[0])), "by_count": rows(lambda item: (-item[1][1], item[0]))}
 
 
 def _check_one_job(timelines: list[RankTimeline]) -> None:

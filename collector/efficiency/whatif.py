@@ -244,26 +244,36 @@ def _p2p_keys(tl: RankTimeline):
 
 
 def _op_keys(timelines, parts, kind: np.ndarray, group_size: np.ndarray) -> np.ndarray:
-    """What counts as "the same op" for the ideal durations: the kernel name for compute and memory ops,
-    (collective type, group size) for communication."""
+    """What counts as "the same op" for the ideal durations, as a dense integer per op: the kernel name
+    (and kind) for compute and memory ops, (collective type, group size) for communication. Built from
+    each timeline's small name tables, so no per-op string is made."""
+    ids: dict = {}
     keys = []
     for tl, p in zip(timelines, parts):
         o = p["order"]
-        names = tl.kernel_names()[o]
-        types = tl.type_names()[o]
-        kinds = tl.kind[o]
-        size = group_size[p["offset"]: p["offset"] + len(o)]
+        kinds = tl.kind[o].astype(np.int64)
         comm = (kinds == COLLECTIVE) | (kinds == P2P)
-        keys.append(np.where(comm, np.char.add(np.char.add(types.astype(str), "/"), size.astype(str)),
-                             np.char.add(kinds.astype(str), names.astype(str))))
+        size = group_size[p["offset"]: p["offset"] + len(o)]
+        names = list(tl.names) + [""]
+        types = list(tl.coll_types) + [""]
+        local = kinds * (len(names) + 1) + tl.name[o]  # (kind, name id) as one local code
+        comm_code = tl.coll_type[o].astype(np.int64) * (int(size.max()) + 1) + size
+        key = np.empty(len(o), np.int64)
+        for mask, code, label in ((~comm, local, lambda c: ("op", c // (len(names) + 1), names[c % (len(names) + 1)])),
+                                  (comm, comm_code, lambda c: ("comm", types[c // (int(size.max()) + 1)], c % (int(size.max()) + 1)))):
+            if not mask.any():
+                continue
+            uniq, inverse = np.unique(code[mask], return_inverse=True)
+            table = np.array([ids.setdefault(label(int(c)), len(ids)) for c in uniq], dtype=np.int64)
+            key[mask] = table[inverse.ravel()]
+        keys.append(key)
     return np.concatenate(keys)
 
 
 def _ideal_durations(graph: _Graph) -> np.ndarray:
     """Compute and memory ops: mean duration per kernel name; communication: median transfer per
     (collective type, group size); over all ranks and steps."""
-    _, code = np.unique(graph.key, return_inverse=True)
-    code = code.ravel()
+    code = graph.key
     ideal = np.empty(len(code))
     local = ~graph.comm
     if local.any():
@@ -293,55 +303,59 @@ def _simulate(graph: _Graph, duration: np.ndarray, delay: np.ndarray) -> tuple[n
     waiters: dict[int, list[int]] = {}
     stack: list[int] = []
 
-    def finish(m: int, t_end: float) -> None:
-        end[m] = t_end
-        woken = waiters.pop(m, None)
-        if woken:
-            stack.extend(woken)
+    def run(firsts) -> None:
+        """Process `firsts` in order, each with everything it unblocks (a stack of ready ops)."""
+        for first in firsts:
+            stack.append(first)
+            while stack:
+                i = stack.pop()
+                t = base[i]
+                blocked = False
+                for d in deps[i]:
+                    e = end[d]
+                    if e is None:
+                        waiters.setdefault(d, []).append(i)
+                        blocked = True
+                        break
+                    if e > t:
+                        t = e
+                if blocked:
+                    continue
+                t += wait_before[i]
+                start[i] = t
+                k = instance[i]
+                if k < 0:
+                    end[i] = t + dur[i]
+                    if i in waiters:
+                        stack.extend(waiters.pop(i))
+                    continue
+                arrived[k] += 1
+                if t > latest[k]:
+                    latest[k] = t
+                if closed[k]:
+                    done = (i,)
+                elif arrived[k] == len(members[k]):
+                    done = members[k]
+                else:
+                    continue
+                for m in done:
+                    end[m] = latest[k] + dur[m]
+                    if m in waiters:
+                        stack.extend(waiters.pop(m))
 
-    def run() -> None:
-        while stack:
-            i = stack.pop()
-            t = base[i]
-            blocked = False
-            for d in deps[i]:
-                e = end[d]
-                if e is None:
-                    waiters.setdefault(d, []).append(i)
-                    blocked = True
-                    break
-                if e > t:
-                    t = e
-            if blocked:
-                continue
-            t += wait_before[i]
-            start[i] = t
-            k = instance[i]
-            if k < 0:
-                finish(i, t + dur[i])
-                continue
-            arrived[k] += 1
-            if t > latest[k]:
-                latest[k] = t
-            if closed[k]:
-                finish(i, latest[k] + dur[i])
-            elif arrived[k] == len(members[k]):
-                for m in members[k]:
-                    finish(m, latest[k] + dur[m])
-
-    for first in graph.order:
-        stack.append(first)
-        run()
+    run(graph.order)
     while True:  # break cycles, if any
         pending = [k for k in range(len(members)) if 0 < arrived[k] < len(members[k]) and not closed[k]]
         if not pending:
             break
         k = min(pending, key=lambda j: min(graph.start[m] for m in members[j]))
         closed[k] = True
+        woken = []
         for m in members[k]:
             if start[m] == start[m] and end[m] is None:  # arrived (start set), not yet ended
-                finish(m, latest[k] + dur[m])
-        run()
+                end[m] = latest[k] + dur[m]
+                woken.extend(waiters.pop(m, []))
+        run(woken)
     ends = np.array([np.nan if e is None else e for e in end])
     return np.array(start), ends
 
