@@ -193,6 +193,9 @@ def _print_window(gw: dict, hta: dict | None) -> None:
         d_idle = 100 * abs(idle - hta["idle_time(us)"]) / w
         print(f"HTA: window {hw / 1000:.1f} ms, compute {hta['compute_time_pctg']:.2f} %, idle {hta['idle_time_pctg']:.2f} %")
         print(f"agreement: compute differs by {d_compute:.3f} % of the window, idle by {d_idle:.3f} % (target <= 0.5 %)")
+        if max(d_compute, d_idle) > 0.5:
+            print("  (HTA rounds fractional-us timestamps inward, shrinking every kernel, and counts cuda_sync "
+                  "events as GPU busy: docs/efficiency.md, 'Agreement with HolisticTraceAnalysis')")
 
 
 def _print_phases(p: dict, wall: float) -> None:

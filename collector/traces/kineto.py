@@ -42,6 +42,8 @@ _STEP_PREFIX, _COMM_OP_PREFIXES, _COMM_RECORD_OP = "ProfilerStep#", ("nccl:", "h
 # The events `_Collected.add` reads; the stream drops the others (most of a trace: CPU ops, flows) unparsed.
 _WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, *_COMM_OP_PREFIXES, _COMM_RECORD_OP])
 _COMM = -2  # provisional kind of a communication kernel until its type is resolved
+# The flow arrows the profiler draws from each launch to its GPU work (category names over the versions).
+_LAUNCH_FLOWS = (b'"ac2g"', b'"async_cpu_to_gpu"', b'"async_gpu"')
 # Top-level trace keys worth showing in a report (the rest is bulky or private).
 _META_KEYS = ("schemaVersion", "displayTimeUnit", "deviceProperties", "distributedInfo", "cuda_runtime_version",
               "cuda_driver_version", "hip_runtime_version", "cupti_version", "nccl_version", "record_shapes")
@@ -216,7 +218,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
 
     The rank comes from `distributedInfo.rank`, else from a `rank<N>` in the file name, else
     `default_rank`; without any of them the file is rejected."""
-    stream = TraceEventStream(path, progress=progress, only=_WANTED)
+    stream = TraceEventStream(path, progress=progress, only=_WANTED, count=_LAUNCH_FLOWS)
     got = _Collected()
     for events in stream:
         got.add(events)
@@ -228,7 +230,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
     world = info.get("world_size")
     tl = _timeline(path, got, rank, int(world) if isinstance(world, int) else None)
     tl.trace_meta = _described(stream.meta)
-    tl.events_sampled = _sampled(path, stream.meta, tl)
+    tl.events_sampled = _sampled(path, stream.meta, tl, sum(stream.counts.values()))
     return tl
 
 
@@ -251,12 +253,13 @@ def _described(meta: dict) -> dict:
     return out
 
 
-def _sampled(path: str, meta: dict, tl: RankTimeline) -> bool | None:
-    """Whether the trace holds only a sample of the events: True when its path or metadata says so, None
-    (unknown) when some GPU activities have a correlation id but no launch record (a partial recording),
-    else False."""
+def _sampled(path: str, meta: dict, tl: RankTimeline, flow_arrows: int) -> bool | None:
+    """Whether the trace holds only a sample of its events. True when its path or metadata says so, or
+    when its GPU work has launch records but the trace has none of the launch flow arrows the profiler
+    always writes with them (a trace filtered after profiling); None (unknown) when some GPU activities
+    have a correlation id but no launch record (a partial recording); else False."""
     said = " ".join([path, str(meta.get("traceName", "")), str(meta.get("sampling", ""))])
-    if "sampl" in said.lower():
+    if "sampl" in said.lower() or (flow_arrows == 0 and not np.isnan(tl.launch_us).all()):
         return True
     orphans = (tl.correlation >= 0) & np.isnan(tl.launch_us)
     return None if orphans.any() else False
