@@ -31,13 +31,18 @@ _NO_INSTANCE = -1
 
 @dataclass
 class _Graph:
-    """All ranks' ops as flat lists (global op ids), in the order of their actual start."""
+    """All ranks' ops (global op ids, each rank's ops in actual start order), and the graph the replay
+    walks: nodes, each one op or a chain of ops run back to back that nothing else waits on inside (a
+    stream's kernels between two cross-stream dependencies), which replays exactly as one op of their
+    summed duration and a fraction of the work."""
 
-    order: list[int]
-    deps: list[tuple[int, ...]]
-    base: list[float]           # the rank's first actual start: an op with no dependency starts there
-    instance: list[int]         # cross-rank instance (collective or p2p pair) of each op, else -1
-    members: list[list[int]]    # ops of each instance
+    node: np.ndarray            # node of each op
+    head: np.ndarray            # first op of each node
+    order: list[int]            # nodes in the actual start order of their first op
+    deps: list[tuple[int, ...]] # nodes each node waits for
+    base: list[float]           # the rank's first actual start: a node with no dependency starts there
+    instance: list[int]         # cross-rank instance (collective or p2p pair) of each node, else -1
+    members: list[list[int]]    # nodes of each instance
     start: np.ndarray           # actual start / end / duration (us, relative to the job origin)
     end: np.ndarray
     transfer: np.ndarray        # actual duration, minus the wait for peers for communication ops
@@ -56,15 +61,16 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> dict | None:
         return None
     ideal = _ideal_durations(graph)
     zero = np.zeros(len(graph.start))
-    actual_steps = _step_times(graph, graph.start, graph.end)
-    replay = _step_times(graph, *_simulate(graph, graph.transfer, graph.delay))
-    no_delay = _step_times(graph, *_simulate(graph, graph.transfer, zero))
-    ideal_steps = _step_times(graph, *_simulate(graph, ideal, zero))
+    node_step = graph.step[graph.head]
+    actual_steps = _step_times(graph.step, graph.start, graph.end)
+    replay = _step_times(node_step, *_simulate(graph, graph.transfer, graph.delay))
+    no_delay = _step_times(node_step, *_simulate(graph, graph.transfer, zero))
+    ideal_steps = _step_times(node_step, *_simulate(graph, ideal, zero))
     t_actual, t_ideal = float(no_delay.mean()), float(ideal_steps.mean())
 
     def slowdown_with(actual_mask: np.ndarray) -> float:
         durations = np.where(actual_mask, graph.transfer, ideal)
-        return float(_step_times(graph, *_simulate(graph, durations, zero)).mean()) / t_ideal
+        return float(_step_times(node_step, *_simulate(graph, durations, zero)).mean()) / t_ideal
 
     ranks = [tl.rank for tl in timelines]
     if len(ranks) == 1:
@@ -90,6 +96,7 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> dict | None:
         "ideal_step_us": round(t_ideal, 3),
         "steps": len(actual_steps),
         "ops": len(graph.start),
+        "replayed_nodes": len(graph.head),
         "per_rank": [{"rank": r, "slowdown": round(s, 4), "share": share(s)} for r, s in per_rank.items()],
         "per_op_kind": [{"kind": k, "slowdown": round(s, 4), "share": share(s)} for k, s in per_kind.items()],
     }
@@ -103,10 +110,10 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
         order = np.lexsort((tl.end_us, tl.start_us))
         start, end = tl.start_us[order] - origin, tl.end_us[order] - origin
         lane = np.where(tl.stream[order] >= 0, tl.stream[order], 1_000_000 + tl.kind[order].astype(np.int64))
-        deps = _dependencies(start, end, lane)
+        deps, pred = _dependencies(start, end, lane)
         launch = tl.launch_us[order] - origin
         parts.append({
-            "order": order, "start": start, "end": end, "deps": deps, "offset": offset, "pos": pos,
+            "order": order, "start": start, "end": end, "deps": deps, "pred": pred, "offset": offset, "pos": pos,
             "delay": _launch_delays(start, end, launch, deps),
         })
         offset += len(order)
@@ -119,20 +126,49 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
     instance, members, group_size = _instances(timelines, parts, matching, n)
     transfer = end - start - _waits(instance, start, end)
     key = _op_keys(timelines, parts, kind, group_size)
-    deps: list[tuple[int, ...]] = []
-    base: list[float] = []
+    step = np.concatenate([tl.step[p["order"]] for tl, p in zip(timelines, parts)])
+    node = np.empty(n, np.int64)
+    heads, deps, base = [], [], []
     for p in parts:
-        shift = p["offset"]
-        deps.extend(tuple(d + shift for d in row) for row in p["deps"])
-        base.extend([float(p["start"][0])] * len(p["start"]))
+        span = slice(p["offset"], p["offset"] + len(p["start"]))
+        local_node, local_heads = _chains(p["deps"], p["pred"], instance[span] < 0, step[span])
+        first = len(heads)
+        node[span] = local_node + first
+        heads.extend((local_heads + p["offset"]).tolist())
+        for row in p["deps"][local_heads].tolist():
+            deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
+        base.extend([float(p["start"][0])] * len(local_heads))
+    head = np.array(heads, dtype=np.int64)
     return _Graph(
-        order=np.argsort(start, kind="stable").tolist(), deps=deps, base=base, instance=instance.tolist(),
-        members=members, start=start, end=end, transfer=transfer,
-        delay=np.concatenate([p["delay"] for p in parts]),
+        node=node, head=head, order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
+        instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
+        start=start, end=end, transfer=transfer, delay=np.concatenate([p["delay"] for p in parts]),
         rank_pos=np.concatenate([np.full(len(p["start"]), p["pos"]) for p in parts]),
-        kind=kind, step=np.concatenate([tl.step[p["order"]] for tl, p in zip(timelines, parts)]),
-        key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
+        kind=kind, step=step, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
     )
+
+
+def _chains(deps: np.ndarray, pred: np.ndarray, local: np.ndarray, step: np.ndarray):
+    """(node of each op, first op of each node) of one rank: an op joins its stream predecessor's node
+    when it waits for that op alone, neither is communication, they share a step, and nothing else
+    waits for the predecessor."""
+    n = len(deps)
+    has = deps >= 0
+    other = has & (deps != pred[:, None])
+    needed = np.zeros(n, dtype=bool)
+    needed[deps[other]] = True
+    single = (has.sum(axis=1) == 1) & (has & (deps == pred[:, None])).any(axis=1)
+    merge = single & local & (pred >= 0)
+    p = pred[merge]
+    merge[merge] = local[p] & (step[p] == step[merge]) & ~needed[p]
+    root = np.where(merge, pred, np.arange(n))
+    while True:
+        jumped = root[root]
+        if np.array_equal(jumped, root):
+            break
+        root = jumped
+    heads = np.flatnonzero(~merge)
+    return np.searchsorted(heads, root), heads
 
 
 def _waits(instance: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -147,10 +183,11 @@ def _waits(instance: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarr
     return wait
 
 
-def _dependencies(start: np.ndarray, end: np.ndarray, lane: np.ndarray) -> list[tuple[int, ...]]:
-    """Per op (ops in start order), the ops it depends on: per lane (stream), the latest op that started
-    before it and ended no later than DELTA_US after it started. A dependency its predecessor on its own
-    lane already has (or a later one on that lane) is implied, and left out."""
+def _dependencies(start: np.ndarray, end: np.ndarray, lane: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per op (ops in start order), the ops it depends on, one column per lane (stream; -1: none): the
+    latest op of that lane that started before it and ended no later than DELTA_US after it started. A
+    dependency its predecessor on its own lane already has (or a later one on that lane) is implied, and
+    left out. Also each op's predecessor on its lane (-1 for the first)."""
     n = len(start)
     found = []
     for ln in np.unique(lane):
@@ -170,14 +207,13 @@ def _dependencies(start: np.ndarray, end: np.ndarray, lane: np.ndarray) -> list[
     implied = np.zeros_like(dep, dtype=bool)
     has_pred = pred >= 0
     implied[has_pred] = (dep[pred[has_pred]] >= dep[has_pred]) & (dep[has_pred] != pred[has_pred, None])
-    dep = np.where(implied | (dep < 0), -1, dep)
-    return [tuple(int(d) for d in row if d >= 0) for row in dep.tolist()]
+    return np.where(implied | (dep < 0), -1, dep), pred
 
 
-def _launch_delays(start: np.ndarray, end: np.ndarray, launch: np.ndarray, deps: list[tuple[int, ...]]) -> np.ndarray:
+def _launch_delays(start: np.ndarray, end: np.ndarray, launch: np.ndarray, deps: np.ndarray) -> np.ndarray:
     """The host stall before each op: from when its dependencies were done to when its launch call began
     (never past its start); 0 where the launch time is unknown."""
-    ready = np.array([max((end[d] for d in row), default=start[0]) for row in deps]) if deps else np.empty(0)
+    ready = np.where(deps >= 0, end[np.maximum(deps, 0)], start[0]).max(axis=1, initial=start[0])
     stall = np.minimum(launch, start) - ready
     return np.where(np.isnan(stall), 0.0, np.maximum(stall, 0.0))
 
@@ -287,13 +323,17 @@ def _ideal_durations(graph: _Graph) -> np.ndarray:
 
 
 def _simulate(graph: _Graph, duration: np.ndarray, delay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Replay the graph: (start, end) of every op. Ops are taken in their actual start order; an op whose
-    dependency is not yet known (a collective whose last rank comes later in that order) waits for it. If
+    """Replay the graph with each op's `duration` and launch `delay`: (start, end) of every node. A node
+    runs its ops back to back: it starts after its first op's delay and lasts their durations plus the
+    delays of the others. Nodes are taken in their actual start order; one whose dependency is not yet
+    known (a collective whose last rank comes later in that order) waits for it. If
     the graph holds a cycle (ranks that ran matched collectives in different orders), the instance that
     began first is closed with the ranks that have arrived, and later arrivals end their own transfer
     after max(that time, their arrival)."""
-    n = len(duration)
-    dur, wait_before = duration.tolist(), delay.tolist()
+    n = len(graph.head)
+    inner = np.bincount(graph.node, weights=delay, minlength=n) - delay[graph.head]
+    dur = (np.bincount(graph.node, weights=duration, minlength=n) + inner).tolist()
+    wait_before = delay[graph.head].tolist()
     deps, base, instance, members = graph.deps, graph.base, graph.instance, graph.members
     start: list[float] = [float("nan")] * n
     end: list = [None] * n
@@ -348,7 +388,7 @@ def _simulate(graph: _Graph, duration: np.ndarray, delay: np.ndarray) -> tuple[n
         pending = [k for k in range(len(members)) if 0 < arrived[k] < len(members[k]) and not closed[k]]
         if not pending:
             break
-        k = min(pending, key=lambda j: min(graph.start[m] for m in members[j]))
+        k = min(pending, key=lambda j: min(graph.start[graph.head[m]] for m in members[j]))
         closed[k] = True
         woken = []
         for m in members[k]:
@@ -360,13 +400,13 @@ def _simulate(graph: _Graph, duration: np.ndarray, delay: np.ndarray) -> tuple[n
     return np.array(start), ends
 
 
-def _step_times(graph: _Graph, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+def _step_times(step: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """Per analysed step, the job's step time: from the end of the previous step (the first step: its
     first op's start) to the last end of its ops on any rank. No known steps: the whole window is one."""
-    known = graph.step >= 0
+    known = step >= 0
     if not known.any():
         return np.array([np.nanmax(end) - np.nanmin(start)])
-    steps, code = np.unique(graph.step[known], return_inverse=True)
+    steps, code = np.unique(step[known], return_inverse=True)
     last = np.full(len(steps), -np.inf)
     np.maximum.at(last, code, np.nan_to_num(end[known], nan=-np.inf))
     first = np.full(len(steps), np.inf)
