@@ -290,13 +290,16 @@ def _op_keys(timelines, parts, kind: np.ndarray, group_size: np.ndarray) -> np.n
         kinds = tl.kind[o].astype(np.int64)
         comm = (kinds == COLLECTIVE) | (kinds == P2P)
         size = group_size[p["offset"]: p["offset"] + len(o)]
-        names = list(tl.names) + [""]
+        names = list(tl.names) + [""]            # an unknown id (-1) reads as the last entry, ""
         types = list(tl.coll_types) + [""]
-        local = kinds * (len(names) + 1) + tl.name[o]  # (kind, name id) as one local code
-        comm_code = tl.coll_type[o].astype(np.int64) * (int(size.max()) + 1) + size
+        name_id = np.where(tl.name[o] >= 0, tl.name[o], len(names) - 1).astype(np.int64)
+        type_id = np.where(tl.coll_type[o] >= 0, tl.coll_type[o], len(types) - 1).astype(np.int64)
+        sizes = int(size.max()) + 1
+        local = kinds * len(names) + name_id     # (kind, name) as one local code
+        comm_code = type_id * sizes + size       # (type, group size) as one local code
         key = np.empty(len(o), np.int64)
-        for mask, code, label in ((~comm, local, lambda c: ("op", c // (len(names) + 1), names[c % (len(names) + 1)])),
-                                  (comm, comm_code, lambda c: ("comm", types[c // (int(size.max()) + 1)], c % (int(size.max()) + 1)))):
+        for mask, code, label in ((~comm, local, lambda c: ("op", c // len(names), names[c % len(names)])),
+                                  (comm, comm_code, lambda c: ("comm", types[c // sizes], c % sizes))):
             if not mask.any():
                 continue
             uniq, inverse = np.unique(code[mask], return_inverse=True)
