@@ -10,7 +10,8 @@ full orjson parse (what any JSON reader pays), gpuwatch's filtered stream, the w
 the what-if, and the interpreter with its imports.
 
 CPU time (user + system, summed over the process tree) is printed beside the wall time: on a loaded
-machine it moves far less than wall time. HTA comes from this interpreter when it imports (`pip install HolisticTraceAnalysis==0.5.0`, bench only),
+machine it moves far less than wall time. HTA comes from this interpreter when it imports
+(`pip install HolisticTraceAnalysis==0.5.0`, bench only),
 else from a venv under ~/.cache/gpuwatch-bench. Targets: >= 12x on single traces, >= 20x on the 8-rank
 set, agreement within 0.5 % of the window.
 
@@ -233,7 +234,9 @@ def build_synthetic(trace: str, folder: str, target_mb: int, ranks: int = 8) -> 
         path = os.path.join(folder, f"rank{rank}.json")
         head = {**doc, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": ranks}}
         with open(path, "wb") as out:
-            out.write(orjson.dumps(head)[:-1] + b', "traceEvents": [\n')
+            # json, not orjson: HTA finds a file's rank with the regex `"rank":\s+(\d+)`, which needs the space
+            # (without it every file is rank 0 and HTA silently analyses one of them).
+            out.write(json.dumps(head).encode()[:-1] + b', "traceEvents": [\n')
             for copy in range(copies):
                 shift, corr_shift = copy * span + rank * 7, copy * 10_000_000
                 shifted = [_shift(e, shift, corr_shift) for e in events]
@@ -261,7 +264,11 @@ def multi(trace: str, target_mb: int, runs: int, python: str | None, keep: str |
     os.makedirs(folder, exist_ok=True)
     try:
         size = build_synthetic(trace, folder, target_mb)
-        compare(f"8-rank set built from {os.path.basename(os.path.dirname(trace))}", folder, size / 1e6, runs, python)
+        result = compare(f"8-rank set built from {os.path.basename(os.path.dirname(trace))}", folder, size / 1e6,
+                         runs, python)
+        gw_ranks = len(json.loads(result["gpuwatch"]["stdout"])["ranks"])
+        hta_ranks = len(json.loads(result["hta"]["stdout"])) if result["hta"] else None
+        print(f"ranks analysed: gpuwatch {gw_ranks}, HTA {hta_ranks}")
     finally:
         if not keep:
             shutil.rmtree(folder)
@@ -275,10 +282,11 @@ def main() -> None:
     parser.add_argument("--multi-mb", type=int, default=450, help="size of the 8-rank set; 0 skips it")
     parser.add_argument("--no-hta", action="store_true")
     parser.add_argument("--keep", help="write the 8-rank set here and keep it")
+    parser.add_argument("--only-multi", action="store_true", help="skip the single traces")
     args = parser.parse_args()
     python = hta_python(not args.no_hta)
     started = time.perf_counter()
-    for trace in args.trace or DEFAULT_TRACES:
+    for trace in [] if args.only_multi else args.trace or DEFAULT_TRACES:
         single(trace, args.runs, python)
     if args.multi_mb:
         multi((args.trace or DEFAULT_TRACES)[0], args.multi_mb, args.multi_runs, python, args.keep)

@@ -111,7 +111,8 @@ def _bars(doc: dict) -> str:
                 svg.append(f"<rect x='{x:.2f}' y='{y}' width='{w:.2f}' height='{_ROW - 6}' fill='{fill}'>"
                            f"<title>{escape(label)} {name}: {100 * fractions[name]:.2f} %</title></rect>")
             x += w
-    note = "<p class='note'>★ straggler (holds peers back through its own work), ◆ delayed (late, but waiting on another).</p>" if marked else ""
+    note = ("<p class='note'>★ straggler (holds peers back through its own work), ◆ delayed (late, but waiting "
+            "on another).</p>") if marked else ""
     return "".join(svg) + "</svg>" + note
 
 

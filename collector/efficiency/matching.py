@@ -2,8 +2,9 @@
 
 An instance is identified by (process group, seq) where the source gives them, else by (collective
 type, order of occurrence on the rank). Communication of unknown type (a kernel nothing in the trace
-types) is matched only by process group and seq: matching it by order could pair unrelated kernels. For an instance seen on two or more ranks, with s_r the start of
-its kernel on rank r and d_r its duration: wait_r = clamp(max(s) - s_r, 0, d_r).
+types) is matched only by process group and seq: matching it by order could pair unrelated kernels.
+For an instance seen on two or more ranks, with s_r the start of its kernel on rank r and d_r its
+duration: wait_r = clamp(max(s) - s_r, 0, d_r).
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ def select_steps(timelines: list[RankTimeline], spec: str | None) -> tuple[list[
     else:
         low, high = _parse(spec)
         chosen = [tl.select((tl.step >= low) & (tl.step <= high)) for tl in timelines]
-        rule = f"activities of steps {'' if low < 0 else low}..{'' if high == _OPEN else high} (by the step whose annotation holds their launch)"
+        shown = f"{'' if low < 0 else low}..{'' if high == _OPEN else high}"
+        rule = f"activities of steps {shown} (by the step whose annotation holds their launch)"
     for before, after in zip(timelines, chosen):
         if not len(after):
             known = sorted({int(s) for s in np.unique(before.step) if s >= 0})
