@@ -69,6 +69,13 @@ df = analyzer.get_temporal_breakdown(visualize=False)
 print(json.dumps(df.to_dict(orient="records")))
 """
 
+# gpuwatch over HTA's window (`--steps hta`), one rank entry per file (bench/gpu/trace_step.py uses it too).
+GPUWATCH_WINDOW = """
+import json, sys
+from gpuwatch.collector.efficiency import analyze, load_paths
+print(json.dumps([analyze([tl], steps="hta")["ranks"][0] for tl in load_paths(sys.argv[1:])]))
+"""
+
 # Where gpuwatch's time goes on one trace file (each phase timed alone, best of 3).
 PHASES = """
 import gzip, json, sys, time
@@ -184,8 +191,8 @@ def single(trace: str, runs: int, python: str | None) -> None:
     try:
         os.symlink(os.path.abspath(trace), os.path.join(folder, os.path.basename(trace)))
         result = compare(f"trace {os.path.relpath(trace, ROOT)}", folder, os.path.getsize(trace) / 1e6, runs, python)
-        window = json.loads(measure([sys.executable, "-m", "gpuwatch", "analyze", folder, "--json", "--steps", "hta"])["stdout"])
-        _print_window(window["ranks"][0], json.loads(result["hta"]["stdout"])[0] if result["hta"] else None)
+        window = json.loads(measure([sys.executable, "-c", GPUWATCH_WINDOW, folder])["stdout"])[0]
+        _print_window(window, json.loads(result["hta"]["stdout"])[0] if result["hta"] else None)
         phases = json.loads(subprocess.run([sys.executable, "-c", PHASES, trace], capture_output=True, text=True,
                                            check=True).stdout)
         _print_phases(phases, result["gpuwatch"]["wall_s"], result["startup"]["wall_s"])
