@@ -16,8 +16,10 @@ from gpuwatch import config
 from gpuwatch.collector import jobs, scoring
 from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
+from gpuwatch.collector.lease import ClusterLease, holder_id
 from gpuwatch.collector.server import CollectorServer, serve
 from gpuwatch.collector.snapshot import MetricsService
+from gpuwatch.collector.store import redacted
 from gpuwatch.models.advisor import advise
 from gpuwatch.models.model import default_model_path, load_model
 from gpuwatch.models.policy import AlertPolicy
@@ -39,13 +41,19 @@ def start_collector(cfg: config.Config) -> CollectorServer:
                             false_alarm_budget=cfg.false_alarm_budget)
     monitor = jobs.JobsMonitor(hub, interval_s=cfg.jobs_interval, window_s=cfg.jobs_window,
                                hang_threshold_s=cfg.hang_threshold)
-    services: list[Any] = [hub, scorer, monitor]
+    # one collector among those sharing a store scores, monitors jobs and sends alerts (collector/lease.py)
+    lease = ClusterLease(min(cfg.score_interval, cfg.jobs_interval), holder=holder_id(cfg.listen),
+                         on_acquire=[hub.reload])
+    scorer.gate = monitor.gate = lease.held
+    services: list[Any] = [hub, lease, scorer, monitor]  # started in order: the hub before the lease reloads it
     if cfg.metrics_listen:
         metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
         services.append(MetricsService(cfg.metrics_listen, scorer=scorer, jobs=monitor, token=metrics_token,
                                        insecure=cfg.insecure, gpu_telemetry=cfg.metrics_gpu_telemetry))
     try:
-        return serve(cfg.listen, cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
+        return serve(cfg.listen, cfg.store or cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
+                     memory_limit=cfg.memory_limit, span_retention_s=cfg.span_retention or None,
+                     clickhouse_cluster=cfg.clickhouse_cluster,
                      services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
                      token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)
     except BaseException:
@@ -81,7 +89,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService)), None)
-    print(f"gpuwatch collector listening on {server.address}, store {cfg.db}"
+    print(f"gpuwatch collector listening on {server.address}, store {redacted(cfg.store or cfg.db)}"
           + (f", metrics {metrics}" if metrics else ""), flush=True)
     stop.wait()
     log.info("stopping: committing queued batches")

@@ -25,7 +25,8 @@ from gpuwatch import security
 from gpuwatch.batches import MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, validate
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.failed import failed_gpus
-from gpuwatch.collector.store.duckdb import DuckDBStore, StoreClosed, WriteResult
+from gpuwatch.collector.store import open_store, redacted
+from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -37,13 +38,13 @@ DEFAULT_PORT = 7700
 # reach decode_batch, which answers with a message that says what to do.
 _HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
 
-QueryHandler = Callable[[Message, DuckDBStore], Message]
+QueryHandler = Callable[[Message, Store], Message]
 
 
 class Service(Protocol):
     """A part of the collector running beside ingest (scorer, jobs monitor, metrics endpoint)."""
 
-    def start(self, store: DuckDBStore) -> Mapping[str, QueryHandler]:
+    def start(self, store: Store) -> Mapping[str, QueryHandler]:
         """Begin work on ``store``; return the Query methods it answers (may be empty)."""
 
     def stop(self) -> None:
@@ -87,7 +88,7 @@ def _ack(result: WriteResult) -> pb.BatchAck:
 class IngestService:
     """Stores every well-formed batch once and acknowledges it only after the store committed it."""
 
-    def __init__(self, store: DuckDBStore) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -159,14 +160,14 @@ def _abort(exc: BaseException, context: grpc.ServicerContext) -> None:
 
 
 # ------------------------------------------------------------------------------------- query side
-def list_nodes(request: q.ListNodesRequest, store: DuckDBStore) -> q.ListNodesResponse:
+def list_nodes(request: q.ListNodesRequest, store: Store) -> q.ListNodesResponse:
     return q.ListNodesResponse(nodes=[
         q.NodeSummary(node=r["node"], gpus=r["gpus"], samples=r["samples"], last_seen_ms=r["last_seen_ms"],
                       agent_id=r["agent_id"], last_sequence=r["last_sequence"])
         for r in store.nodes()])
 
 
-def list_gpus(request: q.ListGpusRequest, store: DuckDBStore) -> q.ListGpusResponse:
+def list_gpus(request: q.ListGpusRequest, store: Store) -> q.ListGpusResponse:
     """The inventory with each GPU's latest job, and ``failed`` for a GPU that failed and was not reset since."""
     info_fields = pb.GpuInfo.DESCRIPTOR.fields_by_name
     failures = failed_gpus(store)
@@ -181,7 +182,7 @@ def list_gpus(request: q.ListGpusRequest, store: DuckDBStore) -> q.ListGpusRespo
     return q.ListGpusResponse(gpus=gpus)
 
 
-def latest(request: q.LatestRequest, store: DuckDBStore) -> q.LatestResponse:
+def latest(request: q.LatestRequest, store: Store) -> q.LatestResponse:
     rows = store.latest(request.node or None, None if request.gpu_index < 0 else request.gpu_index)
     identity = {"node", "gpu_index", "ts_ms"}
     return q.LatestResponse(rows=[
@@ -190,7 +191,7 @@ def latest(request: q.LatestRequest, store: DuckDBStore) -> q.LatestResponse:
         for r in rows])
 
 
-def series(request: q.SeriesRequest, store: DuckDBStore) -> q.SeriesResponse:
+def series(request: q.SeriesRequest, store: Store) -> q.SeriesResponse:
     if not request.node or not request.field:
         raise UserError("a series needs node and field")
     df = store.series(request.node, request.gpu_index, request.field, since_ms=request.since_ms or None,
@@ -198,7 +199,7 @@ def series(request: q.SeriesRequest, store: DuckDBStore) -> q.SeriesResponse:
     return q.SeriesResponse(ts_ms=df["ts_ms"].tolist(), values=df["value"].tolist())
 
 
-def events(request: q.EventsRequest, store: DuckDBStore) -> q.EventsResponse:
+def events(request: q.EventsRequest, store: Store) -> q.EventsResponse:
     rows = store.events(request.node or None, request.kind or None, request.since_ms or None, request.limit or None)
     return q.EventsResponse(events=[
         q.EventsResponse.Row(node=r["node"], event=pb.Event(
@@ -212,7 +213,7 @@ DEFAULT_QUERY_HANDLERS: dict[str, QueryHandler] = {
 }
 
 
-def query_handler(store: DuckDBStore, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
+def query_handler(store: Store, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
     """The Query service over ``handlers``: NotFound answers NOT_FOUND, other UserError INVALID_ARGUMENT, a
     method without a handler UNIMPLEMENTED."""
     service = q.DESCRIPTOR.services_by_name["Query"]
@@ -242,7 +243,7 @@ def query_handler(store: DuckDBStore, handlers: Mapping[str, QueryHandler]) -> g
 class CollectorServer:
     """A running collector: its gRPC server, store and services. ``stop`` commits what was received, then closes."""
 
-    def __init__(self, server: grpc.Server, store: DuckDBStore, host: str, port: int,
+    def __init__(self, server: grpc.Server, store: Store, host: str, port: int,
                  services: Sequence[Service] = ()) -> None:
         self._server = server
         self.store = store
@@ -305,7 +306,7 @@ def serve(
         raise UserError(f"--listen {listen!r} is not HOST:PORT")
     tls = tls_cert is not None or tls_key is not None
     security.check_listen_policy(listen, tls, insecure)  # before anything is opened
-    store = DuckDBStore(db_path, retention_days=retention_days, **store_options)
+    store = open_store(db_path, retention_days=retention_days, **store_options)
     started: list[Service] = []
     try:
         handlers: dict[str, QueryHandler] = {**DEFAULT_QUERY_HANDLERS, **BreakdownService().handlers()}
@@ -330,5 +331,5 @@ def serve(
         raise
     server.start()
     log.info("collector listening on %s:%d (%s), store %s", host, port,
-             "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", db_path)
+             "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", redacted(db_path))
     return CollectorServer(server, store, host, port, started)

@@ -18,12 +18,12 @@ from gpuwatch import fields
 from gpuwatch.collector.exporter import MetricsServer, Snapshot, start_metrics_server
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.scoring import Scorer
-from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.collector.store.base import Store
 
 DEFAULT_CACHE_S = 5.0
 
 
-def build_snapshot(store: DuckDBStore, scorer: Scorer | None = None, jobs: JobsMonitor | None = None) -> Snapshot:
+def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor | None = None) -> Snapshot:
     """One consistent-enough view for one scrape (each part is read once)."""
     inventory = {(g["node"], g["index"]): g for g in store.gpus()}
     xids: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
@@ -61,7 +61,7 @@ def _job(flags: Mapping[str, Any]) -> dict[str, Any]:
 class CachedSnapshot:
     """A snapshot provider that rebuilds at most every ``cache_s`` seconds, one scrape at a time."""
 
-    def __init__(self, store: DuckDBStore, scorer: Scorer | None = None, jobs: JobsMonitor | None = None,
+    def __init__(self, store: Store, scorer: Scorer | None = None, jobs: JobsMonitor | None = None,
                  cache_s: float = DEFAULT_CACHE_S) -> None:
         self._args = (store, scorer, jobs)
         self.cache_s = cache_s
@@ -91,7 +91,7 @@ class MetricsService:
         self._token, self._insecure, self._cache_s = token, insecure, cache_s
         self.server: MetricsServer | None = None
 
-    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+    def start(self, store: Store) -> Mapping[str, Any]:
         provider = CachedSnapshot(store, *self._parts, cache_s=self._cache_s)
         self.server = start_metrics_server(self.listen, provider, self._token, insecure=self._insecure,
                                            gpu_telemetry=self.gpu_telemetry)
