@@ -4,7 +4,7 @@ the retrained model and the shipped model, both with the alert threshold calibra
 beside the DCGM-style rules tuned to the same budget on the training data. Also times `gpuwatch score` on
 the held-out fleet.
 
-    python bench/predict.py                        # 16 nodes x 8 GPUs x 30 days per fleet, train "noisy", test "shifted"
+    python bench/predict.py                        # 16 nodes x 8 GPUs x 30 days per fleet, noisy -> shifted
     python bench/predict.py --nodes 4 --days 10    # a quick look
     python bench/predict.py --save-default         # retrain the shipped model on base+noisy+subtle, write its card
     python bench/predict.py --keep /data/bench     # keep the recordings and models
@@ -129,8 +129,9 @@ def train_shipped(args: argparse.Namespace, work: Path, times: dict) -> tuple[di
         ds, _, _ = fleet(args, work, profile, 11 + k, times)
         sets.append(ds)
         names.append(f"{profile} (seed {11 + k})")
-    desc = (f"simulated-fleet-trained: gpuwatch failsim configurations {', '.join(names)}, each {args.nodes}x{args.gpus} "
-            f"GPUs, {args.days:g} days, fault rate x{args.fault_rate_multiplier:g}; not trained on real hardware data")
+    desc = (f"simulated-fleet-trained: gpuwatch failsim configurations {', '.join(names)}, "
+            f"each {args.nodes}x{args.gpus} GPUs, {args.days:g} days, fault rate x{args.fault_rate_multiplier:g}; "
+            "not trained on real hardware data")
     model, times["train_shipped_s"] = timed("train shipped model", train_model, sets, description=desc,
                                             false_alarm_budget=args.budget, quiet=True)
     return model, names

@@ -57,8 +57,8 @@ def metrics(alerts: pd.DataFrame, faults: pd.DataFrame, rows: pd.DataFrame, scor
     every = f if all_faults is None or not len(all_faults) else all_faults.assign(
         gpu=all_faults["node"].astype(str) + "/" + all_faults["gpu_index"].astype(str))
     fault_starts = {k: g["start_ms"].to_numpy() for k, g in every.groupby("gpu")} if len(every) else {}
-    true = np.array([((st := fault_starts.get(r.gpu)) is not None) and bool(((st > r.start_ms) & (st <= r.end + h)).any())
-                     for r in a.itertuples()], bool)
+    true = np.array([((st := fault_starts.get(r.gpu)) is not None)
+                     and bool(((st > r.start_ms) & (st <= r.end + h)).any()) for r in a.itertuples()], bool)
     by_gpu = {k: g for k, g in a.groupby("gpu")} if len(a) else {}
     caught = np.zeros(len(f), bool)
     leads = np.full(len(f), np.nan)

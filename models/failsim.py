@@ -87,7 +87,8 @@ FLEET_KNOBS: dict[str, str] = {
     "lead_time_scale": "scale of precursor durations (fault lead times)",
     "precursor_strength": "scale of precursor intensity (error rates, temperature rise)",
     "lookalikes_per_gpu_day": "benign look-alike episodes per GPU-day: remaps with XID 63 that end nowhere, "
-                              "power-brake HW slowdown, PCIe replay and NVLink CRC bursts that stop, a fan drifting warm",
+                              "power-brake HW slowdown, PCIe replay and NVLink CRC bursts that stop, "
+                              "a fan drifting warm",
 }
 
 
@@ -448,8 +449,8 @@ def _lookalikes(cfg: FleetConfig, rng: np.random.Generator, ts: np.ndarray, dt: 
         kind = rng.choice(["remap", "power_brake", "pcie_burst", "crc_burst", "fan_drift"])
         if kind == "remap":  # a few rows remapped with XID 63, pending until a reset that never comes soon
             span = _episode(rng, T, dt, 600, 6 * 3600)
-            hits = rng.choice(np.arange(span.start, span.stop), size=min(int(rng.integers(1, 4)), span.stop - span.start),
-                              replace=False)
+            hits = rng.choice(np.arange(span.start, span.stop),
+                              size=min(int(rng.integers(1, 4)), span.stop - span.start), replace=False)
             incr["gpu_remapped_rows_correctable"][g, hits] += 1
             flags["gpu_remapped_rows_pending"][g, span] = True
             events += [(int(ts[i]), g, "xid", 63, "Row remapper: new row marked for remapping, reset gpu to activate.")

@@ -88,7 +88,8 @@ def feature_names() -> list[str]:
     names += [f"{r}_{k}" for r in REASONS for k in ("share1h", "share6h", "vs_self")]
     names += [*FLAGS, "pcie_width_ratio", "pcie_gen_ratio", "pcie_replay_over_limit"]
     names += ["temp_trend", "temp_vs_self", "mem_temp_trend"]
-    names += [f"xid_precursor_{w}h" for w in (1, 6, 24)] + ["xid_app_1h", "xid_app_24h", "xid_fatal_1h", "xid_fatal_24h"]
+    names += [f"xid_precursor_{w}h" for w in (1, 6, 24)]
+    names += ["xid_app_1h", "xid_app_24h", "xid_fatal_1h", "xid_fatal_24h"]
     names += ["hours_since_precursor_xid"]
     names += ["temp_vs_node", "mem_temp_vs_node", "sm_clock_vs_node", "power_vs_job", "util_vs_job"]
     return names
@@ -196,8 +197,9 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
         share = {w: _ratio(_window_sum(hits, w * per_hour), _window_sum(np.nan_to_num(seen), w * per_hour))
                  for w in (1, 6, 24)}
         cols[f"{short}_share1h"], cols[f"{short}_share6h"] = share[1], share[6]
+        counted = np.nan_to_num(seen)
         before = _ratio(_window_sum(hits, 24 * per_hour) - _window_sum(hits, 6 * per_hour),
-                        _window_sum(np.nan_to_num(seen), 24 * per_hour) - _window_sum(np.nan_to_num(seen), 6 * per_hour))
+                        _window_sum(counted, 24 * per_hour) - _window_sum(counted, 6 * per_hour))
         cols[f"{short}_vs_self"] = share[6] - before
     for short, column in FLAGS.items():
         cols[short] = _ffill(dense_last(column))

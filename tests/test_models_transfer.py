@@ -19,7 +19,8 @@ from helpers import MIN, T0, event_rows, minute_samples
 SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=400)
 #: Fields a DCGM-exporter site commonly does not export (the independent fleet had 16 such feature columns).
 NOT_RECORDED = ["gpu_ecc_sbe_volatile_total", "gpu_ecc_sbe_aggregate_total", "gpu_nvlink_crc_data_errors_total",
-                "gpu_nvlink_recovery_errors_total", "gpu_memory_temperature_celsius", "gpu_throttle_thermal_seconds_total",
+                "gpu_nvlink_recovery_errors_total", "gpu_memory_temperature_celsius",
+                "gpu_throttle_thermal_seconds_total",
                 "gpu_clock_event_reasons", "gpu_pcie_link_gen", "gpu_pcie_link_gen_max"]
 
 
