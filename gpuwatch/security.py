@@ -121,6 +121,21 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return _denied(handler)
 
 
+class AsyncBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """:class:`BearerTokenInterceptor` for an asyncio server (grpc.aio); refused calls get UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        self._check = BearerTokenInterceptor(token)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        return self._check.intercept_service(lambda _details: handler, details)
+
+
 # ---- attaching the token (client side) ----------------------------------------------------------------
 
 class _CallDetails(
@@ -247,3 +262,8 @@ def add_listen_port(
 def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
     """Interceptors for ``grpc.server(..., interceptors=...)``: the token check when a token is configured."""
     return [BearerTokenInterceptor(token)] if token else []
+
+
+def aio_server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
+    """Interceptors for ``grpc.aio.server(..., interceptors=...)``: the token check when a token is configured."""
+    return [AsyncBearerTokenInterceptor(token)] if token else []

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from gpuwatch import events as event_kinds
 from gpuwatch import fields
+from gpuwatch.columnar import ColumnarBatch, from_message
 from gpuwatch.collector.exporter import LatencyHistogram
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -89,7 +90,6 @@ _SPAN_COLUMNS: dict[str, tuple[pa.DataType, Any]] = {
 }
 
 _GPU_FIELD_INDEX = {name: i for i, name in enumerate(fields.GPU_FIELD_NAMES)}
-_HOST_FIELD_INDEX = {name: i for i, name in enumerate(fields.HOST_FIELD_NAMES)}
 _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes", "architecture", "gpm_supported")
 
 
@@ -104,7 +104,7 @@ class WriteResult:
 
 @dataclass
 class _Pending:
-    batch: pb.TelemetryBatch
+    batch: ColumnarBatch
     future: Future = field(default_factory=Future)
 
 
@@ -196,18 +196,19 @@ class DuckDBStore:
         self._writer.start()
 
     # ----------------------------------------------------------------------------------------- writes
-    def submit(self, batch: pb.TelemetryBatch) -> Future:
-        """Queue a validated batch; the future resolves to a :class:`WriteResult` once it is committed.
+    def submit(self, batch: ColumnarBatch | pb.TelemetryBatch) -> Future:
+        """Queue a batch (a message is checked first: BatchError); the future resolves to a
+        :class:`WriteResult` once it is committed.
 
         Blocks while the queue is full, which pushes back on the senders instead of growing memory.
         """
         if self._closed:
             raise StoreClosed("the store is closed")
-        pending = _Pending(batch)
+        pending = _Pending(batch if isinstance(batch, ColumnarBatch) else from_message(batch))
         self._queue.put(pending)
         return pending.future
 
-    def write(self, batch: pb.TelemetryBatch, timeout: float | None = None) -> WriteResult:
+    def write(self, batch: ColumnarBatch | pb.TelemetryBatch, timeout: float | None = None) -> WriteResult:
         """Store one batch and wait for its commit (tests, simple tools)."""
         return self.submit(batch).result(timeout)
 
@@ -298,16 +299,18 @@ class DuckDBStore:
                 for p in group:
                     self._write_group([p])
                 return
-            log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id, exc)
+            log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id,
+                      exc)
             group[0].future.set_exception(exc)
             return
-        self.counters.committed([p.batch for p in fresh], len(group) - len(fresh), time.perf_counter() - started)
+        self.counters.committed([p.batch.message for p in fresh], len(group) - len(fresh),
+                                time.perf_counter() - started)
         for p in fresh:
             self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
         for p, result in zip(group, results):
             p.future.set_result(result)
 
-    def _commit(self, batches: list[pb.TelemetryBatch]) -> None:
+    def _commit(self, batches: list[ColumnarBatch]) -> None:
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
         if not batches:
             return
@@ -515,12 +518,13 @@ class DuckDBStore:
 
 
 # ------------------------------------------------------------------------------ columnar conversion
-def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatch]) -> None:
+def _insert_group(con: duckdb.DuckDBPyConnection, group: list[ColumnarBatch]) -> None:
     """Insert a group of fresh batches: one Arrow table and one INSERT ... SELECT per target table."""
     now = ms_to_datetime(int(time.time() * 1000))
+    batches = [b.message for b in group]
     tables = {
-        "gpu_samples": _gpu_samples_table(batches),
-        "host_samples": _host_samples_table(batches),
+        "gpu_samples": _gpu_samples_table(group),
+        "host_samples": _host_samples_table(group),
         "events": _events_table(batches),
         "spans": _spans_table(batches, now),
         "ingested": pa.table({
@@ -552,28 +556,11 @@ def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> 
         con.unregister("_incoming")
 
 
-def _values_matrix(blocks: list[tuple[int, Any]], field_index: dict[str, int]) -> np.ndarray:
-    """Stack blocks of (rows, packed columns) into a (fields x rows) float matrix, NaN where not sent."""
-    total = sum(n for n, _ in blocks)
-    out = np.full((len(field_index), total), np.nan)
-    layouts: dict[tuple[str, ...], np.ndarray] = {}
-    start = 0
-    for n, columns in blocks:
-        names = tuple(c.field for c in columns)
-        rows = layouts.get(names)
-        if rows is None:
-            rows = layouts[names] = np.fromiter((field_index[f] for f in names), np.intp, len(names))
-        if names and n:
-            flat = np.fromiter(_chain(c.values for c in columns), np.float64, n * len(names))
-            out[rows, start:start + n] = flat.reshape(len(names), n)
-        start += n
-    return out
-
-
-def _value_arrays(matrix: np.ndarray, names: Sequence[str]) -> dict[str, pa.Array]:
-    """One nullable Arrow column per field: NaN (not sampled) becomes NULL."""
-    missing = np.isnan(matrix)
-    return {name: pa.array(matrix[i], mask=missing[i]) for i, name in enumerate(names)}
+def _value_arrays(matrices: list[np.ndarray], names: Sequence[str]) -> dict[str, pa.Array]:
+    """One nullable Arrow column per field from the batches' (rows x fields) matrices: NaN becomes NULL."""
+    by_field = np.concatenate(matrices).T.copy() if matrices else np.empty((len(names), 0))
+    missing = np.isnan(by_field)
+    return {name: pa.array(by_field[i], mask=missing[i]) for i, name in enumerate(names)}
 
 
 def _node_column(nodes: list[str], counts: list[int]) -> pa.DictionaryArray:
@@ -590,8 +577,8 @@ def _per_row_ints(blocks: Sequence[Any], attr: str, counts: list[int], total: in
     return pa.array(values, mask=values < 0)
 
 
-def _gpu_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
-    blocks = [(b.node.node, s) for b in batches for s in b.samples]
+def _gpu_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
+    blocks = [(b.message.node.node, s) for b in batches for s in b.message.samples]
     samples = [s for _, s in blocks]
     counts = [len(s.ts_ms) for s in samples]
     total = sum(counts)
@@ -605,20 +592,19 @@ def _gpu_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
         "rank": _per_row_ints(samples, "rank", counts, total),
         "local_rank": _per_row_ints(samples, "local_rank", counts, total),
     }
-    matrix = _values_matrix([(n, s.columns) for s, n in zip(samples, counts)], _GPU_FIELD_INDEX)
-    columns.update(_value_arrays(matrix, fields.GPU_FIELD_NAMES))
+    columns.update(_value_arrays([b.gpu_values for b in batches], fields.GPU_FIELD_NAMES))
     return pa.table(columns)
 
 
-def _host_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
-    counts = [len(b.host.ts_ms) for b in batches]
+def _host_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
+    counts = [len(b.message.host.ts_ms) for b in batches]
     total = sum(counts)
     columns = {
-        "node": _node_column([b.node.node for b in batches], counts),
-        "ts": pa.array(np.fromiter(_chain(b.host.ts_ms for b in batches), np.int64, total), pa.timestamp("ms")),
+        "node": _node_column([b.message.node.node for b in batches], counts),
+        "ts": pa.array(np.fromiter(_chain(b.message.host.ts_ms for b in batches), np.int64, total),
+                       pa.timestamp("ms")),
     }
-    matrix = _values_matrix([(n, b.host.columns) for b, n in zip(batches, counts)], _HOST_FIELD_INDEX)
-    columns.update(_value_arrays(matrix, fields.HOST_FIELD_NAMES))
+    columns.update(_value_arrays([b.host_values for b in batches], fields.HOST_FIELD_NAMES))
     return pa.table(columns)
 
 
