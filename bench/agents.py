@@ -38,8 +38,11 @@ from gpuwatch.batches import SCHEMA_VERSION, BatchBuilder
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 _STREAM = "/gpuwatch.v1.Ingest/Stream"
+# Each agent gets its own connection, as agents on different machines do (channels in one process would
+# otherwise share one connection, and its concurrent-stream limit).
 _OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
-            ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000)]
+            ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.use_local_subchannel_pool", 1)]
 
 
 def raise_fd_limit() -> int:
@@ -202,13 +205,14 @@ def emulator(first: int, count: int, idle: int, address: str, args: argparse.Nam
 
 def start_collector(tmp: str) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{_free_port()}"
+    log = open(os.path.join(tmp, "collector.log"), "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuwatch", "collector", "--listen", address, "--db", os.path.join(tmp, "agents.duckdb"),
          "--score-interval", "3600", "--jobs-interval", "3600", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=raise_fd_limit)
+        stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=raise_fd_limit, cwd=tmp)
     line = proc.stdout.readline()
     if "listening" not in line:
-        raise SystemExit(f"collector did not start: {line}{proc.stderr.read()}")
+        raise SystemExit(f"collector did not start: {line}{open(log.name).read()}")
     return proc, address
 
 

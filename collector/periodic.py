@@ -57,6 +57,8 @@ class PeriodicService:
         self.interval_s = interval_s
         self._store: DuckDBStore | None = None
         self._periodic: Periodic | None = None
+        self._lifecycle = threading.Lock()
+        self._stopped = False
 
     def bind(self, store: DuckDBStore) -> None:
         """Use ``store`` without the periodic thread."""
@@ -64,11 +66,19 @@ class PeriodicService:
 
     def start(self, store: DuckDBStore) -> Mapping[str, Any]:
         self.bind(store)
-        self._periodic = Periodic(self.name, self.interval_s, self.run_round)
-        self._periodic.start()
+        self.begin_rounds()
         return self.handlers()
 
+    def begin_rounds(self) -> None:
+        """Start the periodic thread (a subclass that must first get ready calls this itself, later)."""
+        with self._lifecycle:
+            if not self._stopped and self._periodic is None:
+                self._periodic = Periodic(self.name, self.interval_s, self.run_round)
+                self._periodic.start()
+
     def stop(self) -> None:
+        with self._lifecycle:
+            self._stopped = True
         if self._periodic is not None:
             self._periodic.stop()
 

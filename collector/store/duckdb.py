@@ -76,6 +76,9 @@ DDL: list[str] = [
     starts_at TIMESTAMP NOT NULL, ends_at TIMESTAMP, updated_at TIMESTAMP NOT NULL, doc JSON NOT NULL)""",
 ]
 
+# Seconds after which an unchanged inventory entry is written again (its gpus.last_seen refreshed).
+INVENTORY_REFRESH_S = 60.0
+
 # Tables that retention trims, with the timestamp column it compares.
 RETENTION: dict[str, str] = {
     "gpu_samples": "ts", "host_samples": "ts", "events": "ts", "spans": "ts", "ingested": "ingested_at",
@@ -189,6 +192,9 @@ class DuckDBStore:
         self._cursor_lock = threading.Lock()
         self._closed = False
         self.counters = IngestCounters()
+        # (node, GPU index) -> (the inventory entry as last written, monotonic time written): unchanged entries
+        # are rewritten only every INVENTORY_REFRESH_S, not in every transaction
+        self._inventory: dict[tuple[str, int], tuple[bytes, float]] = {}
         self._last_sequence: dict[str, int] = dict(
             self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()
         )
@@ -314,13 +320,28 @@ class DuckDBStore:
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
         if not batches:
             return
+        inventory = self._inventory_to_write(batches)
         self._con.begin()
         try:
-            _insert_group(self._con, batches)
+            _insert_group(self._con, batches, inventory)
             self._con.commit()
         except BaseException:
             self._con.rollback()
             raise
+        written = time.monotonic()
+        self._inventory.update({key: (entry, written) for key, (entry, _) in inventory.items()})
+
+    def _inventory_to_write(self, batches: list[ColumnarBatch]) -> dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]:
+        """The newest inventory entry per (node, GPU) of the group that is new, changed or due for refresh."""
+        latest = {(b.message.node.node, g.index): g for b in batches for g in b.message.gpus}
+        stale = time.monotonic() - INVENTORY_REFRESH_S
+        out = {}
+        for key, gpu in latest.items():
+            entry = gpu.SerializeToString()
+            known = self._inventory.get(key)
+            if known is None or known[0] != entry or known[1] < stale:
+                out[key] = (entry, gpu)
+        return out
 
     def _deduplicate(self, group: list[_Pending]) -> tuple[list[WriteResult], list[_Pending]]:
         """Mark batches stored before, or earlier in the same group, as duplicates; return the rest to write."""
@@ -518,8 +539,10 @@ class DuckDBStore:
 
 
 # ------------------------------------------------------------------------------ columnar conversion
-def _insert_group(con: duckdb.DuckDBPyConnection, group: list[ColumnarBatch]) -> None:
-    """Insert a group of fresh batches: one Arrow table and one INSERT ... SELECT per target table."""
+def _insert_group(con: duckdb.DuckDBPyConnection, group: list[ColumnarBatch],
+                  inventory: dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]) -> None:
+    """Insert a group of fresh batches (and the ``inventory`` entries to upsert): one Arrow table and one
+    INSERT ... SELECT per target table."""
     now = ms_to_datetime(int(time.time() * 1000))
     batches = [b.message for b in group]
     tables = {
@@ -539,7 +562,7 @@ def _insert_group(con: duckdb.DuckDBPyConnection, group: list[ColumnarBatch]) ->
         INSERT INTO gpus BY NAME SELECT * FROM {view} ON CONFLICT (node, "index") DO UPDATE SET
             uuid = excluded.uuid, name = excluded.name, pci_bus_id = excluded.pci_bus_id, serial = excluded.serial,
             memory_total_bytes = excluded.memory_total_bytes, architecture = excluded.architecture,
-            gpm_supported = excluded.gpm_supported, last_seen = excluded.last_seen""", _gpus_table(batches, now))
+            gpm_supported = excluded.gpm_supported, last_seen = excluded.last_seen""", _gpus_table(inventory, now))
     _insert_arrow(con, """
         INSERT INTO agents BY NAME SELECT * FROM {view} ON CONFLICT (agent_id) DO UPDATE SET
             node = excluded.node, last_sequence = greatest(agents.last_sequence, excluded.last_sequence),
@@ -633,9 +656,9 @@ def _spans_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Table
     return pa.table(columns)
 
 
-def _gpus_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Table:
-    """The newest inventory entry per (node, GPU index) of the group (one upsert per key per transaction)."""
-    latest = {(b.node.node, g.index): g for b in batches for g in b.gpus}
+def _gpus_table(inventory: dict[tuple[str, int], tuple[bytes, pb.GpuInfo]], now: dt.datetime) -> pa.Table:
+    """Inventory rows to upsert, one per (node, GPU index)."""
+    latest = {key: gpu for key, (_, gpu) in inventory.items()}
     table = {"node": [node for node, _ in latest], "index": pa.array([i for _, i in latest], pa.int32())}
     for name in _GPU_INFO_COLUMNS:
         table[name] = [getattr(g, name) for g in latest.values()]
