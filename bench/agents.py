@@ -22,7 +22,6 @@ import asyncio
 import multiprocessing as mp
 import os
 import random
-import resource
 import socket
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import psutil
 
 from gpuwatch import fields
 from gpuwatch.batches import SCHEMA_VERSION, BatchBuilder
+from gpuwatch.collector.cli import raise_open_file_limit
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 _STREAM = "/gpuwatch.v1.Ingest/Stream"
@@ -43,14 +43,6 @@ _STREAM = "/gpuwatch.v1.Ingest/Stream"
 _OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
             ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.use_local_subchannel_pool", 1)]
-
-
-def raise_fd_limit() -> int:
-    """Soft RLIMIT_NOFILE up to the hard limit (each agent is one connection, i.e. one fd on each side)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
 
 
 def _free_port() -> int:
@@ -141,7 +133,8 @@ async def _agent(index: int, address: str, args: argparse.Namespace, bodies: Slo
                 connected[0] += 1
                 first = False
     except Exception as exc:  # noqa: BLE001 - a bench counts failures instead of stopping
-        stats["errors"][type(exc).__name__ + ": " + str(getattr(exc, "details", lambda: exc)())[:80]] += 1
+        stats["errors"][type(exc).__name__ + ": " + str(getattr(exc, "details", lambda: exc)())[:80]
+                        + f" (after {stats['sent']} sent)"[:0]] += 1
     finally:
         producer.cancel()
         await channel.close()
@@ -171,9 +164,11 @@ async def _idle_stream(address: str, stop: asyncio.Event) -> None:
 def emulator(first: int, count: int, idle: int, address: str, args: argparse.Namespace, control: mp.Queue,
              results: mp.Queue) -> None:
     """One process: ``count`` agents (and ``idle`` idle streams) on one event loop; measures when told."""
+    import logging
     from collections import Counter
 
-    raise_fd_limit()
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # streams torn down at the end are not news
+    raise_open_file_limit()  # one connection, i.e. one fd, per agent
     stats = {"sent": 0, "acked": 0, "latencies": [], "measuring": False, "errors": Counter()}
 
     async def main() -> None:
@@ -203,13 +198,13 @@ def emulator(first: int, count: int, idle: int, address: str, args: argparse.Nam
     asyncio.run(main())
 
 
-def start_collector(tmp: str) -> tuple[subprocess.Popen, str]:
+def start_collector(tmp: str, log_level: str) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{_free_port()}"
     log = open(os.path.join(tmp, "collector.log"), "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuwatch", "collector", "--listen", address, "--db", os.path.join(tmp, "agents.duckdb"),
-         "--score-interval", "3600", "--jobs-interval", "3600", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=raise_fd_limit, cwd=tmp)
+         "--score-interval", "3600", "--jobs-interval", "3600", "--log-level", log_level],
+        stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=raise_open_file_limit, cwd=tmp)
     line = proc.stdout.readline()
     if "listening" not in line:
         raise SystemExit(f"collector did not start: {line}{open(log.name).read()}")
@@ -235,7 +230,7 @@ def query_latencies(address: str, stop: threading.Event, out: list) -> None:
 
 def run_fleet(n: int, args: argparse.Namespace) -> dict:
     tmp = tempfile.TemporaryDirectory()
-    collector, address = start_collector(tmp.name)
+    collector, address = start_collector(tmp.name, args.log_level)
     ps = psutil.Process(collector.pid)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -276,6 +271,8 @@ def run_fleet(n: int, args: argparse.Namespace) -> dict:
         collector.wait(60)
     except subprocess.TimeoutExpired:
         collector.kill()
+    with open(os.path.join(tmp.name, "collector.log")) as fh:
+        collector_log = fh.read().splitlines()
     tmp.cleanup()
     latencies = np.array([x for r in reports for x in r["latencies"]]) * 1000
     acked = sum(r["acked"] for r in reports)
@@ -294,6 +291,7 @@ def run_fleet(n: int, args: argparse.Namespace) -> dict:
         "query_p50_ms": float(np.median(ok_queries)) if ok_queries else float("nan"),
         "query_max_ms": max(ok_queries) if ok_queries else float("nan"),
         "queries_failed": sum(1 for x in queries if x is None), "queries": len(queries), "errors": errors,
+        "collector_log": collector_log[-5:],
     }
 
 
@@ -307,8 +305,9 @@ def main() -> int:
     parser.add_argument("--ticks", type=int, default=5, help="1 Hz ticks per batch")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between an agent's batches")
     parser.add_argument("--idle", type=int, default=0, help="extra streams that never send")
+    parser.add_argument("--log-level", default="warning", help="the collector's log level")
     args = parser.parse_args()
-    raise_fd_limit()
+    raise_open_file_limit()
     print(f"{values_per_batch(args.gpus, args.ticks)} values per batch ({args.gpus} GPUs x {args.ticks} ticks), "
           f"one batch per agent every {args.interval:g} s; {args.idle} idle streams; {os.cpu_count()} CPUs", flush=True)
     header = (f"{'agents':>7} {'expected b/s':>12} {'acked b/s':>10} {'values/s':>11} {'ack p50 ms':>10} "
@@ -323,6 +322,8 @@ def main() -> int:
               f"{r['query_p50_ms']:>7.0f}/{r['query_max_ms']:<8.0f} {r['rss_mib']:>8.0f}"
               + (f"  failed queries {r['queries_failed']}/{r['queries']}" if r["queries_failed"] else "")
               + (f"  errors {r['errors']}" if r["errors"] else ""), flush=True)
+        if r["errors"]:
+            print("   collector log:", *r["collector_log"], sep="\n   ", flush=True)
     return 0
 
 

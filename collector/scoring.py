@@ -187,7 +187,7 @@ class Scorer(PeriodicService):
             log.error("the failure model cannot be loaded (%s): GPUs get health states, no failure risk", exc)
         if self.model is not None and self.hub is not None:
             self.hub.use_policy(AlertPolicy(self.model["threshold"]))
-        log.info("failure model %s in %.1f s; scoring every %g s", "loaded" if self.model else "absent",
+        log.info("failure model %s in %.1f s; scoring every %g s", "loaded" if self.model else "not loaded",
                  time.perf_counter() - started, self.interval_s)
         self.ready.set()
         self.begin_rounds()

@@ -25,6 +25,7 @@ plaintext rule) is gpuwatch.security's.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -108,6 +109,26 @@ def _ack(result: WriteResult) -> pb.BatchAck:
 _DONE = object()
 
 
+def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Semaphore) -> asyncio.Future:
+    """The store's commit future as an asyncio future of the running loop, releasing ``in_flight`` when the
+    commit is done. Unlike asyncio.wrap_future, cancelling the returned future (its stream went away) leaves
+    the store's future alone: the batch is committed anyway and the writer resolves what it committed."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(done: concurrent.futures.Future) -> None:
+        in_flight.release()
+        if waiter.cancelled():
+            return
+        if done.exception() is not None:
+            waiter.set_exception(done.exception())
+        else:
+            waiter.set_result(done.result())
+
+    stored.add_done_callback(lambda done: loop.call_soon_threadsafe(settle, done))
+    return waiter
+
+
 class IngestService:
     """Stores every well-formed batch once and acknowledges it only after the store committed it.
 
@@ -185,12 +206,11 @@ class IngestService:
             self._in_flight = asyncio.Semaphore(self._max_in_flight)
         await self._in_flight.acquire()
         try:
-            commit = asyncio.wrap_future(self.store.submit(batch))
+            stored = self.store.submit(batch)
         except BaseException:
             self._in_flight.release()
             raise
-        commit.add_done_callback(lambda _: self._in_flight.release())
-        return commit
+        return _awaitable_commit(stored, self._in_flight)
 
     async def _acked(self, commit: asyncio.Future, context: grpc.aio.ServicerContext) -> pb.BatchAck:
         try:

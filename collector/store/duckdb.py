@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,14 +307,14 @@ class DuckDBStore:
                 return
             log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id,
                       exc)
-            group[0].future.set_exception(exc)
+            _settle(group[0].future, exception=exc)
             return
         self.counters.committed([p.batch.message for p in fresh], len(group) - len(fresh),
                                 time.perf_counter() - started)
         for p in fresh:
             self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
         for p, result in zip(group, results):
-            p.future.set_result(result)
+            _settle(p.future, result)
 
     def _commit(self, batches: list[ColumnarBatch]) -> None:
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
@@ -711,9 +711,20 @@ def _delete_before(con: duckdb.DuckDBPyConnection, cutoff: dt.datetime) -> dict[
 
 def _resolve(future: Future, fn: Callable, *args: Any) -> None:
     try:
-        future.set_result(fn(*args))
+        _settle(future, fn(*args))
     except Exception as exc:
-        future.set_exception(exc)
+        _settle(future, exception=exc)
+
+
+def _settle(future: Future, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve ``future`` unless its waiter cancelled it (a client that went away): the writer must go on."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled: what it waited for is committed all the same
+        pass
 
 
 def ms_to_datetime(ms: int) -> dt.datetime:
