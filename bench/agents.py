@@ -84,6 +84,8 @@ class SlotBodies:
 
 async def _agent(index: int, address: str, args: argparse.Namespace, bodies: SlotBodies, stats: dict,
                  stop: asyncio.Event, connected: list) -> None:
+    """One agent: a batch every ``args.interval`` s on one stream; like gpuwatch.agent.uplink it reconnects
+    with jittered backoff when the stream fails and resends what was not acknowledged."""
     import grpc
 
     node = f"bench-{os.getpid()}-{index}"
@@ -92,16 +94,10 @@ async def _agent(index: int, address: str, args: argparse.Namespace, bodies: Slo
         gpus=[pb.GpuInfo(index=i, uuid=f"GPU-{node}-{i}", name="NVIDIA H100 80GB HBM3", architecture="hopper",
                          memory_total_bytes=80 << 30) for i in range(args.gpus)]).SerializeToString()
     channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
-    outbox: asyncio.Queue = asyncio.Queue()
+    new_batches: asyncio.Queue = asyncio.Queue()
+    unacked: dict[int, bytes] = {}
     sent_at: dict[int, float] = {}
     interval = args.interval
-
-    async def requests():
-        while True:
-            item = await outbox.get()
-            if item is None:
-                return
-            yield item
 
     async def produce() -> None:
         await asyncio.sleep(random.uniform(0, interval))
@@ -111,30 +107,48 @@ async def _agent(index: int, address: str, args: argparse.Namespace, bodies: Slo
             now_ms = int(time.time() * 1000)
             header = pb.TelemetryBatch(sequence=seq, created_ms=now_ms).SerializeToString()
             sent_at[seq] = time.perf_counter()
-            await outbox.put(identity + header + bodies.body(now_ms // (interval * 1000) * int(interval * 1000)))
+            data = unacked[seq] = identity + header + bodies.body(now_ms // int(interval * 1000) * int(interval * 1000))
+            await new_batches.put(data)
             stats["sent"] += 1
             try:
                 await asyncio.wait_for(stop.wait(), interval)
             except asyncio.TimeoutError:
                 pass
-        await outbox.put(None)
+        await new_batches.put(None)
+
+    async def requests(resend: list[bytes]):
+        for data in resend:
+            yield data
+        while (data := await new_batches.get()) is not None:
+            yield data
 
     producer = asyncio.create_task(produce())
+    first, backoff = True, 0.2
     try:
-        call = channel.stream_stream(_STREAM, request_serializer=None, response_deserializer=pb.BatchAck.FromString)(
-            requests())
-        first = True
-        async for ack in call:
-            t = sent_at.pop(ack.sequence, None)
-            if t is not None and stats["measuring"]:
-                stats["latencies"].append(time.perf_counter() - t)
-                stats["acked"] += 1
-            if first:
-                connected[0] += 1
-                first = False
-    except Exception as exc:  # noqa: BLE001 - a bench counts failures instead of stopping
-        stats["errors"][type(exc).__name__ + ": " + str(getattr(exc, "details", lambda: exc)())[:80]
-                        + f" (after {stats['sent']} sent)"[:0]] += 1
+        while not stop.is_set():
+            while not new_batches.empty():  # queued batches are in unacked already
+                new_batches.get_nowait()
+            resend = [unacked[seq] for seq in sorted(unacked)]
+            try:
+                call = channel.stream_stream(_STREAM, request_serializer=None,
+                                             response_deserializer=pb.BatchAck.FromString)(requests(resend))
+                async for ack in call:
+                    unacked.pop(ack.sequence, None)
+                    t = sent_at.pop(ack.sequence, None)
+                    if t is not None and stats["measuring"]:
+                        stats["latencies"].append(time.perf_counter() - t)
+                        stats["acked"] += 1
+                    if first:
+                        connected[0] += 1
+                        first = False
+                    backoff = 0.2
+                return
+            except grpc.aio.AioRpcError as exc:
+                if stop.is_set():
+                    return
+                stats["errors"][f"{exc.code().name} (reconnected)"] += 1
+                await asyncio.sleep(random.uniform(backoff / 2, backoff))
+                backoff = min(10.0, backoff * 2)
     finally:
         producer.cancel()
         await channel.close()
@@ -180,7 +194,7 @@ def emulator(first: int, count: int, idle: int, address: str, args: argparse.Nam
         for i in range(count):
             tasks.append(asyncio.create_task(_agent(first + i, address, args, bodies, stats, stop, connected)))
             if i % 100 == 99:
-                await asyncio.sleep(0.05)  # connect in waves, as a rolling fleet start would
+                await asyncio.sleep(0.25)  # connect in waves, as a rolling fleet start would
         loop = asyncio.get_running_loop()
         while True:
             command = await loop.run_in_executor(None, control.get)

@@ -174,6 +174,9 @@ class IngestService:
                     await self._abort(item, context)
                 yield await self._acked(item, context)
                 window.release()
+        except asyncio.CancelledError:
+            log.debug("ingest stream from %s cancelled (the client went away or the server is stopping)", context.peer())
+            raise
         finally:
             self.open_streams -= 1
             reader.cancel()
