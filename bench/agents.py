@@ -78,7 +78,8 @@ class SlotBodies:
                 builder.add_host_row(ts, dict(zip(fields.HOST_FIELD_NAMES,
                                                   self._rng.uniform(0, 100, len(fields.HOST_FIELD_NAMES)).tolist())))
             built = builder.build(1)
-            body = self._bodies[slot_end_ms] = pb.TelemetryBatch(samples=built.samples, host=built.host).SerializeToString()
+            body = pb.TelemetryBatch(samples=built.samples, host=built.host).SerializeToString()
+            self._bodies[slot_end_ms] = body
         return body
 
 

@@ -49,7 +49,8 @@ def start_collector(cfg: config.Config) -> CollectorServer:
                                        insecure=cfg.insecure, interval_s=cfg.metrics_interval))
     try:
         return serve(cfg.listen, cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
-                     max_in_flight=cfg.max_in_flight, stream_idle_s=cfg.stream_idle_timeout, services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
+                     max_in_flight=cfg.max_in_flight, stream_idle_s=cfg.stream_idle_timeout, services=services,
+                     tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
                      token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)
     except BaseException:
         hub.stop()  # its senders' threads started with it; serve stops only the services it started

@@ -175,7 +175,7 @@ class IngestService:
                 yield await self._acked(item, context)
                 window.release()
         except asyncio.CancelledError:
-            log.debug("ingest stream from %s cancelled (the client went away or the server is stopping)", context.peer())
+            log.debug("ingest stream from %s cancelled (client gone or server stopping)", context.peer())
             raise
         finally:
             self.open_streams -= 1
