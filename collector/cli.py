@@ -46,7 +46,8 @@ def start_collector(cfg: config.Config) -> CollectorServer:
     if cfg.metrics_listen:
         metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
         services.append(MetricsService(cfg.metrics_listen, scorer=scorer, jobs=monitor, token=metrics_token,
-                                       insecure=cfg.insecure, interval_s=cfg.metrics_interval))
+                                       insecure=cfg.insecure, gpu_telemetry=cfg.metrics_gpu_telemetry,
+                                       interval_s=cfg.metrics_interval))
     try:
         return serve(cfg.listen, cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
                      max_in_flight=cfg.max_in_flight, stream_idle_s=cfg.stream_idle_timeout, services=services,

@@ -61,9 +61,10 @@ class MetricsService:
     (exporter.RenderedMetrics); a scrape gets the last render."""
 
     def __init__(self, listen: str, *, scorer: Scorer | None = None, jobs: JobsMonitor | None = None,
-                 token: str | None = None, insecure: bool = False,
+                 token: str | None = None, insecure: bool = False, gpu_telemetry: bool = True,
                  interval_s: float = DEFAULT_RENDER_INTERVAL_S) -> None:
         self.listen = listen
+        self.gpu_telemetry = gpu_telemetry
         self._parts = (scorer, jobs)
         self._token, self._insecure, self._interval_s = token, insecure, interval_s
         self.server: MetricsServer | None = None
@@ -71,7 +72,7 @@ class MetricsService:
     def start(self, store: DuckDBStore) -> Mapping[str, Any]:
         provider = functools.partial(build_snapshot, store, *self._parts)
         self.server = start_metrics_server(self.listen, provider, self._token, insecure=self._insecure,
-                                           render_interval_s=self._interval_s)
+                                           gpu_telemetry=self.gpu_telemetry, render_interval_s=self._interval_s)
         return {}
 
     def stop(self) -> None:

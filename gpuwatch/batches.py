@@ -38,6 +38,7 @@ class BatchBuilder:
 
     def _reset(self) -> None:
         self._gpu_rows: dict[int, dict[str, list]] = {}
+        self._gpu_blocks: list[pb.GpuSamples] = []
         self._host: dict[str, list] = {"ts_ms": []}
         self._host_cols: dict[str, list[float]] = {}
         self._events: list[pb.Event] = []
@@ -45,7 +46,8 @@ class BatchBuilder:
 
     def __len__(self) -> int:
         """Number of rows (GPU and host) and events held."""
-        return sum(len(r["ts_ms"]) for r in self._gpu_rows.values()) + len(self._host["ts_ms"]) + len(self._events)
+        return (sum(len(r["ts_ms"]) for r in self._gpu_rows.values()) + sum(len(b.ts_ms) for b in self._gpu_blocks)
+                + len(self._host["ts_ms"]) + len(self._events))
 
     def add_gpu_row(
         self,
@@ -65,6 +67,16 @@ class BatchBuilder:
         rows["rank"].append(int(rank))
         rows["local_rank"].append(int(local_rank))
         _append_values(rows["cols"], n, values)
+
+    def add_gpu_block(self, gpu_index: int, ts_ms: Sequence[int], columns: Mapping[str, Sequence[float]],
+                      job_id: Sequence[str], rank: Sequence[int], local_rank: Sequence[int]) -> None:
+        """Many rows of one GPU at once, already columnar (replaying recordings): every sequence has one entry
+        per timestamp, NaN where a field was not sampled. Do not mix with :meth:`add_gpu_row` for one GPU."""
+        if gpu_index in self._gpu_rows:
+            raise ValueError(f"GPU {gpu_index}: rows already added to this batch")
+        self._gpu_blocks.append(pb.GpuSamples(
+            gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank,
+            columns=[pb.Column(field=name, values=values) for name, values in columns.items()]))
 
     def add_host_row(self, ts_ms: int, values: Mapping[str, float]) -> None:
         n = len(self._host["ts_ms"])
@@ -112,6 +124,7 @@ class BatchBuilder:
                     columns=[pb.Column(field=k, values=_padded(v, n)) for k, v in rows["cols"].items()],
                 )
             )
+        batch.samples.extend(sorted(self._gpu_blocks, key=lambda block: block.gpu_index))
         n_host = len(self._host["ts_ms"])
         if n_host:
             batch.host.ts_ms.extend(self._host["ts_ms"])
