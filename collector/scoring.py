@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pandas as pd
@@ -28,6 +28,7 @@ from gpuwatch.collector.store.duckdb import ms_to_datetime
 from gpuwatch.models import features as feature_module
 from gpuwatch.models import rules
 from gpuwatch.models.model import score, top_signals
+from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.recording import ts_ms
 
 log = logging.getLogger(__name__)
@@ -179,16 +180,24 @@ class Scorer(PeriodicService):
 
     A round scores "now": the wall clock, or with ``clock="data"`` the newest stored sample time, for
     telemetry on simulated or replayed time (the demo's accelerated agents), where the wall clock would
-    put every GPU hours before or after its data."""
+    put every GPU hours before or after its data.
+
+    With ``load_model`` (instead of ``model``) the model is loaded on a thread of its own when the service
+    starts, so the collector answers while it loads (seconds); rounds begin once it is loaded, the hub then
+    gets the model's alert policy, and :attr:`ready` is set. A model that fails to load is logged and
+    scoring gives health states only."""
 
     name = "gpu-scorer"
 
     def __init__(self, model: dict | None, hub: AlertHub | None = None, *, interval_s: float = DEFAULT_INTERVAL_S,
-                 history_s: float = feature_module.HISTORY_S, clock: str = WALL) -> None:
+                 history_s: float = feature_module.HISTORY_S, clock: str = WALL,
+                 load_model: Callable[[], dict | None] | None = None) -> None:
         if clock not in (WALL, DATA):
             raise ValueError(f"clock {clock!r}: expected {WALL!r} or {DATA!r}")
         super().__init__(interval_s)
         self.model = model
+        self.ready = threading.Event()
+        self._load_model = load_model
         self.hub = hub
         self.clock = clock
         self.history = MinuteHistory(history_s)
@@ -196,6 +205,27 @@ class Scorer(PeriodicService):
         self.scored_at_ms: int | None = None  # the "now" of the last round
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
+
+    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+        if self._load_model is None:
+            self.ready.set()
+            return super().start(store)
+        self.bind(store)
+        threading.Thread(target=self._load_then_begin, name="model-loader", daemon=True).start()
+        return self.handlers()
+
+    def _load_then_begin(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.model = self._load_model()
+        except Exception as exc:  # a bad model file must not take ingest and queries down with it
+            log.error("the failure model cannot be loaded (%s): GPUs get health states, no failure risk", exc)
+        if self.model is not None and self.hub is not None:
+            self.hub.use_policy(AlertPolicy(self.model["threshold"]))
+        log.info("failure model %s in %.1f s; scoring every %g s", "loaded" if self.model else "not loaded",
+                 time.perf_counter() - started, self.interval_s)
+        self.ready.set()
+        self.begin_rounds()
 
     def run_round(self) -> object:
         return self.score_once()
