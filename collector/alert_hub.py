@@ -89,6 +89,8 @@ class AlertHub:
     def __init__(self, policy: AlertPolicy | None = None, senders: Sequence[AlertSender] = (),
                  **engine_options: Any) -> None:
         self.senders = list(senders)
+        self._engine_options = engine_options
+        self._firing_gpu_alerts: list[Alert] = []  # for an engine made later (use_policy)
         self.engine = AlertEngine(policy, senders=self.senders, **engine_options) if policy else None
         self._jobs: dict[tuple[str, str], JobAlert] = {}
         self._lock = threading.Lock()
@@ -109,6 +111,13 @@ class AlertHub:
             self._jobs.clear()
         self._restore(self._store, replace=True)
 
+    def use_policy(self, policy: AlertPolicy) -> None:
+        """Start risk alerting with ``policy``: the collector calls this once its failure model has loaded in
+        the background; the GPU alerts that were firing when the store was opened are taken back then."""
+        engine = AlertEngine(policy, senders=self.senders, **self._engine_options)
+        engine.restore(self._firing_gpu_alerts)
+        self.engine = engine
+
     def _restore(self, store: Store, replace: bool = False) -> None:
         firing = store.firing_alerts()
         gpu_alerts = []
@@ -122,6 +131,8 @@ class AlertHub:
                     self._jobs[(row.alertname, row.subject)] = JobAlert.from_json(doc, row.subject)
         if self.engine is not None:
             self.engine.restore(gpu_alerts, replace=replace)
+        else:
+            self._firing_gpu_alerts = gpu_alerts
 
     def stop(self) -> None:
         if self.engine is not None:

@@ -65,6 +65,8 @@ class PeriodicService:
         #: Rounds run only while this says so (a :class:`~gpuwatch.collector.lease.ClusterLease`'s ``held``,
         #: so that of several collectors sharing a store one does the work); None: always.
         self.gate: Callable[[], bool] | None = None
+        self._lifecycle = threading.Lock()
+        self._stopped = False
 
     def bind(self, store: Store) -> None:
         """Use ``store`` without the periodic thread."""
@@ -72,11 +74,19 @@ class PeriodicService:
 
     def start(self, store: Store) -> Mapping[str, Any]:
         self.bind(store)
-        self._periodic = Periodic(self.name, self.interval_s, self._gated_round)
-        self._periodic.start()
+        self.begin_rounds()
         return self.handlers()
 
+    def begin_rounds(self) -> None:
+        """Start the periodic thread (a subclass that must first get ready calls this itself, later)."""
+        with self._lifecycle:
+            if not self._stopped and self._periodic is None:
+                self._periodic = Periodic(self.name, self.interval_s, self._gated_round)
+                self._periodic.start()
+
     def stop(self) -> None:
+        with self._lifecycle:
+            self._stopped = True
         if self._periodic is not None:
             self._periodic.stop()
 

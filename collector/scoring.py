@@ -7,7 +7,6 @@ with :func:`gpuwatch.models.features.features` (the function training and evalua
 explains them with the top signals, derives the rule-based health state, and hands one
 :class:`RiskObservation` per GPU to the :class:`AlertHub`. Without a model the health states are still
 computed, and no risk alerts are raised.
-
 The alert threshold follows the operator's false-alarm budget: before each round the
 :class:`~gpuwatch.models.calibration.BudgetCalibrator` gives the threshold from the rounds before it (the
 model's saved threshold is only its start value), and the round's scores are shown to it afterwards; fatal
@@ -18,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,6 +35,7 @@ from gpuwatch.models import rules
 from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET, BudgetCalibrator
 from gpuwatch.models.faults import FATAL_XIDS
 from gpuwatch.models.model import score, top_signals
+from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.recording import ts_ms
 
 log = logging.getLogger(__name__)
@@ -199,31 +199,69 @@ class Scorer(PeriodicService):
     A round scores "now": the wall clock, or with ``clock="data"`` the newest stored sample time, for
     telemetry on simulated or replayed time (agents with ``--sim-speed``, replays), where the wall clock would
     put every GPU hours before or after its data. ``clock="auto"`` scores on the wall clock until the newest
-    sample is more than ``AUTO_SKEW_S`` away from it, then on the data clock, and logs why."""
+    sample is more than ``AUTO_SKEW_S`` away from it, then on the data clock, and logs why.
+
+    With ``load_model`` (instead of ``model``) the model is loaded on a thread of its own when the service
+    starts, so the collector answers while it loads (seconds); rounds begin once it is loaded, the hub then
+    gets the model's alert policy, and :attr:`ready` is set. A model that fails to load is logged and
+    scoring gives health states only."""
 
     name = "gpu-scorer"
 
     def __init__(self, model: dict | None, hub: AlertHub | None = None, *, interval_s: float = DEFAULT_INTERVAL_S,
                  history_s: float = feature_module.HISTORY_S, clock: str = WALL,
+                 load_model: Callable[[], dict | None] | None = None,
                  false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET) -> None:
         if clock not in (WALL, DATA, AUTO):
             raise ValueError(f"clock {clock!r}: expected {WALL!r}, {DATA!r} or {AUTO!r}")
         super().__init__(interval_s)
         self.model = model
-        self.hub = hub
-        self.clock = clock
-        self.calibrator = BudgetCalibrator(
-            false_alarm_budget, model["threshold"], step_s=model["step_s"],
-            keep_firing_for_s=hub.engine.policy.keep_firing_for_s if hub and hub.engine else 4 * 3600.0,
-        ) if model else None
-        self.threshold: float | None = model["threshold"] if model else None
+        self.false_alarm_budget = false_alarm_budget
+        self.calibrator: BudgetCalibrator | None = None
+        self.threshold: float | None = None
+        self._use_model_threshold()
         self._faults_told: set[tuple[str, int, int]] = set()
         self._on_data_clock = clock == DATA
+        self.ready = threading.Event()
+        self._load_model = load_model
+        self.hub = hub
+        self.clock = clock
         self.history = MinuteHistory(history_s)
         self.rounds = 0
         self.scored_at_ms: int | None = None  # the "now" of the last round
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
+
+    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+        if self._load_model is None:
+            self.ready.set()
+            return super().start(store)
+        self.bind(store)
+        threading.Thread(target=self._load_then_begin, name="model-loader", daemon=True).start()
+        return self.handlers()
+
+    def _load_then_begin(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.model = self._load_model()
+        except Exception as exc:  # a bad model file must not take ingest and queries down with it
+            log.error("the failure model cannot be loaded (%s): GPUs get health states, no failure risk", exc)
+        self._use_model_threshold()
+        if self.model is not None and self.hub is not None:
+            self.hub.use_policy(AlertPolicy(self.model["threshold"]))
+        log.info("failure model %s in %.1f s; scoring every %g s", "loaded" if self.model else "not loaded",
+                 time.perf_counter() - started, self.interval_s)
+        self.ready.set()
+        self.begin_rounds()
+
+    def _use_model_threshold(self) -> None:
+        """The budget calibrator of the (now) loaded model, starting from its saved threshold."""
+        if self.model is None:
+            return
+        self.calibrator = BudgetCalibrator(self.false_alarm_budget, self.model["threshold"],
+                                           step_s=self.model["step_s"],
+                                           keep_firing_for_s=AlertPolicy(self.model["threshold"]).keep_firing_for_s)
+        self.threshold = self.model["threshold"]
 
     def run_round(self) -> object:
         return self.score_once()

@@ -1,20 +1,34 @@
 """The collector's gRPC server: Ingest (agents stream batches, acked after commit) and Query (read API).
 
-Ingest takes the raw bytes of each batch and decodes them itself, so a malformed, oversized or wrong-version
-batch is answered with a precise status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION) and a
-log line naming the agent and peer, while every other client keeps being served. Query methods are plain
-functions ``handler(request, store) -> response`` looked up by method name, so other features plug theirs in
-through ``serve(..., query_handlers={"Breakdown": fn})``; a method without a handler answers UNIMPLEMENTED.
-Parts that run beside ingest (scoring, the jobs monitor, metrics) are :class:`Service` objects: they get
-the store when the server starts, may answer Query methods, and are stopped before the store closes.
-Transport security (TLS, mutual TLS, bearer token, the loopback-only plaintext rule) is gpuwatch.security's.
+The server is asynchronous (grpc.aio on one event-loop thread), so an agent's stream costs a coroutine, not
+a thread: one process holds thousands of agents, and idle or slow ones cost nothing but memory. Ingest takes
+the raw bytes of each batch and decodes them itself (gpuwatch.columnar), so a malformed, oversized or
+wrong-version batch is answered with a precise status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+FAILED_PRECONDITION) and a log line naming the agent and peer, while every other client keeps being served.
+A batch is acknowledged only after the store's writer thread committed it (the event loop awaits the
+store's future, never blocks on it); resends are recognised by (agent_id, sequence) in the store.
+
+Bounds, so no client can starve the others: each stream has at most ``stream_window`` batches between
+received and acknowledged (beyond that the server stops reading it and HTTP/2 flow control holds the
+sender), the whole collector at most ``max_in_flight`` (fair, first come first served), a stream that sends
+nothing for ``stream_idle_timeout_s`` is closed (the agent reconnects when it has data), keepalive pings
+find dead peers, and connections without calls are closed after ``CONNECTION_IDLE_S``.
+
+Query methods are plain functions ``handler(request, store) -> response`` looked up by method name, run on
+their own thread pool (``max_workers``) so they are answered while ingest is saturated; other features
+plug theirs in through ``serve(..., query_handlers={"Breakdown": fn})``; a method without a handler
+answers UNIMPLEMENTED. Parts that run beside ingest (scoring, the jobs monitor, metrics) are
+:class:`Service` objects: they get the store when the server starts, may answer Query methods, and are
+stopped before the store closes. Transport security (TLS, mutual TLS, bearer token, the loopback-only
+plaintext rule) is gpuwatch.security's.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
-import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -22,11 +36,12 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from gpuwatch import security
-from gpuwatch.batches import MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, validate
+from gpuwatch.batches import MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.failed import failed_gpus
 from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
+from gpuwatch.columnar import ColumnarBatch, decode
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -37,6 +52,12 @@ DEFAULT_PORT = 7700
 # gRPC refuses messages above this outright (memory guard); batches between MAX_BATCH_BYTES and this
 # reach decode_batch, which answers with a message that says what to do.
 _HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
+DEFAULT_QUERY_WORKERS = 16
+DEFAULT_STREAM_WINDOW = 64  # batches per stream between received and acked (agents keep 32 in flight)
+DEFAULT_MAX_IN_FLIGHT = 4096  # batches received and not yet committed, all streams together
+DEFAULT_STREAM_IDLE_S = 300.0  # agents send every batch_interval (5 s by default)
+CONNECTION_IDLE_S = 600.0  # a connection without calls (a query client that went quiet) is closed
+STREAMS_PER_CONNECTION = 100  # an agent needs one; a client opening more is refused further streams
 
 QueryHandler = Callable[[Message, Store], Message]
 
@@ -61,35 +82,70 @@ class BatchRejected(Exception):
         self.agent = agent
 
 
-def decode_batch(raw: bytes) -> pb.TelemetryBatch:
+def decode_batch(raw: bytes) -> ColumnarBatch:
     """Parse and validate one batch's bytes; raise :class:`BatchRejected` with the status to answer."""
     if len(raw) > MAX_BATCH_BYTES:
         raise BatchRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
     try:
-        batch = pb.TelemetryBatch.FromString(raw)
+        return decode(raw)
     except DecodeError as exc:
         raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{len(raw)} bytes are not a gpuwatch.v1.TelemetryBatch ({exc})") from None
-    try:
-        validate(batch)
     except BatchError as exc:
-        code = (grpc.StatusCode.FAILED_PRECONDITION if batch.schema_version != SCHEMA_VERSION
+        header = pb.TelemetryBatch.FromString(raw)  # parsed before the check failed, so it parses
+        code = (grpc.StatusCode.FAILED_PRECONDITION if header.schema_version != SCHEMA_VERSION
                 else grpc.StatusCode.INVALID_ARGUMENT)
-        raise BatchRejected(code, f"batch {batch.sequence} of agent {batch.agent_id or '?'}: {exc}",
-                            batch.agent_id) from None
-    return batch
+        raise BatchRejected(code, f"batch {header.sequence} of agent {header.agent_id or '?'}: {exc}",
+                            header.agent_id) from None
+
+
+class StreamIdle(Exception):
+    """A stream sent nothing for the idle limit."""
 
 
 def _ack(result: WriteResult) -> pb.BatchAck:
     return pb.BatchAck(agent_id=result.agent_id, sequence=result.sequence, duplicate=result.duplicate)
 
 
-class IngestService:
-    """Stores every well-formed batch once and acknowledges it only after the store committed it."""
+_DONE = object()
 
-    def __init__(self, store: Store) -> None:
+
+def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Semaphore) -> asyncio.Future:
+    """The store's commit future as an asyncio future of the running loop, releasing ``in_flight`` when the
+    commit is done. Unlike asyncio.wrap_future, cancelling the returned future (its stream went away) leaves
+    the store's future alone: the batch is committed anyway and the writer resolves what it committed."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(done: concurrent.futures.Future) -> None:
+        in_flight.release()
+        if waiter.cancelled():
+            return
+        if done.exception() is not None:
+            waiter.set_exception(done.exception())
+        else:
+            waiter.set_result(done.result())
+
+    stored.add_done_callback(lambda done: loop.call_soon_threadsafe(settle, done))
+    return waiter
+
+
+class IngestService:
+    """Stores every well-formed batch once and acknowledges it only after the store committed it.
+
+    Runs on the server's event loop; every wait is an ``await`` (the store's commit future, a full window),
+    so one slow agent never holds up another.
+    """
+
+    def __init__(self, store: Store, *, stream_window: int = DEFAULT_STREAM_WINDOW,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, stream_idle_s: float = DEFAULT_STREAM_IDLE_S) -> None:
         self.store = store
+        self.stream_window = stream_window
+        self.stream_idle_s = stream_idle_s
+        self.open_streams = 0
+        self._max_in_flight = max_in_flight
+        self._in_flight: asyncio.Semaphore | None = None  # made on the event loop
 
     def handler(self) -> grpc.GenericRpcHandler:
         ack = pb.BatchAck.SerializeToString
@@ -99,64 +155,85 @@ class IngestService:
             "Push": grpc.unary_unary_rpc_method_handler(self.push, response_serializer=ack),
         })
 
-    def push(self, raw: bytes, context: grpc.ServicerContext) -> pb.BatchAck:
-        batch = self._decode_or_abort(raw, context)
-        return _ack(self._submit_or_abort(batch, context).result())
-
-    def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[pb.BatchAck]:
-        """Read batches on a helper thread so many are in flight; yield their acks in order as they commit."""
-        pending: queue.Queue = queue.Queue()
-        done = object()
-
-        def read() -> None:
-            try:
-                for raw in requests:
-                    try:
-                        pending.put(self.store.submit(decode_batch(raw)))
-                    except (BatchRejected, StoreClosed) as exc:
-                        pending.put(exc)
-                        return
-            except grpc.RpcError:  # the client went away; what was submitted is still stored
-                pass
-            finally:
-                pending.put(done)
-
-        threading.Thread(target=read, name="ingest-stream-reader", daemon=True).start()
-        while (item := pending.get()) is not done:
-            if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
-                self._abort(item, context)
-            try:
-                result = item.result()
-            except Exception as exc:
-                log.error("store failed for a batch from %s: %s", context.peer(), exc)
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"the collector could not store the batch: {exc}")
-            yield _ack(result)
-
-    def _decode_or_abort(self, raw: bytes, context: grpc.ServicerContext) -> pb.TelemetryBatch:
+    async def push(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.BatchAck:
         try:
-            return decode_batch(raw)
-        except BatchRejected as exc:
-            self._abort(exc, context)
+            commit = await self._submit(decode_batch(raw))
+        except (BatchRejected, StoreClosed) as exc:
+            await self._abort(exc, context)
+        return await self._acked(commit, context)
 
-    def _abort(self, exc: BaseException, context: grpc.ServicerContext) -> None:
+    async def stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.BatchAck]:
+        """Read batches on a task of their own so up to ``stream_window`` are in flight; yield their acks in
+        order as they commit. A refused batch ends the stream after the acks of the batches before it."""
+        window = asyncio.Semaphore(self.stream_window)
+        pending: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._read(requests, window, pending))
+        self.open_streams += 1
+        try:
+            while (item := await pending.get()) is not _DONE:
+                if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
+                    await self._abort(item, context)
+                yield await self._acked(item, context)
+                window.release()
+        except asyncio.CancelledError:
+            log.debug("ingest stream from %s cancelled (client gone or server stopping)", context.peer())
+            raise
+        finally:
+            self.open_streams -= 1
+            reader.cancel()
+
+    async def _read(self, requests: AsyncIterator[bytes], window: asyncio.Semaphore, pending: asyncio.Queue) -> None:
+        incoming = requests.__aiter__()
+        try:
+            while True:
+                await window.acquire()
+                try:
+                    raw = await asyncio.wait_for(incoming.__anext__(), self.stream_idle_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    pending.put_nowait(StreamIdle(f"no batch for {self.stream_idle_s:g} s; reconnect to send"))
+                    return
+                try:
+                    pending.put_nowait(await self._submit(decode_batch(raw)))
+                except (BatchRejected, StoreClosed) as exc:
+                    pending.put_nowait(exc)
+                    return
+        except (grpc.RpcError, grpc.aio.AioRpcError, ConnectionError):  # the client went away
+            return
+        finally:
+            pending.put_nowait(_DONE)
+
+    async def _submit(self, batch: ColumnarBatch) -> asyncio.Future:
+        """Queue ``batch`` for the writer once the collector-wide bound has room; the future is its commit."""
+        if self._in_flight is None:
+            self._in_flight = asyncio.Semaphore(self._max_in_flight)
+        await self._in_flight.acquire()
+        try:
+            stored = self.store.submit(batch)
+        except BaseException:
+            self._in_flight.release()
+            raise
+        return _awaitable_commit(stored, self._in_flight)
+
+    async def _acked(self, commit: asyncio.Future, context: grpc.aio.ServicerContext) -> pb.BatchAck:
+        try:
+            return _ack(await commit)
+        except Exception as exc:
+            log.error("store failed for a batch from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the collector could not store the batch: {exc}")
+
+    async def _abort(self, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
         if isinstance(exc, BatchRejected):
             self.store.counters.reject()
-        _abort(exc, context)
-
-    def _submit_or_abort(self, batch: pb.TelemetryBatch, context: grpc.ServicerContext):
-        try:
-            return self.store.submit(batch)
-        except StoreClosed as exc:
-            self._abort(exc, context)
-
-
-
-def _abort(exc: BaseException, context: grpc.ServicerContext) -> None:
-    if isinstance(exc, BatchRejected):
-        log.warning("rejected a batch from agent %s (peer %s): %s", exc.agent or "?", context.peer(), exc.message)
-        context.abort(exc.code, exc.message)
-    else:
-        context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
+            log.warning("rejected a batch from agent %s (peer %s): %s", exc.agent or "?", context.peer(), exc.message)
+            await context.abort(exc.code, exc.message)
+        elif isinstance(exc, StreamIdle):
+            log.info("closing an idle ingest stream from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"idle stream closed: {exc}")
+        else:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
 
 
 # ------------------------------------------------------------------------------------- query side
@@ -240,16 +317,38 @@ def query_handler(store: Store, handlers: Mapping[str, QueryHandler]) -> grpc.Ge
 
 
 # ----------------------------------------------------------------------------------------- serving
+class _EventLoopThread:
+    """An asyncio event loop on a daemon thread of its own (the gRPC server's); the caller stays synchronous."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run ``coro`` on the loop and return its result (or raise its exception) here."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
 class CollectorServer:
     """A running collector: its gRPC server, store and services. ``stop`` commits what was received, then closes."""
 
-    def __init__(self, server: grpc.Server, store: Store, host: str, port: int,
-                 services: Sequence[Service] = ()) -> None:
+    def __init__(self, server: grpc.aio.Server, loop: _EventLoopThread, query_pool: ThreadPoolExecutor,
+                 store: Store, host: str, port: int, services: Sequence[Service] = (),
+                 ingest: IngestService | None = None) -> None:
         self._server = server
+        self._loop = loop
+        self._query_pool = query_pool
         self.store = store
         self.host = host
         self.port = port
         self.services = list(services)
+        self.ingest = ingest
         self._stopped = threading.Event()
 
     @property
@@ -260,9 +359,11 @@ class CollectorServer:
         """Stop taking RPCs (open streams get ``grace`` seconds), stop the services, flush, close the store."""
         if self._stopped.is_set():
             return
-        self._server.stop(grace).wait()
+        self._loop.run(self._server.stop(grace))
         _stop_all(self.services)
-        self.store.close()
+        self.store.close()  # commits what was received; the loop still runs the commits' callbacks
+        self._loop.close()
+        self._query_pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -278,12 +379,42 @@ def _stop_all(services: Sequence[Service]) -> None:
             log.exception("stopping %s failed", type(service).__name__)
 
 
+def _server_options() -> list[tuple[str, Any]]:
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
+        ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
+        ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+        # find dead peers (a node that lost power leaves a half-open connection) ...
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        # ... and let agents do the same: they ping every 60 s (gpuwatch.agent.uplink)
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+        ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
+    ]
+
+
+async def _start_grpc(listen: str, handlers: Sequence[grpc.GenericRpcHandler], query_pool: ThreadPoolExecutor,
+                      token: str | None, tls: Mapping[str, Any], insecure: bool) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(migration_thread_pool=query_pool, handlers=handlers,
+                             interceptors=security.aio_server_interceptors(token), options=_server_options())
+    port = security.add_listen_port(server, listen, insecure=insecure, **tls)
+    if not port:
+        raise UserError(f"cannot listen on {listen}: the address is in use or not local")
+    await server.start()
+    return server, port
+
+
 def serve(
     listen: str,
     db_path: str,
     *,
     retention_days: float | None = None,
-    max_workers: int = 256,
+    max_workers: int = DEFAULT_QUERY_WORKERS,
+    stream_window: int = DEFAULT_STREAM_WINDOW,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
     query_handlers: Mapping[str, QueryHandler] | None = None,
     services: Sequence[Service] = (),
     tls_cert: str | None = None,
@@ -297,7 +428,8 @@ def serve(
 
     TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with ``token`` every call
     needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is refused unless
-    ``insecure``. ``max_workers`` bounds concurrent RPCs; every connected agent's stream holds one worker.
+    ``insecure``. ``max_workers`` threads answer Query calls; ingest runs on the event loop, bounded by
+    ``stream_window``, ``max_in_flight`` and ``stream_idle_s`` (see the module docstring).
     Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
     Raises UserError when the store is locked by another process or the address cannot be bound.
     """
@@ -308,28 +440,26 @@ def serve(
     security.check_listen_policy(listen, tls, insecure)  # before anything is opened
     store = open_store(db_path, retention_days=retention_days, **store_options)
     started: list[Service] = []
+    loop: _EventLoopThread | None = None
     try:
         handlers: dict[str, QueryHandler] = {**DEFAULT_QUERY_HANDLERS, **BreakdownService().handlers()}
         for service in services:
             handlers.update(service.start(store))
             started.append(service)
         handlers.update(query_handlers or {})
-        server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                             interceptors=security.server_interceptors(token), options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
-            ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
-        ])
-        server.add_generic_rpc_handlers((IngestService(store).handler(), query_handler(store, handlers)))
-        port = security.add_listen_port(server, listen, cert=tls_cert, key=tls_key, client_ca=tls_client_ca,
-                                        insecure=insecure)
-        if not port:
-            raise UserError(f"cannot listen on {listen}: the address is in use or not local")
+        ingest = IngestService(store, stream_window=stream_window, max_in_flight=max_in_flight,
+                               stream_idle_s=stream_idle_s)
+        query_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="query")
+        loop = _EventLoopThread()
+        server, port = loop.run(_start_grpc(
+            listen, (ingest.handler(), query_handler(store, handlers)), query_pool, token,
+            {"cert": tls_cert, "key": tls_key, "client_ca": tls_client_ca}, insecure))
     except BaseException:
+        if loop is not None:
+            loop.close()
         _stop_all(started)
         store.close()
         raise
-    server.start()
     log.info("collector listening on %s:%d (%s), store %s", host, port,
              "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", redacted(db_path))
-    return CollectorServer(server, store, host, port, started)
+    return CollectorServer(server, loop, query_pool, store, host, port, started, ingest)

@@ -86,12 +86,17 @@ def token_matches(header: str | None, token: str) -> bool:
     return header is not None and hmac.compare_digest(header.encode(), expected)
 
 
-def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _abort_unauthenticated(_request: Any, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+
+
+async def _abort_unauthenticated_async(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+
+
+def _denied(handler: grpc.RpcMethodHandler, abort: Callable[..., Any] = _abort_unauthenticated
+            ) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED without running it."""
-
-    def abort(_request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
-
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort)
     if handler.request_streaming:
@@ -119,6 +124,28 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         if handler is None or token_matches(header, self._token):
             return handler
         return _denied(handler)
+
+
+class AsyncBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """:class:`BearerTokenInterceptor` for an asyncio server (grpc.aio); refused calls get UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("empty bearer token")
+        self._token = token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        header = dict(details.invocation_metadata or ()).get(AUTH_HEADER)
+        if handler is None or token_matches(header, self._token):
+            return handler
+        # the refusal runs on the event loop: it must be a coroutine (a plain function's abort would wait
+        # on the loop it blocks)
+        return _denied(handler, _abort_unauthenticated_async)
 
 
 # ---- attaching the token (client side) ----------------------------------------------------------------
@@ -247,3 +274,8 @@ def add_listen_port(
 def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
     """Interceptors for ``grpc.server(..., interceptors=...)``: the token check when a token is configured."""
     return [BearerTokenInterceptor(token)] if token else []
+
+
+def aio_server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
+    """Interceptors for ``grpc.aio.server(..., interceptors=...)``: the token check when a token is configured."""
+    return [AsyncBearerTokenInterceptor(token)] if token else []

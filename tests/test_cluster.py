@@ -13,6 +13,7 @@ import pytest
 from gpuwatch.collector.cli import start_collector
 from gpuwatch.collector.lease import ClusterLease
 from gpuwatch.collector.store import open_store
+from gpuwatch.columnar import from_message
 from gpuwatch.config import COLLECTOR_OPTIONS, load_config
 from helpers import ROWS_PER_BATCH, make_batch, poll
 
@@ -120,7 +121,7 @@ def test_rows_written_twice_by_a_collector_killed_before_recording_the_batch_rea
     store = open_store(f"chdb://{tmp_path / 'crash'}")
     try:
         batch = make_batch(1)
-        store.run_write(lambda _: store._commit([batch]))  # the group's rows and mark
+        store.run_write(lambda _: store._commit([from_message(batch)]))  # the group's rows and mark
         store.run_write(lambda _: [store._insert(name, table) for name, table in _rows_without_mark(batch)])
         assert store.count("gpu_samples") == sum(len(s.ts_ms) for s in batch.samples)
         assert store.count("events") == len(batch.events)
@@ -132,5 +133,21 @@ def _rows_without_mark(batch):
     from gpuwatch.collector.store.clickhouse import _plain_strings
     from gpuwatch.collector.store.duckdb import batch_tables, ms_to_datetime
 
-    tables = batch_tables([batch], ms_to_datetime(0))
+    tables = batch_tables([from_message(batch)], ms_to_datetime(0))
     return [(name, _plain_strings(table)) for name, table in tables.items() if name != "ingested"]
+
+
+def test_a_lease_claim_stored_after_the_winners_never_wins_whatever_its_clock(tmp_path):
+    """Two collectors that both saw the lease free claim the same term; the one whose claim the store holds
+    first wins, even when the other's clock (its claimed_ms) is earlier: no moment with two holders."""
+    import pandas as pd
+
+    store = open_store(f"chdb://{tmp_path / 'lease'}")
+    try:
+        assert store.take_lease("work", "a", 30)
+        late_claim = pd.DataFrame([{"name": "work", "holder": "b", "term": 1, "claimed_ms": 0, "expires_ms": 10**13}])
+        store.run_write(lambda _: store._insert("leases", late_claim))
+        assert not store.take_lease("work", "b", 30)
+        assert store.take_lease("work", "a", 30)
+    finally:
+        store.close()

@@ -35,6 +35,7 @@ from gpuwatch import fields
 from gpuwatch.collector.store.base import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, DEFAULT_SPAN_TRIM_INTERVAL_S
 from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
+from gpuwatch.columnar import ColumnarBatch
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -99,7 +100,10 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
         "breakdown_docs": ("job_id String, source LowCardinality(String), doc String CODEC(ZSTD(3)), "
                            "computed_at DateTime64(3, 'UTC')",
                            "Replacing{engine}(computed_at) ORDER BY (job_id, source)"),
-        "leases": ("name String, holder String, term UInt64, claimed_ms Int64, expires_ms Int64",
+        # inserted_ns is the server's clock at insert: claims are ordered as they were stored, whatever the
+        # clocks of the collectors that sent them
+        "leases": ("name String, holder String, term UInt64, claimed_ms Int64, expires_ms Int64, "
+                   "inserted_ns Int64 DEFAULT toUnixTimestamp64Nano(now64(9))",
                    "{engine} ORDER BY (name, term, claimed_ms, holder) TTL toDateTime(intDiv(claimed_ms, 1000)) + "
                    "INTERVAL 1 DAY"),
     }
@@ -210,7 +214,7 @@ class ClickHouseStore(GroupWriter):
         return self._query(sql, params)
 
     # ---- the writer's hooks ----------------------------------------------------------------------------
-    def _commit(self, batches: list[pb.TelemetryBatch]) -> None:
+    def _commit(self, batches: list[ColumnarBatch]) -> None:
         """Insert the group's rows table by table, the ingested marks last: a crash part way leaves rows
         that a resend writes again identically, which the ReplacingMergeTree keys (and final reads) fold."""
         if not batches:
@@ -220,8 +224,9 @@ class ClickHouseStore(GroupWriter):
         ingested = tables.pop("ingested")
         for name, table in tables.items():
             self._insert(name, _plain_strings(table))
-        self._insert("gpus", self._gpus_frame(batches, now))
-        self._insert("agents", _agents_frame(batches, now))
+        messages = [b.message for b in batches]
+        self._insert("gpus", self._gpus_frame(messages, now))
+        self._insert("agents", _agents_frame(messages, now))
         self._insert("ingested", ingested)
 
     def _gpus_frame(self, batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.DataFrame:
@@ -639,9 +644,10 @@ class ClickHouseStore(GroupWriter):
         """Take or renew the lease ``name`` for ``ttl_s`` seconds; False while another holder's is unexpired.
 
         ClickHouse has no compare-and-set, so a lease is a sequence of terms: whoever sees the current term
-        expired claims the next one, and of several claims of one term the earliest (then the smallest
-        holder name) wins; the holder renews by claiming its term again. A contender re-reads after its
-        claim, so two collectors that claim one term together agree on one winner."""
+        expired claims the next one, and of several claims of one term the one the server stored first wins
+        (``inserted_ns``, the server's clock, not the claimant's: a claim stored later can never win, so a
+        contender that re-reads after its own claim and sees itself first is the one winner everybody
+        else will see too); the holder renews by claiming its term again."""
         now = int(time.time() * 1000)
         term, winner, expires = self._lease_state(name)
         if winner == holder or expires < now:
@@ -653,11 +659,11 @@ class ClickHouseStore(GroupWriter):
         return winner == holder
 
     def _lease_state(self, name: str) -> tuple[int, str | None, int]:
-        """The lease's current term, its winner (earliest claim) and when it expires (the winner's latest
-        claim's expiry: renewals extend it, a release sets it to 0)."""
+        """The lease's current term, its winner (the claim stored first) and when it expires (the winner's
+        latest claim's expiry: renewals extend it, a release sets it to 0)."""
         df = self._query("""
-            SELECT term, argMin(holder, (claimed_ms, holder)) AS winner,
-                   groupArray((holder, claimed_ms, expires_ms)) AS claims
+            SELECT term, argMin(holder, (inserted_ns, holder)) AS winner,
+                   groupArray((holder, inserted_ns, expires_ms)) AS claims
             FROM leases WHERE name = {name:String}
               AND term = (SELECT max(term) FROM leases WHERE name = {name:String})
             GROUP BY term""", {"name": name})

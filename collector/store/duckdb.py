@@ -29,6 +29,7 @@ from gpuwatch import fields
 from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
                                            DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS)
 from gpuwatch.collector.store.writer import GroupWriter, IngestCounters, StoreClosed, WriteResult  # noqa: F401
+from gpuwatch.columnar import ColumnarBatch
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -97,6 +98,9 @@ DDL: list[str] = [
 ]
 
 
+# Seconds after which an unchanged inventory entry is written again (its gpus.last_seen refreshed).
+INVENTORY_REFRESH_S = 60.0
+
 # Tables that retention trims, with the timestamp column it compares.
 RETENTION: dict[str, str] = {
     "gpu_samples": "ts", "host_samples": "ts", "events": "ts", "spans": "ts", "ingested": "ingested_at",
@@ -112,7 +116,6 @@ _SPAN_COLUMNS: dict[str, tuple[pa.DataType, Any]] = {
 }
 
 _GPU_FIELD_INDEX = {name: i for i, name in enumerate(fields.GPU_FIELD_NAMES)}
-_HOST_FIELD_INDEX = {name: i for i, name in enumerate(fields.HOST_FIELD_NAMES)}
 _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes", "architecture", "gpm_supported")
 
 
@@ -141,6 +144,9 @@ class DuckDBStore(GroupWriter):
             self._con.execute(statement)
         self.path = path
         self._cursor_lock = threading.Lock()
+        # (node, GPU index) -> (the inventory entry as last written, monotonic time written): unchanged entries
+        # are rewritten only every INVENTORY_REFRESH_S, not in every transaction
+        self._inventory: dict[tuple[str, int], tuple[bytes, float]] = {}
         super().__init__(
             dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()),
             retention_days=retention_days, span_retention_s=span_retention_s,
@@ -174,17 +180,33 @@ class DuckDBStore(GroupWriter):
     def _close_engine(self) -> None:
         self._con.close()
 
-    def _commit(self, batches: list[pb.TelemetryBatch]) -> None:
+    def _commit(self, batches: list[ColumnarBatch]) -> None:
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
         if not batches:
             return
+        inventory = self._inventory_to_write(batches)
         self._con.begin()
         try:
-            _insert_group(self._con, batches)
+            _insert_group(self._con, batches, inventory)
             self._con.commit()
         except BaseException:
             self._con.rollback()
             raise
+        written = time.monotonic()
+        self._inventory.update({key: (entry, written) for key, (entry, _) in inventory.items()})
+
+    def _inventory_to_write(self, batches: list[ColumnarBatch]) -> dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]:
+        """The newest inventory entry per (node, GPU) of the group that is new, changed or due for refresh."""
+        latest = {(b.message.node.node, g.index): g for b in batches for g in b.message.gpus}
+        stale = time.monotonic() - INVENTORY_REFRESH_S
+        out = {}
+        for key, gpu in latest.items():
+            entry = gpu.SerializeToString()
+            known = self._inventory.get(key)
+            if known is None or known[0] != entry or known[1] < stale:
+                out[key] = (entry, gpu)
+        return out
+
 
     def _stored_keys(self, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
         return _stored_keys(self._con, keys)
@@ -585,12 +607,13 @@ class DuckDBStore(GroupWriter):
 
 
 # ------------------------------------------------------------------------------ columnar conversion
-def batch_tables(batches: list[pb.TelemetryBatch], now: dt.datetime) -> dict[str, pa.Table]:
+def batch_tables(group: list[ColumnarBatch], now: dt.datetime) -> dict[str, pa.Table]:
     """The rows a group of batches adds to each append-only table, as Arrow tables (both engines insert these)."""
+    batches = [b.message for b in group]
     spans = _spans_table(batches, now)
     return {
-        "gpu_samples": _gpu_samples_table(batches),
-        "host_samples": _host_samples_table(batches),
+        "gpu_samples": _gpu_samples_table(group),
+        "host_samples": _host_samples_table(group),
         "events": _events_table(batches),
         "spans": spans,
         "job_steps": spans.filter(pc.is_in(spans["kind"], pa.array(STEP_MARK_KINDS))).select(
@@ -602,10 +625,13 @@ def batch_tables(batches: list[pb.TelemetryBatch], now: dt.datetime) -> dict[str
     }
 
 
-def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatch]) -> None:
-    """Insert a group of fresh batches: one Arrow table and one INSERT ... SELECT per target table."""
+def _insert_group(con: duckdb.DuckDBPyConnection, group: list[ColumnarBatch],
+                  inventory: dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]) -> None:
+    """Insert a group of fresh batches (and the ``inventory`` entries to upsert): one Arrow table and one
+    INSERT ... SELECT per target table."""
     now = ms_to_datetime(int(time.time() * 1000))
-    tables = batch_tables(batches, now)
+    tables = batch_tables(group, now)
+    batches = [b.message for b in group]
     for name, table in tables.items():
         if table is not None and table.num_rows:
             _insert_arrow(con, f"INSERT INTO {name} BY NAME SELECT * FROM {{view}}", table)
@@ -613,7 +639,7 @@ def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatc
         INSERT INTO gpus BY NAME SELECT * FROM {view} ON CONFLICT (node, "index") DO UPDATE SET
             uuid = excluded.uuid, name = excluded.name, pci_bus_id = excluded.pci_bus_id, serial = excluded.serial,
             memory_total_bytes = excluded.memory_total_bytes, architecture = excluded.architecture,
-            gpm_supported = excluded.gpm_supported, last_seen = excluded.last_seen""", _gpus_table(batches, now))
+            gpm_supported = excluded.gpm_supported, last_seen = excluded.last_seen""", _gpus_table(inventory, now))
     _insert_arrow(con, """
         INSERT INTO agents BY NAME SELECT * FROM {view} ON CONFLICT (agent_id) DO UPDATE SET
             node = excluded.node, last_sequence = greatest(agents.last_sequence, excluded.last_sequence),
@@ -630,28 +656,11 @@ def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> 
         con.unregister("_incoming")
 
 
-def _values_matrix(blocks: list[tuple[int, Any]], field_index: dict[str, int]) -> np.ndarray:
-    """Stack blocks of (rows, packed columns) into a (fields x rows) float matrix, NaN where not sent."""
-    total = sum(n for n, _ in blocks)
-    out = np.full((len(field_index), total), np.nan)
-    layouts: dict[tuple[str, ...], np.ndarray] = {}
-    start = 0
-    for n, columns in blocks:
-        names = tuple(c.field for c in columns)
-        rows = layouts.get(names)
-        if rows is None:
-            rows = layouts[names] = np.fromiter((field_index[f] for f in names), np.intp, len(names))
-        if names and n:
-            flat = np.fromiter(_chain(c.values for c in columns), np.float64, n * len(names))
-            out[rows, start:start + n] = flat.reshape(len(names), n)
-        start += n
-    return out
-
-
-def _value_arrays(matrix: np.ndarray, names: Sequence[str]) -> dict[str, pa.Array]:
-    """One nullable Arrow column per field: NaN (not sampled) becomes NULL."""
-    missing = np.isnan(matrix)
-    return {name: pa.array(matrix[i], mask=missing[i]) for i, name in enumerate(names)}
+def _value_arrays(matrices: list[np.ndarray], names: Sequence[str]) -> dict[str, pa.Array]:
+    """One nullable Arrow column per field from the batches' (rows x fields) matrices: NaN becomes NULL."""
+    by_field = np.concatenate(matrices).T.copy() if matrices else np.empty((len(names), 0))
+    missing = np.isnan(by_field)
+    return {name: pa.array(by_field[i], mask=missing[i]) for i, name in enumerate(names)}
 
 
 def _node_column(nodes: list[str], counts: list[int]) -> pa.DictionaryArray:
@@ -668,8 +677,8 @@ def _per_row_ints(blocks: Sequence[Any], attr: str, counts: list[int], total: in
     return pa.array(values, mask=values < 0)
 
 
-def _gpu_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
-    blocks = [(b.node.node, s) for b in batches for s in b.samples]
+def _gpu_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
+    blocks = [(b.message.node.node, s) for b in batches for s in b.message.samples]
     samples = [s for _, s in blocks]
     counts = [len(s.ts_ms) for s in samples]
     total = sum(counts)
@@ -683,20 +692,19 @@ def _gpu_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
         "rank": _per_row_ints(samples, "rank", counts, total),
         "local_rank": _per_row_ints(samples, "local_rank", counts, total),
     }
-    matrix = _values_matrix([(n, s.columns) for s, n in zip(samples, counts)], _GPU_FIELD_INDEX)
-    columns.update(_value_arrays(matrix, fields.GPU_FIELD_NAMES))
+    columns.update(_value_arrays([b.gpu_values for b in batches], fields.GPU_FIELD_NAMES))
     return pa.table(columns)
 
 
-def _host_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
-    counts = [len(b.host.ts_ms) for b in batches]
+def _host_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
+    counts = [len(b.message.host.ts_ms) for b in batches]
     total = sum(counts)
     columns = {
-        "node": _node_column([b.node.node for b in batches], counts),
-        "ts": pa.array(np.fromiter(_chain(b.host.ts_ms for b in batches), np.int64, total), pa.timestamp("ms")),
+        "node": _node_column([b.message.node.node for b in batches], counts),
+        "ts": pa.array(np.fromiter(_chain(b.message.host.ts_ms for b in batches), np.int64, total),
+                       pa.timestamp("ms")),
     }
-    matrix = _values_matrix([(n, b.host.columns) for b, n in zip(batches, counts)], _HOST_FIELD_INDEX)
-    columns.update(_value_arrays(matrix, fields.HOST_FIELD_NAMES))
+    columns.update(_value_arrays([b.host_values for b in batches], fields.HOST_FIELD_NAMES))
     return pa.table(columns)
 
 
@@ -725,9 +733,9 @@ def _spans_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Table
     return pa.table(columns)
 
 
-def _gpus_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Table:
-    """The newest inventory entry per (node, GPU index) of the group (one upsert per key per transaction)."""
-    latest = {(b.node.node, g.index): g for b in batches for g in b.gpus}
+def _gpus_table(inventory: dict[tuple[str, int], tuple[bytes, pb.GpuInfo]], now: dt.datetime) -> pa.Table:
+    """Inventory rows to upsert, one per (node, GPU index)."""
+    latest = {key: gpu for key, (_, gpu) in inventory.items()}
     table = {"node": [node for node, _ in latest], "index": pa.array([i for _, i in latest], pa.int32())}
     for name in _GPU_INFO_COLUMNS:
         table[name] = [getattr(g, name) for g in latest.values()]

@@ -15,12 +15,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.collector.exporter import LatencyHistogram
 from gpuwatch.collector.store.base import StoreClosed, WriteResult
+from gpuwatch.columnar import ColumnarBatch, from_message
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ __all__ = ["GroupWriter", "IngestCounters", "StoreClosed", "WriteResult"]
 
 @dataclass
 class _Pending:
-    batch: pb.TelemetryBatch
+    batch: ColumnarBatch
     future: Future = field(default_factory=Future)
 
 
@@ -110,7 +111,7 @@ class GroupWriter:
         self._writer.start()
 
     # ---- engine hooks --------------------------------------------------------------------------------
-    def _commit(self, batches: list[pb.TelemetryBatch]) -> None:
+    def _commit(self, batches: list[ColumnarBatch]) -> None:
         raise NotImplementedError
 
     def _stored_keys(self, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
@@ -126,18 +127,19 @@ class GroupWriter:
         raise NotImplementedError
 
     # ---- the public write path ---------------------------------------------------------------------------
-    def submit(self, batch: pb.TelemetryBatch) -> Future:
-        """Queue a validated batch; the future resolves to a :class:`WriteResult` once it is committed.
+    def submit(self, batch: ColumnarBatch | pb.TelemetryBatch) -> Future:
+        """Queue a batch (a message is checked first: BatchError); the future resolves to a
+        :class:`WriteResult` once it is committed.
 
         Blocks while the queue is full, which pushes back on the senders instead of growing memory.
         """
         if self._closed:
             raise StoreClosed("the store is closed")
-        pending = _Pending(batch)
+        pending = _Pending(batch if isinstance(batch, ColumnarBatch) else from_message(batch))
         self._queue.put(pending)
         return pending.future
 
-    def write(self, batch: pb.TelemetryBatch, timeout: float | None = None) -> WriteResult:
+    def write(self, batch: ColumnarBatch | pb.TelemetryBatch, timeout: float | None = None) -> WriteResult:
         """Store one batch and wait for its commit (tests, simple tools)."""
         return self.submit(batch).result(timeout)
 
@@ -227,13 +229,14 @@ class GroupWriter:
                 return
             log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id,
                       exc)
-            group[0].future.set_exception(exc)
+            _settle(group[0].future, exception=exc)
             return
-        self.counters.committed([p.batch for p in fresh], len(group) - len(fresh), time.perf_counter() - started)
+        self.counters.committed([p.batch.message for p in fresh], len(group) - len(fresh),
+                                time.perf_counter() - started)
         for p in fresh:
             self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
         for p, result in zip(group, results):
-            p.future.set_result(result)
+            _settle(p.future, result)
 
     def _deduplicate(self, group: list[_Pending]) -> tuple[list[WriteResult], list[_Pending]]:
         """Mark batches stored before, or earlier in the same group, as duplicates; return the rest to write."""
@@ -253,6 +256,17 @@ class GroupWriter:
 
 def _resolve(future: Future, fn: Callable, *args: Any) -> None:
     try:
-        future.set_result(fn(*args))
+        _settle(future, fn(*args))
     except Exception as exc:
-        future.set_exception(exc)
+        _settle(future, exception=exc)
+
+
+def _settle(future: Future, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve ``future`` unless its waiter cancelled it (a client that went away): the writer must go on."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled: what it waited for is committed all the same
+        pass
