@@ -6,7 +6,9 @@ TRUSTED_TYPES, so a model file cannot run arbitrary code the way a pickle can.
 """
 from __future__ import annotations
 
+import importlib.abc
 import os
+import sys
 import zipfile
 from importlib import resources
 from pathlib import Path
@@ -45,10 +47,35 @@ def default_model_path() -> Path:
 
 def _skops_io() -> Any:
     """skops.io, imported on first use: it imports all of sklearn (~2.4 s), which the collector's start,
-    its CLI help and the commands that never load a model should not pay."""
-    import skops.io
+    its CLI help and the commands that never load a model should not pay.
 
+    skops lists sklearn's types by importing every sklearn module, and sklearn's array-API shims import
+    each array library that happens to be installed (torch: +3 s and +400 MB on a node that has it). A
+    model file holds numpy arrays only, so those libraries are hidden for the import; the walk skips a
+    module that fails to import."""
+    if "skops.io" in sys.modules:
+        return sys.modules["skops.io"]
+    hidden = _HideModules(("torch", "cupy", "jax", "dask")) if "torch" not in sys.modules else None
+    if hidden:
+        sys.meta_path.insert(0, hidden)
+    try:
+        import skops.io
+    finally:
+        if hidden:
+            sys.meta_path.remove(hidden)
     return skops.io
+
+
+class _HideModules(importlib.abc.MetaPathFinder):
+    """An import finder that makes ``names`` (and their submodules) fail to import while it is installed."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname.split(".")[0] in self.names:
+            raise ImportError(f"{fullname} is not needed to load a model")
+        return None
 
 
 def save_model(model: dict, path: str | os.PathLike) -> None:

@@ -190,3 +190,15 @@ def test_bench_predict_deletes_its_work_dir(tmp_path):
                           env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "too few faults" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_a_model_leaves_array_libraries_unimported():
+    """skops imports every sklearn module, and through sklearn's array-API shims torch where installed:
+    a collector or replay loading the model must not pay for it (seconds, hundreds of MB)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from gpuwatch.models.model import load_model; m = load_model(None); "
+            "print('torch' in sys.modules, 'threshold' in m)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]
