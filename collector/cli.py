@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from gpuwatch import config
+from gpuwatch.batches import TimeWindow
 from gpuwatch.collector import jobs, scoring
 from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
@@ -45,7 +46,8 @@ def start_collector(cfg: config.Config) -> CollectorServer:
                                        insecure=cfg.insecure))
     try:
         return serve(cfg.listen, cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
-                     services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
+                     stream_idle_timeout_s=cfg.stream_idle_timeout,
+                     time_window=TimeWindow(cfg.max_sample_age_days, cfg.max_sample_ahead_days), services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
                      token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)
     except BaseException:
         hub.stop()  # its senders' threads started with it; serve stops only the services it started

@@ -14,18 +14,24 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+import duckdb
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from gpuwatch import security
-from gpuwatch.batches import MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, validate
+from gpuwatch.batches import (INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow,
+                              finite_or_missing, validate)
 from gpuwatch.collector.breakdowns import BreakdownService
+from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_STREAM_IDLE_TIMEOUT_S,
+                                                 QUERY_RESERVE_WORKERS, StreamAdmission,
+                                                 StreamRefused, fencing_advice)
 from gpuwatch.collector.store.duckdb import DuckDBStore, StoreClosed, WriteResult
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -35,6 +41,8 @@ DEFAULT_PORT = 7700
 # gRPC refuses messages above this outright (memory guard); batches between MAX_BATCH_BYTES and this
 # reach decode_batch, which answers with a message that says what to do.
 _HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
+#: Initial metadata of an Ingest stream the collector admitted (a refused one ends with a status instead).
+ADMITTED_METADATA = (("gpuwatch-stream", "admitted"),)
 
 QueryHandler = Callable[[Message, DuckDBStore], Message]
 
@@ -59,8 +67,10 @@ class BatchRejected(Exception):
         self.agent = agent
 
 
-def decode_batch(raw: bytes) -> pb.TelemetryBatch:
-    """Parse and validate one batch's bytes; raise :class:`BatchRejected` with the status to answer."""
+def decode_batch(raw: bytes, window: TimeWindow | None = None) -> pb.TelemetryBatch:
+    """Parse and validate one batch's bytes; raise :class:`BatchRejected` with the status to answer.
+
+    ±inf sample values are stored as missing (NaN), like an unsampled field."""
     if len(raw) > MAX_BATCH_BYTES:
         raise BatchRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
@@ -70,13 +80,29 @@ def decode_batch(raw: bytes) -> pb.TelemetryBatch:
         raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{len(raw)} bytes are not a gpuwatch.v1.TelemetryBatch ({exc})") from None
     try:
-        validate(batch)
+        validate(batch, window)
     except BatchError as exc:
         code = (grpc.StatusCode.FAILED_PRECONDITION if batch.schema_version != SCHEMA_VERSION
                 else grpc.StatusCode.INVALID_ARGUMENT)
         raise BatchRejected(code, f"batch {batch.sequence} of agent {batch.agent_id or '?'}: {exc}",
                             batch.agent_id) from None
+    finite_or_missing(batch)
     return batch
+
+
+def store_failure(exc: BaseException, batch: pb.TelemetryBatch) -> BatchRejected:
+    """The status for a batch the store did not take: ALREADY_EXISTS for a cloned agent id, INVALID_ARGUMENT
+    for a batch that validated but holds something the store cannot keep (final: the agent sets it aside
+    instead of resending it forever), UNAVAILABLE for a store failure such as a full disk (the agent resends)."""
+    where = f"batch {batch.sequence} of agent {batch.agent_id}"
+    if isinstance(exc, AgentIdConflict):
+        return BatchRejected(grpc.StatusCode.ALREADY_EXISTS, f"{where}: {fencing_advice(batch.agent_id)}",
+                             batch.agent_id)
+    if isinstance(exc, (ValueError, OverflowError, TypeError, duckdb.ConversionException,
+                        duckdb.OutOfRangeException, duckdb.InvalidInputException, duckdb.ConstraintException)):
+        return BatchRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{where} cannot be stored: {exc}", batch.agent_id)
+    return BatchRejected(grpc.StatusCode.UNAVAILABLE, f"the collector could not store {where}: {exc}; resend later",
+                         batch.agent_id)
 
 
 def _ack(result: WriteResult) -> pb.BatchAck:
@@ -84,10 +110,16 @@ def _ack(result: WriteResult) -> pb.BatchAck:
 
 
 class IngestService:
-    """Stores every well-formed batch once and acknowledges it only after the store committed it."""
+    """Stores every well-formed batch once and acknowledges it only after the store committed it.
 
-    def __init__(self, store: DuckDBStore) -> None:
+    Streams are admitted by ``admission`` (a bound on open streams, an idle timeout, one live agent per id)."""
+
+    def __init__(self, store: DuckDBStore, admission: StreamAdmission | None = None,
+                 window: TimeWindow | None = None) -> None:
         self.store = store
+        self.admission = admission or StreamAdmission(max_streams=2**31)
+        self.window = window
+        self.rejected_by_agent: Counter[str] = Counter()
 
     def handler(self) -> grpc.GenericRpcHandler:
         ack = pb.BatchAck.SerializeToString
@@ -99,19 +131,37 @@ class IngestService:
 
     def push(self, raw: bytes, context: grpc.ServicerContext) -> pb.BatchAck:
         batch = self._decode_or_abort(raw, context)
-        return _ack(self._submit_or_abort(batch, context).result())
+        try:
+            self.admission.check_push(batch.agent_id, _instance(context), context.peer())
+        except StreamRefused as exc:
+            self._abort(exc, context)
+        future = self._submit_or_abort(batch, context)
+        try:
+            return _ack(future.result())
+        except Exception as exc:
+            self._abort(store_failure(exc, batch), context)
 
     def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[pb.BatchAck]:
-        """Read batches on a helper thread so many are in flight; yield their acks in order as they commit."""
+        """Read batches on a helper thread so many are in flight; yield their acks in order as they commit.
+
+        A stream that sends no batch for the admission's idle timeout is ended (the agent reconnects)."""
+        try:
+            handle = self.admission.open_stream()
+        except StreamRefused as exc:
+            self._abort(exc, context)
+        context.send_initial_metadata(ADMITTED_METADATA)  # tells the client the stream is being served
         pending: queue.Queue = queue.Queue()
         done = object()
+        instance, peer = _instance(context), context.peer()
 
         def read() -> None:
             try:
                 for raw in requests:
                     try:
-                        pending.put(self.store.submit(decode_batch(raw)))
-                    except (BatchRejected, StoreClosed) as exc:
+                        batch = decode_batch(raw, self.window)
+                        self.admission.claim(handle, batch.agent_id, instance, peer)
+                        pending.put((batch, self.store.submit(batch)))
+                    except (BatchRejected, StoreClosed, StreamRefused) as exc:
                         pending.put(exc)
                         return
             except grpc.RpcError:  # the client went away; what was submitted is still stored
@@ -120,25 +170,41 @@ class IngestService:
                 pending.put(done)
 
         threading.Thread(target=read, name="ingest-stream-reader", daemon=True).start()
-        while (item := pending.get()) is not done:
-            if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
-                self._abort(item, context)
-            try:
-                result = item.result()
-            except Exception as exc:
-                log.error("store failed for a batch from %s: %s", context.peer(), exc)
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"the collector could not store the batch: {exc}")
-            yield _ack(result)
+        idle = False
+        try:
+            while True:
+                try:
+                    item = pending.get(timeout=self.admission.idle_timeout_s)
+                except queue.Empty:
+                    idle = True
+                    log.info("closing an idle Ingest stream from %s (no batch for %.0f s)", peer,
+                             self.admission.idle_timeout_s)
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"no batch for {self.admission.idle_timeout_s:g} s; reconnect when there is data")
+                if item is done:
+                    return
+                if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
+                    self._abort(item, context)
+                batch, future = item
+                try:
+                    result = future.result()
+                except Exception as exc:
+                    self._abort(store_failure(exc, batch), context)
+                yield _ack(result)
+        finally:
+            self.admission.close_stream(handle, idle)
 
     def _decode_or_abort(self, raw: bytes, context: grpc.ServicerContext) -> pb.TelemetryBatch:
         try:
-            return decode_batch(raw)
+            return decode_batch(raw, self.window)
         except BatchRejected as exc:
             self._abort(exc, context)
 
     def _abort(self, exc: BaseException, context: grpc.ServicerContext) -> None:
-        if isinstance(exc, BatchRejected):
+        if isinstance(exc, BatchRejected) and exc.code != grpc.StatusCode.UNAVAILABLE:
             self.store.counters.reject()
+            self.rejected_by_agent[exc.agent or "?"] += 1
+            exc.message += f" ({self.rejected_by_agent[exc.agent or '?']} refused from this agent so far)"
         _abort(exc, context)
 
     def _submit_or_abort(self, batch: pb.TelemetryBatch, context: grpc.ServicerContext):
@@ -149,10 +215,17 @@ class IngestService:
 
 
 
+def _instance(context: grpc.ServicerContext) -> str:
+    return dict(context.invocation_metadata() or ()).get(INSTANCE_METADATA, "")
+
+
 def _abort(exc: BaseException, context: grpc.ServicerContext) -> None:
     if isinstance(exc, BatchRejected):
         log.warning("rejected a batch from agent %s (peer %s): %s", exc.agent or "?", context.peer(), exc.message)
         context.abort(exc.code, exc.message)
+    elif isinstance(exc, StreamRefused):
+        log.warning("refused an Ingest call from %s: %s", context.peer(), exc.message)
+        context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
     else:
         context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
 
@@ -270,12 +343,28 @@ def _stop_all(services: Sequence[Service]) -> None:
             log.exception("stopping %s failed", type(service).__name__)
 
 
+def client_limit_options(max_streams_per_connection: int) -> list[tuple[str, int]]:
+    """Per-connection limits of the gRPC server: concurrent calls per connection, dropping connections idle
+    for 10 minutes, and refusing keepalive pings more often than the agents' 60 s (a ping flood)."""
+    return [
+        ("grpc.max_concurrent_streams", max_streams_per_connection),
+        ("grpc.max_connection_idle_ms", 600_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.keepalive_permit_without_calls", 0),
+    ]
+
+
 def serve(
     listen: str,
     db_path: str,
     *,
     retention_days: float | None = None,
     max_workers: int = 256,
+    max_ingest_streams: int | None = None,
+    max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    time_window: TimeWindow | None = None,
     query_handlers: Mapping[str, QueryHandler] | None = None,
     services: Sequence[Service] = (),
     tls_cert: str | None = None,
@@ -289,7 +378,11 @@ def serve(
 
     TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with ``token`` every call
     needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is refused unless
-    ``insecure``. ``max_workers`` bounds concurrent RPCs; every connected agent's stream holds one worker.
+    ``insecure``. ``max_workers`` bounds concurrent RPCs; every connected agent's stream holds one worker, and
+    at most ``max_ingest_streams`` (default: ``max_workers`` less a reserve for queries) are served at once,
+    each ended after ``stream_idle_timeout_s`` without a batch; one connection may open at most
+    ``max_streams_per_connection`` concurrent calls. Batch times outside ``time_window`` (around the
+    collector's clock; the collector command always sets one) are refused.
     Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
     Raises UserError when the store is locked by another process or the address cannot be bound.
     """
@@ -307,12 +400,16 @@ def serve(
             started.append(service)
         handlers.update(query_handlers or {})
         server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                             interceptors=security.server_interceptors(token), options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
-            ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
-        ])
-        server.add_generic_rpc_handlers((IngestService(store).handler(), query_handler(store, handlers)))
+                             interceptors=security.server_interceptors(token),
+                             options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
+                                      ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
+                                      *client_limit_options(max_streams_per_connection)])
+        if max_ingest_streams is None:
+            max_ingest_streams = max(1, max_workers - QUERY_RESERVE_WORKERS)
+        admission = StreamAdmission(max_ingest_streams, stream_idle_timeout_s)
+        server.add_generic_rpc_handlers((IngestService(store, admission, time_window).handler(),
+                                         query_handler(store, handlers)))
         port = security.add_listen_port(server, listen, cert=tls_cert, key=tls_key, client_ca=tls_client_ca,
                                         insecure=insecure)
         if not port:

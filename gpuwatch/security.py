@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import hmac
 import ipaddress
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +19,8 @@ import grpc
 
 from gpuwatch.config import split_address
 from gpuwatch.errors import UserError
+
+log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 AUTH_HEADER = "authorization"
@@ -86,10 +89,12 @@ def token_matches(header: str | None, token: str) -> bool:
     return header is not None and hmac.compare_digest(header.encode(), expected)
 
 
-def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED without running it."""
+def _denied(handler: grpc.RpcMethodHandler, method: str, why: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED without running it (and logs who
+    was turned away, so a misconfigured agent shows in the collector's log, not only in its own)."""
 
     def abort(_request: Any, context: grpc.ServicerContext) -> None:
+        log.warning("refused %s from %s: %s", method, context.peer(), why)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
 
     if handler.request_streaming and handler.response_streaming:
@@ -118,7 +123,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         header = dict(details.invocation_metadata or ()).get(AUTH_HEADER)
         if handler is None or token_matches(header, self._token):
             return handler
-        return _denied(handler)
+        return _denied(handler, details.method, "no bearer token" if header is None else "wrong bearer token")
 
 
 # ---- attaching the token (client side) ----------------------------------------------------------------

@@ -13,7 +13,9 @@ import datetime as dt
 import itertools
 import json
 import logging
+import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,7 +32,7 @@ import pyarrow.compute as pc
 from gpuwatch import events as event_kinds
 from gpuwatch import fields
 from gpuwatch.collector.exporter import LatencyHistogram
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ DDL: list[str] = [
     agent_id VARCHAR PRIMARY KEY, node VARCHAR NOT NULL, last_sequence UBIGINT NOT NULL,
     last_seen TIMESTAMP NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS ingested (
-    agent_id VARCHAR NOT NULL, sequence UBIGINT NOT NULL, ingested_at TIMESTAMP NOT NULL)""",
+    agent_id VARCHAR NOT NULL, sequence UBIGINT NOT NULL, ingested_at TIMESTAMP NOT NULL, fingerprint VARCHAR)""",
     """CREATE TABLE IF NOT EXISTS spans (
     job_id VARCHAR, rank INTEGER, step BIGINT, kind VARCHAR, name VARCHAR, start_us DOUBLE, dur_us DOUBLE,
     process_group VARCHAR, seq BIGINT, bytes BIGINT, world_size INTEGER, node VARCHAR, peer INTEGER,
@@ -73,6 +75,12 @@ DDL: list[str] = [
     """CREATE TABLE IF NOT EXISTS alerts (
     id VARCHAR PRIMARY KEY, alertname VARCHAR NOT NULL, subject VARCHAR NOT NULL, status VARCHAR NOT NULL,
     starts_at TIMESTAMP NOT NULL, ends_at TIMESTAMP, updated_at TIMESTAMP NOT NULL, doc JSON NOT NULL)""",
+]
+
+# Run after DDL on every open: columns added since a table was first created.
+MIGRATIONS: list[str] = [
+    # What a batch held, in brief (_fingerprint): a resend matches it, a cloned agent's batch does not.
+    "ALTER TABLE ingested ADD COLUMN IF NOT EXISTS fingerprint VARCHAR",
 ]
 
 # Tables that retention trims, with the timestamp column it compares.
@@ -179,8 +187,10 @@ class DuckDBStore:
             self._con = duckdb.connect(path)
         except duckdb.IOException as exc:
             raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
-        for statement in DDL:
+        for statement in [*DDL, *MIGRATIONS]:
             self._con.execute(statement)
+        if path != ":memory:":
+            _private(path)
         self.path = path
         self.retention_days = retention_days
         self._retention_interval_s = retention_interval_s
@@ -298,14 +308,19 @@ class DuckDBStore:
                 for p in group:
                     self._write_group([p])
                 return
-            log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id, exc)
+            log.error("batch %d of agent %s cannot be stored: %s%s", group[0].batch.sequence, group[0].batch.agent_id,
+                      _first_line(exc), _space_hint(self.path, exc))
             group[0].future.set_exception(exc)
             return
-        self.counters.committed([p.batch for p in fresh], len(group) - len(fresh), time.perf_counter() - started)
+        duplicates = sum(isinstance(r, WriteResult) and r.duplicate for r in results)
+        self.counters.committed([p.batch for p in fresh], duplicates, time.perf_counter() - started)
         for p in fresh:
             self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
         for p, result in zip(group, results):
-            p.future.set_result(result)
+            if isinstance(result, AgentIdConflict):
+                p.future.set_exception(result)
+            else:
+                p.future.set_result(result)
 
     def _commit(self, batches: list[pb.TelemetryBatch]) -> None:
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
@@ -316,7 +331,7 @@ class DuckDBStore:
             _insert_group(self._con, batches)
             self._con.commit()
         except BaseException:
-            self._con.rollback()
+            _rollback_keeping_cause(self._con)
             raise
 
     def _deduplicate(self, group: list[_Pending]) -> tuple[list[WriteResult], list[_Pending]]:
@@ -327,7 +342,11 @@ class DuckDBStore:
         for p in group:
             key = (p.batch.agent_id, p.batch.sequence)
             duplicate = key in stored
-            stored.add(key)
+            fingerprint = _fingerprint(p.batch)
+            if duplicate and stored[key] is not None and fingerprint != stored[key]:
+                results.append(AgentIdConflict(*key))  # another agent's batch under this id: not a resend
+                continue
+            stored.setdefault(key, fingerprint)
             results.append(WriteResult(key[0], key[1], duplicate))
             if not duplicate:
                 fresh.append(p)
@@ -501,8 +520,9 @@ class DuckDBStore:
     def agent_health(self) -> list[dict[str, Any]]:
         """Per node: batches its agent dropped from a full spool (``spool_dropped`` events) and last batch (ms)."""
         return self._records(f"""
-            WITH d AS (SELECT node, sum(code)::BIGINT AS dropped FROM events
-                       WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
+            WITH d AS (SELECT node, greatest(sum(code), max(TRY_CAST(attrs->>'dropped_total' AS BIGINT)))::BIGINT
+                              AS dropped
+                       FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
             SELECT a.node, coalesce(max(d.dropped), 0)::BIGINT AS spool_dropped,
                    epoch_ms(max(a.last_seen)) AS last_seen_ms
             FROM agents a LEFT JOIN d USING (node) GROUP BY a.node ORDER BY a.node""")
@@ -526,6 +546,7 @@ def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatc
         "ingested": pa.table({
             "agent_id": [b.agent_id for b in batches], "sequence": pa.array([b.sequence for b in batches], pa.uint64()),
             "ingested_at": pa.array([now] * len(batches), pa.timestamp("ms")),
+            "fingerprint": [_fingerprint(b) for b in batches],
         }),
     }
     for name, table in tables.items():
@@ -671,19 +692,30 @@ def _agents_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Tabl
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def _stored_keys(con: duckdb.DuckDBPyConnection, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
-    """The (agent_id, sequence) pairs among ``keys`` that the ingested table already holds."""
+def _stored_keys(con: duckdb.DuckDBPyConnection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+    """The (agent_id, sequence) pairs among ``keys`` that the ingested table already holds, with fingerprints."""
     if not keys:
-        return set()
+        return {}
     probe = pa.table({"agent_id": [k[0] for k in keys], "sequence": pa.array([k[1] for k in keys], pa.uint64())})
     con.register("_probe", probe)
     try:
         rows = con.execute(
-            "SELECT DISTINCT i.agent_id, i.sequence FROM ingested i JOIN _probe p USING (agent_id, sequence)"
-        ).fetchall()
+            "SELECT i.agent_id, i.sequence, any_value(i.fingerprint) FROM ingested i JOIN _probe p USING (agent_id, sequence)"
+            " GROUP BY ALL").fetchall()
     finally:
         con.unregister("_probe")
-    return {(agent, int(seq)) for agent, seq in rows}
+    return {(agent, int(seq)): fingerprint for agent, seq, fingerprint in rows}
+
+
+def _fingerprint(batch: pb.TelemetryBatch) -> str:
+    """Node, row and event counts and the first and last sample time: the same for a resend (or a rebuild of
+    the same data), different for another agent's batch under the same (agent id, sequence)."""
+    times = [t for s in batch.samples for t in (min(s.ts_ms, default=0), max(s.ts_ms, default=0))]
+    times += [min(batch.host.ts_ms, default=0), max(batch.host.ts_ms, default=0)]
+    times += [min((e.ts_ms for e in batch.events), default=0), min(batch.spans.start_us, default=0)]
+    rows = sum(len(s.ts_ms) for s in batch.samples)
+    return (f"{batch.node.node}|{rows}|{len(batch.host.ts_ms)}|{len(batch.events)}|{len(batch.spans.start_us)}|"
+            f"{min(times)}|{max(times)}")
 
 
 def _delete_before(con: duckdb.DuckDBPyConnection, cutoff: dt.datetime) -> dict[str, int]:
@@ -694,10 +726,41 @@ def _delete_before(con: duckdb.DuckDBPyConnection, cutoff: dt.datetime) -> dict[
             deleted[table] = int(con.execute(f"DELETE FROM {table} WHERE {column} < ?", [cutoff]).fetchone()[0])
         con.commit()
     except BaseException:
-        con.rollback()
+        _rollback_keeping_cause(con)
         raise
     log.info("retention before %s deleted %s", cutoff.isoformat(), deleted)
     return deleted
+
+
+def _rollback_keeping_cause(con: duckdb.DuckDBPyConnection) -> None:
+    """Roll back after a failed write; a failure that already ended the transaction (a full disk does) makes
+    the rollback fail too, and that second error must not hide the first, which names the cause."""
+    try:
+        con.rollback()
+    except duckdb.Error as exc:
+        log.debug("rollback after a failed write: %s", _first_line(exc))
+
+
+def _space_hint(path: str, exc: BaseException) -> str:
+    """" (the disk ... is full ...)" when the store's disk has no room left, else ""."""
+    if path == ":memory:":
+        return ""
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return ""
+    if "No space left" in str(exc) or free < 16 * 2**20:
+        return f" (the disk holding {path} is full: {free} bytes free; free space there and the agents resend)"
+    return ""
+
+
+def _private(path: str) -> None:
+    """Telemetry and alert history are for the collector's user only (0600), whatever the umask."""
+    for name in (path, path + ".wal"):
+        try:
+            os.chmod(name, 0o600)
+        except FileNotFoundError:
+            pass
 
 
 def _resolve(future: Future, fn: Callable, *args: Any) -> None:
