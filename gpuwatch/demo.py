@@ -314,9 +314,11 @@ def fleet_view(query: query_pb2_grpc.QueryStub, scores: dict[tuple[str, int], di
         lines.append("(waiting for the first batches)")
     lines += ["", f"{'job (synthetic)':<26}{'ranks':>6}{'steps':>7}{'lost %':>8}  top loss"]
     for job in json.loads(query.Jobs(query_pb2.JobsRequest(), timeout=5).json):
+        # A job seen on GPU samples before its step data arrived has no ranks, steps or losses yet.
         lost = job.get("lost_fraction")
-        lines.append(f"{job['job_id']:<26}{job['ranks']:>6}{job['steps']:>7}"
-                     f"{'-' if lost is None else f'{lost * 100:.1f}':>8}  {_top_loss(job.get('breakdown', {}))}")
+        lines.append(f"{job['job_id']:<26}{_known(job.get('ranks')):>6}{_known(job.get('steps')):>7}"
+                     f"{_known(None if lost is None else lost * 100, '.1f'):>8}  "
+                     f"{_top_loss(job.get('breakdown') or {})}")
     lines += ["", "active alerts:" if alerts else "active alerts: none"]
     for a in alerts:
         signals = ", ".join(s["signal"] for s in a.get("signals", [])[:3])
@@ -354,6 +356,11 @@ def _top_loss(breakdown: dict[str, float]) -> str:
         return "-"
     top = max(losses, key=losses.get)
     return f"{top} {losses[top] * 100:.1f}%"
+
+
+def _known(value: Any, spec: str = "") -> str:
+    """``value`` formatted with ``spec``, or "-" while it is not known."""
+    return "-" if value is None else format(value, spec)
 
 
 def _mean(rows: list, field: str) -> float:
