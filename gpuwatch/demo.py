@@ -321,9 +321,10 @@ def fleet_view(query: query_pb2_grpc.QueryStub, scores: dict[tuple[str, int], di
                      f"{_top_loss(job.get('breakdown') or {})}")
     lines += ["", "active alerts:" if alerts else "active alerts: none"]
     for a in alerts:
-        signals = ", ".join(s["signal"] for s in a.get("signals", [])[:3])
-        lines.append(f"  {a.get('alertname')}: GPU {a.get('gpu_index')} on {a.get('node')}, risk {a.get('risk', 0):.2f}"
-                     f" since {a.get('starts_at', '')[11:16]} UTC ({signals}); {a.get('action', '')}")
+        signals = ", ".join(str(s.get("signal")) for s in (a.get("signals") or [])[:3])
+        lines.append(f"  {a.get('alertname')}: GPU {_known(a.get('gpu_index'))} on {_known(a.get('node'))}, "
+                     f"risk {_known(a.get('risk'), '.2f')} since {(a.get('starts_at') or '')[11:16] or '-'} UTC "
+                     f"({signals}); {a.get('action') or ''}")
     return "\n".join(lines)
 
 
