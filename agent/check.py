@@ -139,6 +139,8 @@ def _check_directory(what: str, path: Path) -> CheckItem:
 
 def _check_spool_health(spool_dir: Path) -> CheckItem | None:
     """What the spool's state says: a refused agent id (two agents share it), drops and set-aside batches."""
+    if not Path(spool_dir).is_dir():
+        return None  # the directory check says what is wrong with it
     try:
         state = json.loads((Path(spool_dir) / "state.json").read_text())
     except FileNotFoundError:

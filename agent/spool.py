@@ -155,7 +155,7 @@ class Spool:
         path = self._path(sequence)
         tmp = path.with_suffix(".tmp")
         try:
-            _write_durably(tmp, record)
+            write_durably(tmp, record)
             os.replace(tmp, path)
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -259,7 +259,7 @@ class Spool:
             except FileNotFoundError:
                 pass
         try:
-            _write_durably(target.with_suffix(".reason.txt"), (reason + "\n").encode())
+            write_durably(target.with_suffix(".reason.txt"), (reason + "\n").encode())
         except OSError as exc:
             log.error("spool: cannot write the reason for %s (%s): %s", target, exc.strerror, reason)
         return target
@@ -337,7 +337,7 @@ class Spool:
                  **({"identity_conflict": self.identity_conflict} if self.identity_conflict else {})}
         tmp = self._state_path.with_suffix(".tmp")
         try:
-            _write_durably(tmp, json.dumps(state).encode())
+            write_durably(tmp, json.dumps(state).encode())
             os.replace(tmp, self._state_path)
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -353,7 +353,7 @@ class Spool:
                 raise
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def write_durably(path: Path, data: bytes) -> None:
     """Write ``data`` to a new private file (0600) and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
-DEFAULT_MAX_STREAMS_PER_CONNECTION = 16
+DEFAULT_MAX_STREAMS_PER_CONNECTION = 100
 #: Workers kept free of Ingest streams for queries and pushes when the stream bound is derived from max_workers.
 QUERY_RESERVE_WORKERS = 16
 

@@ -26,10 +26,10 @@ NAN = math.nan
 #: a restarted agent (one instance at a time) from two running agents sharing one agent id.
 INSTANCE_METADATA = "gpuwatch-instance"
 
-# Bounds every stored value must fit. The store keeps GPU indexes and ranks as 32-bit and sequences as signed
-# 64-bit integers, and timestamps as calendar times (years 1-9999): a batch outside them would pass the wire
+# Bounds every stored value must fit. The store keeps GPU indexes and ranks as 32-bit and sequences and memory
+# sizes as signed 64-bit integers (as queries read them), and timestamps as calendar times (years 1-9999): a batch outside them would pass the wire
 # format and then fail in the store, so it is refused at the door.
-MAX_SEQUENCE = 2**63 - 1
+MAX_SEQUENCE = MAX_INT64 = 2**63 - 1
 MAX_GPU_INDEX = 2**31 - 1
 # Times a calendar can hold, whatever the window: 1970-01-01 to 9999-12-31 (ms).
 EARLIEST_MS, LATEST_MS = 0, 253_402_300_799_999
@@ -198,6 +198,9 @@ def validate(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms:
     for g in batch.gpus:
         if g.index > MAX_GPU_INDEX:
             raise BatchError(f"gpus: GPU index {g.index} is out of range (0..{MAX_GPU_INDEX})")
+        if g.memory_total_bytes > MAX_INT64:
+            raise BatchError(f"gpus: GPU {g.index} memory_total_bytes {g.memory_total_bytes} is out of range "
+                             f"(0..{MAX_INT64})")
     known_gpus = {g.index for g in batch.gpus}
     seen: set[int] = set()
     for s in batch.samples:

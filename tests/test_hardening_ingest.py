@@ -40,6 +40,8 @@ def _poisoned(seq: int, kind: str):
         batch.samples[0].ts_ms[0] = 9_300_000_000_000_000
     elif kind == "ts_negative":
         batch.samples[0].ts_ms[0] = -10**15
+    elif kind == "memory":  # found by the fuzz test: broke `gpuwatch gpus` for everyone
+        batch.gpus[0].memory_total_bytes = 2**64 - 2
     elif kind == "sequence":
         batch.sequence = 2**64 - 1
     elif kind == "event_ts":
@@ -50,7 +52,7 @@ def _poisoned(seq: int, kind: str):
     return batch
 
 
-POISONS = ["gpu_index", "ts_far_future", "ts_negative", "sequence", "event_ts", "span_inf"]
+POISONS = ["gpu_index", "memory", "ts_far_future", "ts_negative", "sequence", "event_ts", "span_inf"]
 
 
 @pytest.mark.parametrize("kind", POISONS)
