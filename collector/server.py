@@ -24,8 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from gpuwatch import security
-from gpuwatch.batches import (INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow,
-                              finite_or_missing, validate)
+from gpuwatch.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow, validate
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_STREAM_IDLE_TIMEOUT_S,
                                                  QUERY_RESERVE_WORKERS, StreamAdmission,
@@ -68,9 +67,7 @@ class BatchRejected(Exception):
 
 
 def decode_batch(raw: bytes, window: TimeWindow | None = None) -> pb.TelemetryBatch:
-    """Parse and validate one batch's bytes; raise :class:`BatchRejected` with the status to answer.
-
-    ±inf sample values are stored as missing (NaN), like an unsampled field."""
+    """Parse and validate one batch's bytes; raise :class:`BatchRejected` with the status to answer."""
     if len(raw) > MAX_BATCH_BYTES:
         raise BatchRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
@@ -86,7 +83,6 @@ def decode_batch(raw: bytes, window: TimeWindow | None = None) -> pb.TelemetryBa
                 else grpc.StatusCode.INVALID_ARGUMENT)
         raise BatchRejected(code, f"batch {batch.sequence} of agent {batch.agent_id or '?'}: {exc}",
                             batch.agent_id) from None
-    finite_or_missing(batch)
     return batch
 
 

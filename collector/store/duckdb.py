@@ -592,8 +592,9 @@ def _values_matrix(blocks: list[tuple[int, Any]], field_index: dict[str, int]) -
 
 
 def _value_arrays(matrix: np.ndarray, names: Sequence[str]) -> dict[str, pa.Array]:
-    """One nullable Arrow column per field: NaN (not sampled) becomes NULL."""
-    missing = np.isnan(matrix)
+    """One nullable Arrow column per field: NaN (not sampled) becomes NULL, and so does ±inf (a broken reading:
+    no gauge or counter is infinite, and stored it would turn averages into ±inf and JSON into non-JSON)."""
+    missing = ~np.isfinite(matrix)
     return {name: pa.array(matrix[i], mask=missing[i]) for i, name in enumerate(names)}
 
 
