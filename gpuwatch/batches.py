@@ -12,8 +12,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from gpuwatch import fields
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -232,6 +230,8 @@ def validate(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms:
     if bad:
         raise BatchError(f"spans: columns {', '.join(bad)} do not have {n_spans} entries like start_us")
     if n_spans:
+        import numpy as np  # here, not at the top: the agent builds batches and never loads numpy for it
+
         start_us = np.asarray(batch.spans.start_us, dtype=np.float64)
         dur_us = np.asarray(batch.spans.dur_us, dtype=np.float64)
         if not (np.isfinite(start_us).all() and np.isfinite(dur_us).all()):
@@ -246,6 +246,8 @@ def _check_sample_times(batch: pb.TelemetryBatch, earliest: int, latest: int) ->
     total = sum(len(ts) for _, ts in blocks)
     if not total:
         return
+    import numpy as np  # here, not at the top: the agent builds batches and never loads numpy for it
+
     every = np.fromiter(itertools.chain.from_iterable(ts for _, ts in blocks), np.int64, total)
     if every.min() < earliest or every.max() > latest:
         for where, ts in blocks:
