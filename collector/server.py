@@ -375,8 +375,8 @@ def serve(
     TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with ``token`` every call
     needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is refused unless
     ``insecure``. ``max_workers`` bounds concurrent RPCs; every connected agent's stream holds one worker, and
-    at most ``max_ingest_streams`` (default: ``max_workers`` less a reserve for queries) are served at once,
-    each ended after ``stream_idle_timeout_s`` without a batch; one connection may open at most
+    at most ``max_ingest_streams`` (default: ``max_workers`` less a reserve for queries, 16 or a quarter) are
+    served at once, each ended after ``stream_idle_timeout_s`` without a batch; one connection may open at most
     ``max_streams_per_connection`` concurrent calls. Batch times outside ``time_window`` (around the
     collector's clock; the collector command always sets one) are refused.
     Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
@@ -402,7 +402,7 @@ def serve(
                                       ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
                                       *client_limit_options(max_streams_per_connection)])
         if max_ingest_streams is None:
-            max_ingest_streams = max(1, max_workers - QUERY_RESERVE_WORKERS)
+            max_ingest_streams = max(1, max_workers - min(QUERY_RESERVE_WORKERS, max_workers // 4))
         admission = StreamAdmission(max_ingest_streams, stream_idle_timeout_s)
         server.add_generic_rpc_handlers((IngestService(store, admission, time_window).handler(),
                                          query_handler(store, handlers)))
