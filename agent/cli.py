@@ -94,7 +94,7 @@ def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None)
         sim_speed=args.sim_speed, sim_start=_sim_start(args.sim_start), sim_origin=args.sim_origin,
         sim_faults=_sim_faults(args), sim_job=args.sim_job or None, sim_job_step_s=args.sim_job_step,
         channel_security=ChannelSecurity(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, cfg.token_file, cfg.insecure),
-        metrics_listen=cfg.metrics_listen, insecure=cfg.insecure,
+        metrics_listen=cfg.metrics_listen, metrics_names=cfg.metrics_names, insecure=cfg.insecure,
         metrics_token=read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None,
     )
 

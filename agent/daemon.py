@@ -85,6 +85,7 @@ class AgentConfig:
     record: Path | None = None  # also write every batch into this recording directory
     metrics_listen: str | None = None  # HOST:PORT of the node-local Prometheus endpoint; None = none
     metrics_token: str | None = None  # bearer token scrapers of that endpoint must send
+    metrics_names: str = "gpuwatch"  # that endpoint's naming: gpuwatch or dcgm (dcgm-exporter's names and labels)
     insecure: bool = False  # serve that endpoint beyond loopback without a token
     channel_security: ChannelSecurity = field(default_factory=ChannelSecurity)
 
@@ -149,7 +150,7 @@ class Agent:
                 self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval * cfg.sim_speed)
                 stack.callback(self.recorder.close)
             if cfg.metrics_listen:
-                self._serve_metrics(devices)
+                self._serve_metrics(devices, sampler.driver_version)
                 stack.callback(self.metrics_server.close)
             if cfg.probe_socket:
                 self.probe = _open_probe_listener(cfg.probe_socket)
@@ -211,14 +212,15 @@ class Agent:
         self.fleet.install()
         return True
 
-    def _serve_metrics(self, devices: list[GpuDevice]) -> None:
+    def _serve_metrics(self, devices: list[GpuDevice], driver_version: str) -> None:
         from gpuwatch.agent.node_metrics import NodeMetrics
         from gpuwatch.collector.exporter import start_metrics_server
 
         cfg = self.config
-        self.metrics = NodeMetrics(cfg.node, [d.info() for d in devices], self.spool)
+        self.metrics = NodeMetrics(cfg.node, [d.info() for d in devices], self.spool,
+                                   driver_version=driver_version)
         self.metrics_server = start_metrics_server(cfg.metrics_listen, self.metrics.snapshot, cfg.metrics_token,
-                                                   insecure=cfg.insecure)
+                                                   insecure=cfg.insecure, names=cfg.metrics_names)
         log.info("node metrics at %s", self.metrics_server.url)
 
     def _identity(self, sampler: NvmlSampler) -> pb.NodeIdentity:

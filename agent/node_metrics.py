@@ -21,14 +21,17 @@ from gpuwatch.v1 import telemetry_pb2 as pb
 class NodeMetrics:
     """The latest per-GPU and host values of one node, fed by the agent's ticks, read by scrapes."""
 
-    def __init__(self, node: str, gpus: Sequence[pb.GpuInfo], spool: Spool | None = None) -> None:
+    def __init__(self, node: str, gpus: Sequence[pb.GpuInfo], spool: Spool | None = None, *,
+                 driver_version: str = "") -> None:
         self._node = node
+        self._driver_version = driver_version
         self._gpus = {g.index: g for g in gpus}
         self._spool = spool
         self._lock = threading.Lock()
         self._values: dict[int, dict[str, float]] = {i: {} for i in self._gpus}
         self._jobs: dict[int, tuple[str, int]] = {}
         self._xids: dict[int, Counter[int]] = {i: Counter() for i in self._gpus}
+        self._last_xid: dict[int, int] = {}
         self._host: dict[str, float] = {}
         self._dropped = 0
         self._last_sample_s: float | None = None
@@ -46,6 +49,7 @@ class NodeMetrics:
     def observe_xid(self, gpu_index: int, code: int) -> None:
         with self._lock:
             self._xids.setdefault(gpu_index, Counter())[code] += 1
+            self._last_xid[gpu_index] = code
 
     def observe_dropped(self, batches: int) -> None:
         with self._lock:
@@ -66,5 +70,7 @@ class NodeMetrics:
         info = self._gpus.get(index)
         job_id, rank = self._jobs.get(index, ("", -1))
         return {"node": self._node, "gpu": index, "gpu_uuid": info.uuid if info else "",
-                "model": info.name if info else "", "values": dict(self._values[index]),
-                "xid_counts": dict(self._xids.get(index, {})), "job_id": job_id, "rank": rank}
+                "model": info.name if info else "", "pci_bus_id": info.pci_bus_id if info else "",
+                "driver_version": self._driver_version, "values": dict(self._values[index]),
+                "xid_counts": dict(self._xids.get(index, {})), "last_xid": self._last_xid.get(index, 0),
+                "job_id": job_id, "rank": rank}

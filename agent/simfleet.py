@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import pynvml as N
 
+from gpuwatch.xids import FATAL as FATAL_XIDS
+
 _VOID_P = ctypes.c_void_p
 _HANDLE_BASE = 0x5A000000
 _EVENT_SET_BASE = 0x5B000000
@@ -120,6 +122,7 @@ class SimGpu:
     memory_temperature_offset_c: float = 0.0  # added to the memory temperature (field 82)
     sm_clock_offset_mhz: float = 0.0  # added to the SM clock while busy (thermal slowdown)
     lost: bool = False
+    failed_xid: int = 0  # a fatal XID stopped the GPU's work: it idles until reset() (0: not failed)
     unsupported: set = field(default_factory=set)  # C symbol names or field ids returning NOT_SUPPORTED
     processes: list[SimProcess] = field(default_factory=list)
     # workload-driven state, advanced by advance()
@@ -182,6 +185,8 @@ class SimGpu:
             self.busy_integrals[key] += share * dt
 
     def _busy(self, now: float) -> float:
+        if self.failed_xid:
+            return 0.0  # a fatal XID killed every context on the GPU; nothing runs until it is reset
         return self.workload.busy(now, self.rng, self.phase) if self.has_job else 0.0
 
     def _set_power_and_temp(self, dt: float) -> None:
@@ -345,7 +350,13 @@ class SimulatedFleet:
         self.kernel_log.append(
             f"NVRM: Xid (PCI:0000:{g.pci_bus:02x}:00): {code}, pid=<unknown>, name=<unknown>, {message or 'simulated'}"
         )
+        if code in FATAL_XIDS:
+            g.failed_xid = code
         self._deliver(gpu, N.nvmlEventTypeXidCriticalError, code)
+
+    def reset_gpu(self, gpu: int) -> None:
+        """What `nvidia-smi -r` does to a failed simulated GPU: it runs its work again."""
+        self.gpus[gpu].failed_xid = 0
 
     def add_ecc(self, gpu: int, sbe: int = 0, dbe: int = 0) -> None:
         g = self.gpus[gpu]

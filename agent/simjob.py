@@ -3,18 +3,24 @@
 The demo's fleet has no real training process, so without this its recordings hold no spans and nothing can
 be broken down. ``SimJob`` stands in for one: the node's ranks run steps of compute chunks, each followed by
 an ``all_reduce`` of the default process group; one rank computes slower, so its peers wait for it in every
-collective (the engine's comm_wait). The rows are deterministic for a job id and step, and come out as a
-``SpanTable`` exactly like :meth:`ProbeListener.drain` output. Synthetic: no timing here is measured.
+collective (the engine's comm_wait). How much slower drifts over simulated hours (a straggler that comes and
+goes, as a noisy neighbour or a throttling GPU makes one), with a phase of its own per job, so a live view
+shows each job's breakdown moving rather than one constant share. The rows are deterministic for a job id
+and step, and come out as a ``SpanTable`` exactly like :meth:`ProbeListener.drain` output. Synthetic: no timing here is measured.
 """
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Callable
 
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 COLLECTIVES_PER_STEP = 3
 BUCKET_BYTES = 256 * 2**20  # gradient bucket per all_reduce
-SLOW_FACTOR = 1.5  # the slow rank's compute time relative to its peers
+SLOW_FACTOR = 1.5  # the slow rank's mean compute time relative to its peers
+SLOW_SWING = 0.4  # ... which swings by this much either way
+SLOW_PERIOD_S = 3 * 3600.0  # over this many simulated seconds
 COMPUTE_SHARE = 0.8  # a normal rank's compute share of the step time
 TRANSFER_SHARE = 0.03  # each collective's transfer, as a share of the step time
 
@@ -33,17 +39,21 @@ class SimJob:
         self.step = 0
         self.seq = 0
         self._step_start = clock()  # every rank starts its steps together (the last collective syncs them)
+        self._phase = (zlib.crc32(job_id.encode()) % 1000) / 1000 * 2 * math.pi
 
-    @property
-    def step_len_s(self) -> float:
-        """Every step lasts the same: each chunk ends when the slow rank's compute and the transfer are done."""
-        return COLLECTIVES_PER_STEP * (self.compute_s * SLOW_FACTOR + self.transfer_s)
+    def slow_factor(self, t_s: float) -> float:
+        """The slow rank's compute time relative to its peers at simulated time ``t_s``."""
+        return SLOW_FACTOR + SLOW_SWING * math.sin(2 * math.pi * t_s / SLOW_PERIOD_S + self._phase)
+
+    def step_len_s(self, start_s: float) -> float:
+        """A step ends when the slow rank's compute and the transfer of each chunk are done."""
+        return COLLECTIVES_PER_STEP * (self.compute_s * self.slow_factor(start_s) + self.transfer_s)
 
     def spans(self) -> pb.SpanTable:
         """Rows of every step finished on the simulated clock since the last call."""
         rows: dict[str, list] = {f.name: [] for f in pb.SpanTable.DESCRIPTOR.fields}
         now = self.clock()
-        while self._step_start + self.step_len_s <= now:
+        while self._step_start + self.step_len_s(self._step_start) <= now:
             self._step_start = self._run_step(rows)
             self.step += 1
         return pb.SpanTable(**rows)
@@ -52,9 +62,10 @@ class SimJob:
         """Append one step's rows (from ``self._step_start``); returns when the step ends."""
         ready = [self._step_start] * self.ranks
         done = self._step_start
+        slow = self.slow_factor(self._step_start)
         for _ in range(COLLECTIVES_PER_STEP):
             for rank in range(self.ranks):
-                compute = self.compute_s * (SLOW_FACTOR if rank == self.slow_rank else 1.0)
+                compute = self.compute_s * (slow if rank == self.slow_rank else 1.0)
                 self._row(rows, rank, "compute", "forward_backward", ready[rank], compute)
                 ready[rank] += compute
             done = max(ready) + self.transfer_s  # nobody finishes before the last rank arrived

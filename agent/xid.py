@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import pynvml as N
 
 from gpuwatch import events as ev
+from gpuwatch import xids
 from gpuwatch.events import Event
 from gpuwatch.agent.nvml import GpuDevice
 
@@ -169,7 +170,8 @@ class XidWatcher:
         kind = _KIND_BY_TYPE.get(event_type, ev.NVML_EVENT)
         if kind == ev.XID and not self.dedup.first_report("nvml", gpu, data):
             return
-        self.emit(Event(kind, gpu_index=gpu, code=int(data), message=f"NVML event 0x{event_type:x} data {data}",
+        text = xids.message(data) if kind == ev.XID else f"NVML event 0x{event_type:x} data {data}"
+        self.emit(Event(kind, gpu_index=gpu, code=int(data), message=text,
                         attrs={"source": "nvml", "event_type": f"0x{event_type:x}"}))
 
     # --- kernel log --------------------------------------------------------------------------------
@@ -217,7 +219,7 @@ class XidWatcher:
         gpu = self._by_bus.get(xid.pci_bus_id, -1)
         if not self.dedup.first_report("kmsg", gpu, xid.code):
             return
-        self.emit(Event(ev.XID, gpu_index=gpu, code=xid.code, message=xid.message,
+        self.emit(Event(ev.XID, gpu_index=gpu, code=xid.code, message=xids.message(xid.code, xid.message),
                         attrs={"source": "kmsg", "pci_bus_id": xid.pci_bus_id}))
 
 

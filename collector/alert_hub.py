@@ -135,6 +135,16 @@ class AlertHub:
         self._persist(rows)
         return changes
 
+    def observe_risk_rounds(self, rounds: Iterable[tuple[int, Sequence[RiskObservation]]]) -> list[Transition]:
+        """Many scoring rounds in time order (a replay): the engine sees each round as it would live, and the
+        alerts table is written once at the end instead of once per round."""
+        if self.engine is None:
+            return []
+        changes = [c for now, observations in rounds for c in self.engine.observe(observations, now_ms=now)]
+        touched = {id(a): a for a in [c.alert for c in changes] + self.engine.active()}
+        self._persist([_gpu_row(a) for a in touched.values()])
+        return changes
+
     # ---- jobs --------------------------------------------------------------------------------------
     def set_job_alerts(self, alertname: str, findings: Iterable[JobFinding], now_ms: int | None = None,
                        jobs: Iterable[str] | None = None) -> list[JobAlert]:

@@ -3,7 +3,10 @@
 The engine knows nothing of the collector's internals: it takes :class:`RiskObservation` values (whatever
 scores them) and keeps one alert per GPU under the alert policy of models/policy.py (fire at the
 threshold, resolve after the risk stayed below half of it for a while), so live alerts behave exactly as
-the evaluation counted them. Each alert carries a suggested action from the checkpoint advisor. Delivery
+the evaluation counted them. Each alert carries a suggested action from the checkpoint advisor and reads
+by its *peak* risk (a risk that fell back is not an all-clear). When the GPU it warned about then fails
+(collector/failed.py) the alert turns "failed": it says so, the action becomes the failure's (drain and
+reset, not "checkpoint now"), and it stays firing until the GPU is reset, whatever the risk does. Delivery
 goes to Prometheus Alertmanager's v2 API and/or a generic JSON webhook through small background senders
 with a bounded queue and retries: a slow or dead receiver never stalls scoring.
 """
@@ -43,6 +46,7 @@ class RiskObservation:
     ranks: tuple[int, ...] = ()
     signals: tuple[dict, ...] = ()
     ts_ms: int | None = None
+    failed: str | None = None  # the GPU has failed (collector.failed.Failure.reason); None: it runs
 
 
 @dataclass
@@ -60,18 +64,28 @@ class Alert:
     ends_ms: int | None = None
     # policy state: last time the risk was at or above the resolve level
     last_high_ms: int | None = field(default=None, repr=False)
+    failed: str | None = None  # set once the GPU has failed: what failed and what to do
 
     @property
     def firing(self) -> bool:
         return self.ends_ms is None
 
+    @property
+    def state(self) -> str:
+        return "failed" if self.failed else "at_risk"
+
     def summary(self) -> str:
-        return f"GPU {self.gpu_index} on {self.node} at risk of failing (risk {self.risk:.2f})"
+        if self.failed:  # "failed: XID 48 (...); <action>": the action is the alert's own field
+            what = self.failed.split("; ", 1)[0]
+            return f"GPU {self.gpu_index} on {self.node} has {what} (risk had peaked at {self.peak_risk:.2f})"
+        return (f"GPU {self.gpu_index} on {self.node} at risk of failing: risk peaked at {self.peak_risk:.2f}"
+                f" (now {self.risk:.2f})")
 
     def to_json(self) -> dict:
         """Webhook and `gpuwatch alerts --json` shape."""
         return {"alertname": ALERT_NAME, "status": "firing" if self.firing else "resolved",
                 "node": self.node, "gpu_index": self.gpu_index, "gpu_uuid": self.gpu_uuid,
+                "state": self.state, "failed": self.failed,
                 "risk": round(self.risk, 4), "peak_risk": round(self.peak_risk, 4), "jobs": list(self.jobs),
                 "ranks": list(self.ranks), "signals": list(self.signals), "action": self.action,
                 "starts_at": _iso(self.starts_ms), "ends_at": _iso(self.ends_ms) if self.ends_ms else None,
@@ -83,14 +97,15 @@ class Alert:
         ``last_high_ms``: when its risk was last at or above the resolve level, as far as is known."""
         return cls(doc["gpu_uuid"], int(doc["gpu_index"]), doc["node"], float(doc["risk"]), float(doc["peak_risk"]),
                    tuple(doc["jobs"]), tuple(doc["ranks"]), tuple(doc["signals"]), doc["action"],
-                   iso_ms(doc["starts_at"]), None, last_high_ms)
+                   iso_ms(doc["starts_at"]), None, last_high_ms, doc.get("failed"))
 
     def to_alertmanager(self) -> dict:
         """Alertmanager v2 postable alert; a resolved alert carries its endsAt (in the past)."""
         body = {
             "labels": {"alertname": ALERT_NAME, "node": self.node, "gpu": str(self.gpu_index),
                        "uuid": self.gpu_uuid, "severity": "warning"},
-            "annotations": {"summary": self.summary(), "action": self.action, "risk": f"{self.risk:.4f}",
+            "annotations": {"summary": self.summary(), "action": self.action, "state": self.state,
+                            "peak_risk": f"{self.peak_risk:.2f}", "risk": f"{self.risk:.2f}",
                             "jobs": ",".join(self.jobs), "ranks": ",".join(map(str, self.ranks)),
                             "signals": ", ".join(f"{s.get('signal')}={s.get('value')}" for s in self.signals)},
             "startsAt": _iso(self.starts_ms),
@@ -148,12 +163,21 @@ class AlertEngine:
         """Apply a round of risk observations; returns fire/resolve transitions (already queued for delivery)."""
         now = int(now_ms if now_ms is not None else time.time() * 1000)
         changes: list[Transition] = []
+        turned_failed: list[Alert] = []
         with self._lock:
             for ob in observations:
                 t = ob.ts_ms if ob.ts_ms is not None else now
                 alert = self._active.get(ob.gpu_uuid)
                 was = alert is not None
                 last_high = alert.last_high_ms if alert else None
+                if ob.failed and not was:
+                    continue  # nothing left to predict: the failure itself is the health state's to report
+                if was and (ob.failed or alert.failed):
+                    if ob.failed and not alert.failed:
+                        turned_failed.append(alert)
+                    self._failed(alert, ob, t)  # a failed GPU's alert stays until the GPU is reset
+                    if alert.failed:
+                        continue
                 active, last_high = self.policy.step(was, ob.risk, t, last_high)
                 if active and not was:
                     alert = Alert(ob.gpu_uuid, ob.gpu_index, ob.node, ob.risk, ob.risk, ob.jobs, ob.ranks,
@@ -174,6 +198,7 @@ class AlertEngine:
             resend = now - self._last_sent_ms >= self.resend_interval_s * 1000
             batch = [replace(a) for a in self._active.values()] if resend else [replace(c.alert) for c in changes
                                                                                    if c.kind == "fire"]
+            batch += [replace(a) for a in turned_failed if not resend]
             batch += [replace(c.alert) for c in changes if c.kind == "resolve"]
             if resend:
                 self._last_sent_ms = now
@@ -181,6 +206,16 @@ class AlertEngine:
             for sender in self.senders:
                 sender.submit(batch)
         return changes
+
+    @staticmethod
+    def _failed(alert: Alert, ob: RiskObservation, t: int) -> None:
+        """Turn ``alert`` into (or keep it as, or, after a reset, back out of) a failed-GPU alert."""
+        alert.risk = ob.risk
+        if ob.failed:
+            alert.failed, alert.action = ob.failed, ob.failed.split("; ", 1)[-1]
+            alert.last_high_ms = t  # the policy's resolve clock starts only once the GPU runs again
+        else:
+            alert.failed = None
 
     def restore(self, alerts: Iterable[Alert]) -> None:
         """Take back alerts that were firing when the collector stopped: a GPU still at risk keeps its alert

@@ -43,7 +43,7 @@ def start_collector(cfg: config.Config) -> CollectorServer:
     if cfg.metrics_listen:
         metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
         services.append(MetricsService(cfg.metrics_listen, scorer=scorer, jobs=monitor, token=metrics_token,
-                                       insecure=cfg.insecure))
+                                       insecure=cfg.insecure, gpu_telemetry=cfg.metrics_gpu_telemetry))
     try:
         return serve(cfg.listen, cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
                      stream_idle_timeout_s=cfg.stream_idle_timeout,

@@ -10,6 +10,11 @@ numbers, sequence ids or PIDs. The per-GPU names are those of :mod:`gpuwatch.fie
 node-local endpoint (the same server with a provider that fills only ``gpus`` and ``hosts``) and the
 collector export identical series. :data:`EXPORTED_METRICS` is the catalogue dashboards and rules are
 checked against.
+
+Naming is chosen per endpoint: ``gpuwatch`` (these names) or ``dcgm`` (dcgm-exporter's names, units and
+labels for the per-GPU values, see :mod:`gpuwatch.collector.dcgm_names`). Per-GPU truth has one source per
+deployment (docs/operations.md): the collector exports per-GPU telemetry unless told that Prometheus
+scrapes the agents (``gpu_telemetry=False``), and then exports only what needs the fleet's history.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuwatch import __version__, fields
+from gpuwatch import __version__, fields, xids
+from gpuwatch.collector.dcgm_names import dcgm_families
 from gpuwatch.config import split_address
 from gpuwatch.errors import UserError
 from gpuwatch.security import check_exposure, token_matches
@@ -51,7 +57,10 @@ class GpuSnapshot(TypedDict, total=False):
     gpu_uuid: str
     model: str                      # product name, e.g. "NVIDIA H100 80GB HBM3"
     values: Mapping[str, float]     # gpuwatch.fields name -> latest value; NaN / missing = not exported
+    pci_bus_id: str                 # NVML's bus id, e.g. "00000000:3B:00.0"
+    driver_version: str
     xid_counts: Mapping[int, int]   # XID code -> events counted (a counter, never reset by the provider)
+    last_xid: int                   # the most recent XID (dcgm naming's DCGM_FI_DEV_XID_ERRORS); 0: none
     failure_risk: float             # 0-1, the online failure score
     health: str                     # one of HEALTH_STATES
     job_id: str                     # job owning the GPU now ("" or absent: none)
@@ -112,7 +121,9 @@ GPU_LABELS = ("node", "gpu", "gpu_uuid", "model")
 _JOB, _RANK = ("job_id",), ("job_id", "rank")
 
 _OWN_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("gpu_xid_errors_total", "counter", "XID events reported by the driver, per code.", GPU_LABELS + ("xid",)),
+    MetricSpec("gpu_xid_errors_total", "counter",
+               "XID events reported by the driver, per code; xid_description is NVIDIA's name for the code.",
+               GPU_LABELS + ("xid", "xid_description")),
     MetricSpec("gpuwatch_gpu_failure_risk_ratio", "gauge", "Online failure risk score (0-1).", GPU_LABELS),
     MetricSpec("gpuwatch_gpu_health_state", "gauge", "1 for the GPU's current rule-based health state.",
                GPU_LABELS + ("state",)),
@@ -147,6 +158,8 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 EXPORTED_METRICS: dict[str, str] = {m.name: m.kind for m in METRICS}
 _SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+#: --metrics-names values: the project's own names, or dcgm-exporter's for the per-GPU values.
+NAMINGS: tuple[str, ...] = ("gpuwatch", "dcgm")
 _FAMILY_TYPES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
 
 
@@ -177,13 +190,17 @@ def _le_text(le: float) -> str:
     return "+Inf" if math.isinf(le) else repr(float(le))
 
 
-def _add_gpu(out: _Families, gpu: GpuSnapshot) -> None:
+def _add_gpu(out: _Families, gpu: GpuSnapshot, telemetry: bool = True) -> None:
+    """A GPU's series; without ``telemetry`` only the scores (risk, health), not the sampled values."""
     labels = (gpu["node"], gpu["gpu"], gpu.get("gpu_uuid", ""), gpu.get("model", ""))
-    values = gpu.get("values", {})
-    for field in fields.GPU_FIELDS:
-        out.add(field.name, labels, values.get(field.name))
-    for code, count in sorted(gpu.get("xid_counts", {}).items()):
-        out.add("gpu_xid_errors_total", labels + (int(code),), count)
+    if telemetry:
+        values = gpu.get("values", {})
+        for field in fields.GPU_FIELDS:
+            out.add(field.name, labels, values.get(field.name))
+        for code, count in sorted(gpu.get("xid_counts", {}).items()):
+            out.add("gpu_xid_errors_total", labels + (int(code), xids.describe(code).description), count)
+        if gpu.get("job_id"):
+            out.add("gpuwatch_gpu_job_info", labels[:3] + (gpu["job_id"], gpu.get("rank", -1)), 1)
     out.add("gpuwatch_gpu_failure_risk_ratio", labels, gpu.get("failure_risk"))
     health = gpu.get("health")
     if health is not None:
@@ -192,8 +209,6 @@ def _add_gpu(out: _Families, gpu: GpuSnapshot) -> None:
                 out.add("gpuwatch_gpu_health_state", labels + (state,), state == health)
         else:
             log.warning("GPU %s/%s: unknown health state %r not exported", gpu["node"], gpu["gpu"], health)
-    if gpu.get("job_id"):
-        out.add("gpuwatch_gpu_job_info", labels[:3] + (gpu["job_id"], gpu.get("rank", -1)), 1)
 
 
 def _add_host(out: _Families, host: HostSnapshot) -> None:
@@ -232,19 +247,29 @@ def _top_jobs(jobs: Sequence[JobSnapshot], limit: int) -> tuple[list[JobSnapshot
 
 
 class SnapshotCollector(Collector):
-    """A prometheus_client collector that turns one provider snapshot into families at each scrape."""
+    """A prometheus_client collector that turns one provider snapshot into families at each scrape.
 
-    def __init__(self, provider: SnapshotProvider, max_jobs: int = DEFAULT_MAX_JOBS) -> None:
+    ``names``: one of :data:`NAMINGS`. ``gpu_telemetry``: export the sampled per-GPU and host values (off
+    on a collector whose agents Prometheus scrapes directly, so every series has one source).
+    """
+
+    def __init__(self, provider: SnapshotProvider, max_jobs: int = DEFAULT_MAX_JOBS, *, names: str = "gpuwatch",
+                 gpu_telemetry: bool = True) -> None:
+        if names not in NAMINGS:
+            raise UserError(f"metrics names {names!r}: expected one of {', '.join(NAMINGS)}")
         self._provider = provider
         self._max_jobs = max_jobs
+        self._dcgm = names == "dcgm"
+        self._telemetry = gpu_telemetry
 
     def collect(self) -> Iterable[Metric]:
         snap = self._provider()
         out = _Families()
         for gpu in snap.get("gpus", ()):
-            _add_gpu(out, gpu)
-        for host in snap.get("hosts", ()):
-            _add_host(out, host)
+            _add_gpu(out, gpu, self._telemetry and not self._dcgm)
+        if self._telemetry:
+            for host in snap.get("hosts", ()):
+                _add_host(out, host)
         jobs, omitted = _top_jobs(snap.get("jobs", ()), self._max_jobs)
         for job in jobs:
             _add_job(out, job)
@@ -257,16 +282,19 @@ class SnapshotCollector(Collector):
         for agent in snap.get("agents", ()):
             _add_prefixed(out, "gpuwatch_agent_", agent, (agent["node"],))
         out.add("gpuwatch_build_info", (__version__,), 1)
+        if self._dcgm and self._telemetry:
+            return [*dcgm_families(snap.get("gpus", ())), *out]
         return out
 
     def describe(self) -> Iterable[Metric]:
         return ()  # families depend on the snapshot; do not call the provider at registration
 
 
-def build_registry(provider: SnapshotProvider, max_jobs: int = DEFAULT_MAX_JOBS) -> CollectorRegistry:
+def build_registry(provider: SnapshotProvider, max_jobs: int = DEFAULT_MAX_JOBS, *, names: str = "gpuwatch",
+                   gpu_telemetry: bool = True) -> CollectorRegistry:
     """A registry of its own (never the process-global one) holding the snapshot collector."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(provider, max_jobs))
+    registry.register(SnapshotCollector(provider, max_jobs, names=names, gpu_telemetry=gpu_telemetry))
     return registry
 
 
@@ -365,11 +393,14 @@ def start_metrics_server(
     *,
     insecure: bool = False,
     max_jobs: int = DEFAULT_MAX_JOBS,
+    names: str = "gpuwatch",
+    gpu_telemetry: bool = True,
 ) -> MetricsServer:
     """Serve ``/metrics`` on ``listen`` (HOST:PORT, port 0 = any) in a daemon thread.
 
     With ``token`` every request needs ``Authorization: Bearer <token>`` (401 otherwise). Binding beyond
-    loopback without a token is refused unless ``insecure``: telemetry names nodes and jobs.
+    loopback without a token is refused unless ``insecure``: telemetry names nodes and jobs. ``names`` and
+    ``gpu_telemetry``: see :class:`SnapshotCollector`.
     """
     try:
         host, port = split_address(listen)
@@ -378,7 +409,7 @@ def start_metrics_server(
     check_exposure(listen, protected=token is not None, insecure=insecure, what="to serve metrics on",
                    needs="a bearer token (metrics_token_file)")
     server_class = _Server6 if ":" in host else _Server
-    app = _guarded_app(build_registry(snapshot_provider, max_jobs), token)
+    app = _guarded_app(build_registry(snapshot_provider, max_jobs, names=names, gpu_telemetry=gpu_telemetry), token)
     try:
         server = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
     except OSError as exc:

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 import pandas as pd
 
+from gpuwatch import events as event_kinds
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, JobFinding
 from gpuwatch.collector.efficiency.engine import analyze
 from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
@@ -149,7 +150,8 @@ class JobsMonitor(PeriodicService):
 
     def check_once(self, now_us: float | None = None) -> dict[str, dict[str, Any]]:
         """One round over every job with spans in the window (or hung); returns the flags per job (also served
-        by ``Jobs`` and metrics). Alerts are raised for running jobs only: a finished job's alerts resolve."""
+        by ``Jobs`` and metrics). Alerts are raised for running jobs only: the alerts of a job that finished, or
+        whose every node's agent stopped after its last span (the job is gone), resolve."""
         now = time.time() * 1e6 if now_us is None else now_us
         spans = self._store.spans()
         hangs = {h["job_id"]: h for h in detect_hangs(spans, now, self.hang_threshold_s)}
@@ -162,12 +164,23 @@ class JobsMonitor(PeriodicService):
                 mine = spans["job_id"] == job_id
                 flags[job_id] = {**self._job_flags(job_id, spans[mine], spans[mine & fresh], now, hangs.get(job_id)),
                                  "finished": job_id in finished}
-        self._raise_alerts({job: f for job, f in flags.items() if not f["finished"]}, now)
+        gone = _gone_jobs(spans, self._stopped_nodes())
+        for job_id, f in flags.items():
+            f["gone"] = job_id in gone
+        self._raise_alerts({job: f for job, f in flags.items() if not f["finished"] and not f["gone"]}, now)
         if len(spans):
             self._ingested_upto = spans["ts"].max()
         with self._lock:
             self._flags = flags
         return flags
+
+    def _stopped_nodes(self) -> dict[str, float]:
+        """Nodes whose agent's last lifecycle event is ``agent_stop`` -> when it stopped (epoch us)."""
+        stopped = self._store.query_df(f"""
+            SELECT node, epoch_us(max(ts)) AS stopped_us FROM events
+            WHERE kind IN ('{event_kinds.AGENT_START}', '{event_kinds.AGENT_STOP}') GROUP BY node
+            HAVING arg_max(kind, ts) = '{event_kinds.AGENT_STOP}'""")
+        return dict(zip(stopped["node"], stopped["stopped_us"].astype(float)))
 
     def _job_flags(self, job_id: str, rows: pd.DataFrame, new_rows: pd.DataFrame, now_us: float,
                    hang: dict | None) -> dict[str, Any]:
@@ -203,6 +216,17 @@ class JobsMonitor(PeriodicService):
         now_ms = int(now_us / 1000)
         self.hub.set_job_alerts(SLOW_RANK, slow, now_ms)
         self.hub.set_job_alerts(JOB_HANG, hung, now_ms)
+
+
+def _gone_jobs(spans: pd.DataFrame, stopped: dict[str, float]) -> set[str]:
+    """Jobs every node of which has a stopped agent, stopped after the job's last span there."""
+    if not stopped or spans.empty:
+        return set()
+    last = spans[spans["job_id"] != ""].groupby(["job_id", "node"])["start_us"].max().reset_index()
+    last["stopped_us"] = last["node"].map(stopped)
+    after = last["stopped_us"].notna() & (last["stopped_us"] >= last["start_us"])
+    every_node = after.groupby(last["job_id"]).all()
+    return set(every_node.index[every_node])
 
 
 def _node_of(rows: pd.DataFrame, rank: int) -> str:

@@ -50,7 +50,8 @@ def _summary(job_id: str, rows: pd.DataFrame, now_us: float, window_s: float) ->
         "step_rate": float(pd.Series(rates).median()) if rates else None,
         "step_time_s": float(recent_steps["dur_us"].median()) / 1e6 if len(recent_steps) else None,
         "last_step_us": last_step_us,
-        "last_step_age_s": (now_us - last_step_us) / 1e6 if last_step_us is not None else None,
+        # never negative: "now" can trail the newest span (an agent's clock ahead of the collector's)
+        "last_step_age_s": max(0.0, (now_us - last_step_us) / 1e6) if last_step_us is not None else None,
         "finished": _finished_ranks(rows) >= set(rows["rank"].unique()),
         "lost_fraction": _lost_fraction(recent, job_id),
     }

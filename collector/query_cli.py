@@ -67,11 +67,13 @@ def fetch_nodes(stub: query_pb2_grpc.QueryStub, args: argparse.Namespace | None 
 
 
 def fetch_gpus(stub: query_pb2_grpc.QueryStub, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One dict per GPU: node, index, uuid, name, samples, last_seen, job_id, rank."""
+    """One dict per GPU: node, index, uuid, name, samples, last_seen, job_id, rank, state (running or failed)
+    and, for a failed GPU, failure (what failed and what to do)."""
     reply = stub.ListGpus(q.ListGpusRequest(node=args.node or ""), timeout=_RPC_TIMEOUT_S)
     return [{"node": g.node, "index": g.info.index, "uuid": g.info.uuid, "name": g.info.name,
              "architecture": g.info.architecture, "samples": g.samples, "last_seen": iso_utc(g.last_seen_ms),
-             "job_id": g.job_id or None, "rank": None if g.rank < 0 else g.rank} for g in reply.gpus]
+             "job_id": g.job_id or None, "rank": None if g.rank < 0 else g.rank, "state": g.state or "running",
+             "failure": g.failure or None} for g in reply.gpus]
 
 
 def fetch_latest(stub: query_pb2_grpc.QueryStub, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -117,6 +119,7 @@ class Command:
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     table_columns: Sequence[str] | None = None  # None: every key of the first row
     empty: str = "nothing"  # said on stderr in table mode when there are no rows, so silence is never ambiguous
+    table_row: Callable[[dict[str, Any]], dict[str, Any]] = lambda row: row  # a row as the table shows it
 
 
 def _node_gpu_filters(parser: argparse.ArgumentParser) -> None:
@@ -143,14 +146,16 @@ COMMANDS: dict[str, Command] = {
     "nodes": Command(fetch_nodes, table_columns=("node", "gpus", "samples", "last_seen", "agent_id"),
                      empty="no nodes"),
     "gpus": Command(fetch_gpus, lambda p: p.add_argument("--node", help="only this node"),
-                    ("node", "index", "name", "samples", "last_seen", "job_id", "rank"), "no GPUs"),
+                    ("node", "index", "name", "state", "samples", "last_seen", "job_id", "rank", "failure"), "no GPUs"),
     "latest": Command(fetch_latest, _node_gpu_filters, ("node", "gpu_index", "ts", "gpu_utilization_ratio",
                       "gpu_power_watts", "gpu_temperature_celsius", "gpu_memory_used_bytes"), "no samples"),
     "series": Command(fetch_series, _series_arguments, ("ts", "value"), "no points"),
     "events": Command(fetch_events, _events_arguments, ("ts", "node", "gpu_index", "kind", "code", "message"),
                       "no events"),
     "jobs": Command(fetch_jobs, table_columns=("job_id", "sources", "ranks", "nodes", "gpus", "steps", "step_rate",
-                                               "lost_fraction", "stragglers", "hang"), empty="no jobs"),
+                                               "lost_fraction", "stragglers", "hang"), empty="no jobs",
+                    # the table counts straggler ranks (--json keeps each one's evidence)
+                    table_row=lambda job: {**job, "stragglers": len(job.get("stragglers") or [])}),
     "alerts": Command(fetch_alerts, lambda p: p.add_argument("--all", action="store_true",
                                                              help="include resolved alerts"),
                       ("alertname", "status", "starts_at", "ends_at", "summary"), "no alerts"),
@@ -175,7 +180,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     elif not rows:
         print(spec.empty, file=sys.stderr)
     else:
-        sys.stdout.write(format_table(rows, spec.table_columns))
+        sys.stdout.write(format_table([spec.table_row(row) for row in rows], spec.table_columns))
     return 0
 
 

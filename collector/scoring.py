@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pandas as pd
@@ -21,11 +21,13 @@ import pandas as pd
 from gpuwatch import events as event_kinds
 from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import RiskObservation
+from gpuwatch.collector.failed import Failure, failed_gpus, failure_timeline
 from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.collector.store.duckdb import DuckDBStore, ms_to_datetime
 from gpuwatch.models import features as feature_module
 from gpuwatch.models import rules
 from gpuwatch.models.model import score, top_signals
+from gpuwatch.recording import ts_ms
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ def xid_events(store: DuckDBStore, until_ms: int, history_s: float = feature_mod
 def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int, history: MinuteHistory | None = None
                ) -> list[dict[str, Any]]:
     """One dict per GPU with samples in the window: identity, job and rank, risk (None without a model),
-    top signals, health state and the rules' reasons."""
+    top signals, health state, the rules' reasons, and ``failed`` (collector/failed.py) when it has failed."""
     history = history or MinuteHistory()
     samples = history.samples(store, now_ms)
     events = xid_events(store, now_ms, history.history_s)
@@ -103,23 +105,69 @@ def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int, history: Min
         return []
     step_s = int(model["step_s"]) if model else feature_module.DEFAULT_STEP_S
     feats = feature_module.features(samples, events, at=now_ms, step_s=step_s).reset_index(drop=True)
+    last = samples.groupby(["node", "gpu_index"])[["job_id", "rank"]].last()
+    owners = last.reindex(pd.MultiIndex.from_arrays([feats["node"], feats["gpu_index"].astype(int)]))
+    return _scored_rows(store, model, feats, owners, failed_gpus(store, now_ms))
+
+
+def score_history(store: DuckDBStore, model: dict | None, start_ms: int, end_ms: int
+                  ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """Every GPU scored at every step of the model in (start_ms, end_ms]: (time, :func:`score_gpus` rows).
+
+    For recorded data (``replay --offline``): one read of the store and one vectorised feature pass over the
+    whole range, with bins ending at multiples of the model's step, which is how the evaluation scores, instead
+    of re-reading a day of history per round. A GPU is scored at the steps where it has samples.
+    """
+    step_s = int(model["step_s"]) if model else feature_module.DEFAULT_STEP_S
+    history_s = feature_module.HISTORY_S
+    samples = _minutes(store, int(start_ms - history_s * 1000), end_ms)
+    if samples.empty:
+        return
+    events = xid_events(store, end_ms, (end_ms - start_ms) / 1000 + history_s)
+    feats = feature_module.features(samples, events, step_s=step_s)
+    feats = feats[(feats["t_ms"] > start_ms) & (feats["t_ms"] <= end_ms)].sort_values("t_ms", kind="stable")
+    feats = feats.reset_index(drop=True)
+    owners = pd.merge_asof(  # job and rank of each GPU at each step: its last minute row up to then
+        feats[["t_ms", "node", "gpu_index"]].assign(gpu_index=feats["gpu_index"].astype(int)),
+        samples.assign(t_ms=ts_ms(samples["ts"]), gpu_index=samples["gpu_index"].astype(int))
+        .sort_values("t_ms")[["t_ms", "node", "gpu_index", "job_id", "rank"]],
+        on="t_ms", by=["node", "gpu_index"])
+    rows = _scored_rows(store, model, feats, owners, {})
+    timeline = failure_timeline(store, end_ms)
+    for t, index in feats.groupby("t_ms", sort=True).indices.items():
+        failures = timeline.at(int(t))
+        yield int(t), [_with_failure(rows[i], failures.get((rows[i]["node"], rows[i]["gpu_index"]))) for i in index]
+
+
+def _scored_rows(store: DuckDBStore, model: dict | None, feats: pd.DataFrame, owners: pd.DataFrame,
+                 failures: Mapping[tuple[str, int], Failure]) -> list[dict[str, Any]]:
+    """The :func:`score_gpus` rows of feature rows ``feats``; ``owners`` holds each row's job_id and rank."""
     health = rules.states(feats)
     risks = score(model, feats) if model else [None] * len(feats)
     signals = top_signals(model, feats, TOP_SIGNALS) if model else [[] for _ in range(len(feats))]
-    last = samples.groupby(["node", "gpu_index"]).last()
     uuids = {(g["node"], g["index"]): g["uuid"] or "" for g in store.gpus()}
+    jobs, ranks = owners["job_id"].to_numpy(), owners["rank"].to_numpy()
     out = []
-    for i, row in feats.iterrows():
-        key = (row["node"], int(row["gpu_index"]))
-        owner = last.loc[key] if key in last.index else None
-        job = owner["job_id"] if owner is not None and isinstance(owner["job_id"], str) else None
-        rank = int(owner["rank"]) if owner is not None and pd.notna(owner["rank"]) else None
-        out.append({
-            "node": key[0], "gpu_index": key[1], "gpu_uuid": uuids.get(key) or f"{key[0]}/{key[1]}",
-            "job_id": job, "rank": rank, "risk": None if risks[i] is None else float(risks[i]),
-            "signals": signals[i], "health": str(health.at[i, "state"]), "reasons": list(health.at[i, "reasons"]),
-        })
+    for i, (node, gpu) in enumerate(zip(feats["node"], feats["gpu_index"].astype(int))):
+        key = (node, int(gpu))
+        row = {
+            "node": node, "gpu_index": key[1], "gpu_uuid": uuids.get(key) or f"{node}/{key[1]}",
+            "job_id": jobs[i] if isinstance(jobs[i], str) and jobs[i] else None,
+            "rank": int(ranks[i]) if pd.notna(ranks[i]) else None,
+            "risk": None if risks[i] is None else float(risks[i]), "signals": signals[i],
+            "health": str(health.at[i, "state"]), "reasons": list(health.at[i, "reasons"]), "failed": None,
+        }
+        out.append(_with_failure(row, failures.get(key)))
     return out
+
+
+def _with_failure(row: dict[str, Any], failure: Failure | None) -> dict[str, Any]:
+    """A failed GPU is "fail", with the failure first among the reasons, however old the evidence."""
+    if failure is None:
+        return row if row["failed"] is None else {**row, "failed": None}
+    reason = failure.reason
+    return {**row, "health": "fail", "reasons": [reason] + [r for r in row["reasons"] if r != reason],
+            "failed": {"since_ms": failure.since_ms, "kind": failure.kind, "code": failure.code, "reason": reason}}
 
 
 def observation(gpu: Mapping[str, Any], now_ms: int) -> RiskObservation:
@@ -127,7 +175,8 @@ def observation(gpu: Mapping[str, Any], now_ms: int) -> RiskObservation:
     return RiskObservation(
         gpu_uuid=gpu["gpu_uuid"], gpu_index=gpu["gpu_index"], node=gpu["node"], risk=gpu["risk"],
         jobs=(gpu["job_id"],) if gpu["job_id"] else (), ranks=(gpu["rank"],) if gpu["rank"] is not None else (),
-        signals=tuple(gpu["signals"]), ts_ms=now_ms)
+        signals=tuple(gpu["signals"]), ts_ms=now_ms,
+        failed=(gpu.get("failed") or {}).get("reason"))
 
 
 WALL, DATA = "wall", "data"

@@ -26,9 +26,10 @@ from google.protobuf.message import DecodeError, Message
 from gpuwatch import security
 from gpuwatch.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow, validate
 from gpuwatch.collector.breakdowns import BreakdownService
+from gpuwatch.collector.failed import failed_gpus
 from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_STREAM_IDLE_TIMEOUT_S,
-                                                 QUERY_RESERVE_WORKERS, StreamAdmission,
-                                                 StreamRefused, fencing_advice)
+                                                 QUERY_RESERVE_WORKERS, StreamAdmission, StreamRefused,
+                                                 fencing_advice)
 from gpuwatch.collector.store.duckdb import DuckDBStore, StoreClosed, WriteResult
 from gpuwatch.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
@@ -235,12 +236,18 @@ def list_nodes(request: q.ListNodesRequest, store: DuckDBStore) -> q.ListNodesRe
 
 
 def list_gpus(request: q.ListGpusRequest, store: DuckDBStore) -> q.ListGpusResponse:
+    """The inventory with each GPU's latest job, and ``failed`` for a GPU that failed and was not reset since."""
     info_fields = pb.GpuInfo.DESCRIPTOR.fields_by_name
-    return q.ListGpusResponse(gpus=[
-        q.GpuSummary(node=r["node"], info=pb.GpuInfo(**{k: v for k, v in r.items() if k in info_fields}),
-                     samples=r["samples"], last_seen_ms=r["last_sample_ms"] or 0, job_id=r["job_id"] or "",
-                     rank=-1 if r["rank"] is None else r["rank"])
-        for r in store.gpus(request.node or None)])
+    failures = failed_gpus(store)
+    gpus = []
+    for r in store.gpus(request.node or None):
+        failure = failures.get((r["node"], r["index"]))
+        gpus.append(q.GpuSummary(
+            node=r["node"], info=pb.GpuInfo(**{k: v for k, v in r.items() if k in info_fields}),
+            samples=r["samples"], last_seen_ms=r["last_sample_ms"] or 0, job_id=r["job_id"] or "",
+            rank=-1 if r["rank"] is None else r["rank"], state="failed" if failure else "running",
+            failure=failure.reason if failure else ""))
+    return q.ListGpusResponse(gpus=gpus)
 
 
 def latest(request: q.LatestRequest, store: DuckDBStore) -> q.LatestResponse:

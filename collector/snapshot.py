@@ -83,15 +83,18 @@ class MetricsService:
     """Collector service: the Prometheus endpoint over a :class:`CachedSnapshot` of the running collector."""
 
     def __init__(self, listen: str, *, scorer: Scorer | None = None, jobs: JobsMonitor | None = None,
-                 token: str | None = None, insecure: bool = False, cache_s: float = DEFAULT_CACHE_S) -> None:
+                 token: str | None = None, insecure: bool = False, cache_s: float = DEFAULT_CACHE_S,
+                 gpu_telemetry: bool = True) -> None:
         self.listen = listen
+        self.gpu_telemetry = gpu_telemetry
         self._parts = (scorer, jobs)
         self._token, self._insecure, self._cache_s = token, insecure, cache_s
         self.server: MetricsServer | None = None
 
     def start(self, store: DuckDBStore) -> Mapping[str, Any]:
         provider = CachedSnapshot(store, *self._parts, cache_s=self._cache_s)
-        self.server = start_metrics_server(self.listen, provider, self._token, insecure=self._insecure)
+        self.server = start_metrics_server(self.listen, provider, self._token, insecure=self._insecure,
+                                           gpu_telemetry=self.gpu_telemetry)
         return {}
 
     def stop(self) -> None:

@@ -82,6 +82,16 @@ def rate(metric: str, selector: str) -> str:
     return f"rate({metric}{{{selector}}}[$__rate_interval])"
 
 
+def one(expr: str, by: str = "node, gpu") -> str:
+    """``expr`` once per GPU (``by``): the same series may come from an agent's and the collector's /metrics
+    (docs/operations.md), and a sum over both would count every GPU twice."""
+    return f"max by ({by}) ({expr})"
+
+
+def gpu(metric: str, selector: str = GPU_SEL) -> str:
+    return one(f"{metric}{{{selector}}}")
+
+
 # ---- the dashboards -----------------------------------------------------------------------------------
 
 def fleet() -> dict[str, Any]:
@@ -90,22 +100,24 @@ def fleet() -> dict[str, Any]:
         "gpuwatch-fleet", "gpuwatch / Fleet overview", "Every GPU at a glance: use, power, errors, ingest health.",
         [NODE_VAR],
         [
-            stat("GPUs reporting", "none", f"count(gpu_utilization_ratio{{{NODE_SEL}}})"),
-            stat("Mean GPU utilization", "percentunit", f"avg(gpu_utilization_ratio{{{NODE_SEL}}})"),
+            stat("GPUs reporting", "none", f"count({gpu('gpu_utilization_ratio', NODE_SEL)})"),
+            stat("Mean GPU utilization", "percentunit", f"avg({gpu('gpu_utilization_ratio', NODE_SEL)})"),
             stat("GPUs failing health", "none",
                  f'count(gpuwatch_gpu_health_state{{{NODE_SEL}, state="fail"}} == 1) or vector(0)'),
             stat("GPU-hours lost in range", "h", "sum(increase(gpuwatch_job_lost_gpu_seconds_total[$__range])) / 3600",
                  "GPU time of known jobs spent on anything but compute (efficiency spec)."),
             panel("timeseries", "GPU utilization by node", "percentunit",
-                  (f"avg by (node) (gpu_utilization_ratio{{{NODE_SEL}}})", by_node)),
+                  (f"avg by (node) ({gpu('gpu_utilization_ratio', NODE_SEL)})", by_node)),
             panel("timeseries", "Tensor pipes active by node", "percentunit",
-                  (f"avg by (node) (gpu_tensor_active_ratio{{{NODE_SEL}}})", by_node),
+                  (f"avg by (node) ({gpu('gpu_tensor_active_ratio', NODE_SEL)})", by_node),
                   description="Hopper and newer (NVML GPM); empty on older GPUs."),
-            panel("timeseries", "Power draw by node", "watt", (f"sum by (node) (gpu_power_watts{{{NODE_SEL}}})", by_node)),
+            panel("timeseries", "Power draw by node", "watt",
+                  (f"sum by (node) ({gpu('gpu_power_watts', NODE_SEL)})", by_node)),
             panel("timeseries", "GPU memory used by node", "bytes",
-                  (f"sum by (node) (gpu_memory_used_bytes{{{NODE_SEL}}})", by_node)),
+                  (f"sum by (node) ({gpu('gpu_memory_used_bytes', NODE_SEL)})", by_node)),
             panel("timeseries", "XID errors", "cps",
-                  (f"sum by (node, xid) ({rate('gpu_xid_errors_total', NODE_SEL)})", "{{node}} XID {{xid}}")),
+                  (f"sum by (node, xid) ({one(rate('gpu_xid_errors_total', NODE_SEL), 'node, gpu, xid')})",
+                   "{{node}} XID {{xid}}")),
             panel("timeseries", "Agent spool backlog", "bytes", (f"gpuwatch_agent_spool_bytes{{{NODE_SEL}}}", by_node),
                   description="Grows when agents cannot reach the collector."),
             panel("timeseries", "Collector ingest", "cps",
@@ -138,8 +150,8 @@ def jobs() -> dict[str, Any]:
             panel("bargauge", "Lost share per rank", "percentunit",
                   (f"gpuwatch_job_rank_lost_ratio{{{JOB_SEL}}}", rank_legend), instant=True),
             panel("timeseries", "GPU utilization per rank", "percentunit",
-                  ("gpu_utilization_ratio * on (node, gpu) group_left (job_id, rank) "
-                   f"gpuwatch_gpu_job_info{{{JOB_SEL}}}", rank_legend)),
+                  (f"{one('gpu_utilization_ratio')} * on (node, gpu) group_left (job_id, rank) "
+                   f"{one(f'gpuwatch_gpu_job_info{{{JOB_SEL}}}', 'node, gpu, job_id, rank')}", rank_legend)),
             panel("stat", "Stragglers", "none", (f"sum(gpuwatch_job_stragglers{{{JOB_SEL}}})", ""),
                   width=4, instant=True),
             panel("timeseries", "Straggler lateness at collectives", "s",
@@ -162,29 +174,30 @@ def gpu_health() -> dict[str, Any]:
             panel("timeseries", "Failure risk", "percentunit",
                   (f"gpuwatch_gpu_failure_risk_ratio{{{GPU_SEL}}}", GPU_LEGEND)),
             panel("timeseries", "XID errors by code", "none",
-                  (f"sum by (node, gpu, xid) (increase(gpu_xid_errors_total{{{GPU_SEL}}}[$__rate_interval]))",
-                   GPU_LEGEND + " XID {{xid}}")),
+                  (one(f"increase(gpu_xid_errors_total{{{GPU_SEL}}}[$__rate_interval])",
+                       "node, gpu, xid, xid_description"),
+                   GPU_LEGEND + " XID {{xid}} {{xid_description}}")),
             panel("timeseries", "ECC errors", "cps",
-                  (rate("gpu_ecc_sbe_volatile_total", GPU_SEL), GPU_LEGEND + " correctable"),
-                  (rate("gpu_ecc_dbe_volatile_total", GPU_SEL), GPU_LEGEND + " uncorrectable")),
+                  (one(rate("gpu_ecc_sbe_volatile_total", GPU_SEL)), GPU_LEGEND + " correctable"),
+                  (one(rate("gpu_ecc_dbe_volatile_total", GPU_SEL)), GPU_LEGEND + " uncorrectable")),
             panel("timeseries", "Row remapping", "none",
-                  *[(f"{name}{{{GPU_SEL}}}", f"{GPU_LEGEND} {name.removeprefix('gpu_remapped_rows_')}")
+                  *[(gpu(name), f"{GPU_LEGEND} {name.removeprefix('gpu_remapped_rows_')}")
                     for name in ("gpu_remapped_rows_correctable", "gpu_remapped_rows_uncorrectable",
                                  "gpu_remapped_rows_pending", "gpu_remapped_rows_failure")]),
-            panel("timeseries", "PCIe replays", "cps", (rate("gpu_pcie_replay_total", GPU_SEL), GPU_LEGEND)),
+            panel("timeseries", "PCIe replays", "cps", (one(rate("gpu_pcie_replay_total", GPU_SEL)), GPU_LEGEND)),
             panel("timeseries", "PCIe link width (current / max)", "none",
-                  (f"gpu_pcie_link_width{{{GPU_SEL}}} / gpu_pcie_link_width_max{{{GPU_SEL}}}", GPU_LEGEND),
+                  (f"{gpu('gpu_pcie_link_width')} / {gpu('gpu_pcie_link_width_max')}", GPU_LEGEND),
                   description="Below 1: the link trained down, a common precursor of falling off the bus."),
             panel("timeseries", "NVLink errors", "cps",
-                  (rate("gpu_nvlink_crc_flit_errors_total", GPU_SEL), GPU_LEGEND + " CRC flit"),
-                  (rate("gpu_nvlink_replay_errors_total", GPU_SEL), GPU_LEGEND + " replay"),
-                  (rate("gpu_nvlink_recovery_errors_total", GPU_SEL), GPU_LEGEND + " recovery")),
+                  (one(rate("gpu_nvlink_crc_flit_errors_total", GPU_SEL)), GPU_LEGEND + " CRC flit"),
+                  (one(rate("gpu_nvlink_replay_errors_total", GPU_SEL)), GPU_LEGEND + " replay"),
+                  (one(rate("gpu_nvlink_recovery_errors_total", GPU_SEL)), GPU_LEGEND + " recovery")),
             panel("timeseries", "Temperature", "celsius",
-                  (f"gpu_temperature_celsius{{{GPU_SEL}}}", GPU_LEGEND + " core"),
-                  (f"gpu_memory_temperature_celsius{{{GPU_SEL}}}", GPU_LEGEND + " HBM")),
+                  (gpu("gpu_temperature_celsius"), GPU_LEGEND + " core"),
+                  (gpu("gpu_memory_temperature_celsius"), GPU_LEGEND + " HBM")),
             panel("timeseries", "Time throttled", "percentunit",
-                  (rate("gpu_throttle_thermal_seconds_total", GPU_SEL), GPU_LEGEND + " thermal"),
-                  (rate("gpu_throttle_power_seconds_total", GPU_SEL), GPU_LEGEND + " power")),
+                  (one(rate("gpu_throttle_thermal_seconds_total", GPU_SEL)), GPU_LEGEND + " thermal"),
+                  (one(rate("gpu_throttle_power_seconds_total", GPU_SEL)), GPU_LEGEND + " power")),
         ],
     )
 

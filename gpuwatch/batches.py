@@ -26,8 +26,8 @@ NAN = math.nan
 INSTANCE_METADATA = "gpuwatch-instance"
 
 # Bounds every stored value must fit. The store keeps GPU indexes and ranks as 32-bit and sequences and memory
-# sizes as signed 64-bit integers (as queries read them), and timestamps as calendar times (years 1-9999): a batch outside them would pass the wire
-# format and then fail in the store, so it is refused at the door.
+# sizes as signed 64-bit integers (as queries read them), and timestamps as calendar times (years 1-9999): a
+# batch outside them would pass the wire format and then fail in the store, so it is refused at the door.
 MAX_SEQUENCE = MAX_INT64 = 2**63 - 1
 MAX_GPU_INDEX = 2**31 - 1
 # Times a calendar can hold, whatever the window: 1970-01-01 to 9999-12-31 (ms).
@@ -53,6 +53,7 @@ class BatchBuilder:
 
     def _reset(self) -> None:
         self._gpu_rows: dict[int, dict[str, list]] = {}
+        self._gpu_blocks: list[pb.GpuSamples] = []
         self._host: dict[str, list] = {"ts_ms": []}
         self._host_cols: dict[str, list[float]] = {}
         self._events: list[pb.Event] = []
@@ -60,7 +61,8 @@ class BatchBuilder:
 
     def __len__(self) -> int:
         """Number of rows (GPU and host) and events held."""
-        return sum(len(r["ts_ms"]) for r in self._gpu_rows.values()) + len(self._host["ts_ms"]) + len(self._events)
+        return (sum(len(r["ts_ms"]) for r in self._gpu_rows.values()) + sum(len(b.ts_ms) for b in self._gpu_blocks)
+                + len(self._host["ts_ms"]) + len(self._events))
 
     def add_gpu_row(
         self,
@@ -80,6 +82,16 @@ class BatchBuilder:
         rows["rank"].append(int(rank))
         rows["local_rank"].append(int(local_rank))
         _append_values(rows["cols"], n, values)
+
+    def add_gpu_block(self, gpu_index: int, ts_ms: Sequence[int], columns: Mapping[str, Sequence[float]],
+                      job_id: Sequence[str], rank: Sequence[int], local_rank: Sequence[int]) -> None:
+        """Many rows of one GPU at once, already columnar (replaying recordings): every sequence has one entry
+        per timestamp, NaN where a field was not sampled. Do not mix with :meth:`add_gpu_row` for one GPU."""
+        if gpu_index in self._gpu_rows:
+            raise ValueError(f"GPU {gpu_index}: rows already added to this batch")
+        self._gpu_blocks.append(pb.GpuSamples(
+            gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank,
+            columns=[pb.Column(field=name, values=values) for name, values in columns.items()]))
 
     def add_host_row(self, ts_ms: int, values: Mapping[str, float]) -> None:
         n = len(self._host["ts_ms"])
@@ -127,6 +139,7 @@ class BatchBuilder:
                     columns=[pb.Column(field=k, values=_padded(v, n)) for k, v in rows["cols"].items()],
                 )
             )
+        batch.samples.extend(sorted(self._gpu_blocks, key=lambda block: block.gpu_index))
         n_host = len(self._host["ts_ms"])
         if n_host:
             batch.host.ts_ms.extend(self._host["ts_ms"])

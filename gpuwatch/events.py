@@ -19,6 +19,19 @@ ECC_DBE = "ecc_dbe"
 ECC_SBE = "ecc_sbe"
 NVML_EVENT = "nvml_event"  # any other NVML event type, attrs["event_type"]
 
+#: What each kind means to a person reading a count of them (the demo's summary, `gpuwatch events`).
+MEANINGS: dict[str, str] = {
+    AGENT_START: "an agent started (after a reset or reboot it clears a GPU's failed state)",
+    AGENT_STOP: "an agent stopped cleanly",
+    XID: "driver error reports, each named from NVIDIA's XID catalog (gpuwatch events --kind xid)",
+    GPU_LOST: "a GPU stopped answering NVML (fell off the bus)",
+    FIELD_UNSUPPORTED: "NVML readings this GPU model does not offer, reported once per GPU and reading: normal",
+    SPOOL_DROPPED: "batches an agent dropped because the collector was unreachable and its spool was full",
+    ECC_DBE: "uncorrectable memory errors reported as events",
+    ECC_SBE: "correctable memory errors reported as events",
+    NVML_EVENT: "other NVML events (clock changes, power events)",
+}
+
 
 @dataclass(frozen=True)
 class Event:

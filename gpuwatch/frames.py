@@ -104,10 +104,11 @@ def frames_batches(node: str, agent_id: str, *, gpu_samples: pd.DataFrame | None
     bounds = {name: np.searchsorted(c, np.arange(len(starts) + 1)) for name, c in chunk_of.items()}
     identity = pb.NodeIdentity(node=node, agent_version=f"gpuwatch {__version__} replay")
     builder = BatchBuilder(identity, agent_id, _inventory(frames["gpus"], gpu["gpu_index"].unique()))
+    gpu_blocks = _GpuBlocks(gpu, times["gpus"], chunk_of["gpus"])
     sequence = 0
     for i in range(len(starts)):
         part = {name: slice(b[i], b[i + 1]) for name, b in bounds.items()}
-        _add_gpu_rows(builder, gpu.iloc[part["gpus"]], times["gpus"][part["gpus"]])
+        gpu_blocks.add(builder, part["gpus"])
         _add_host_rows(builder, host.iloc[part["host"]], times["host"][part["host"]])
         _add_events(builder, evts.iloc[part["events"]], times["events"][part["events"]])
         chunk_spans = spns.iloc[part["spans"]]
@@ -134,15 +135,38 @@ def _inventory(table: pd.DataFrame, sampled: Iterable[int]) -> list[pb.GpuInfo]:
     return [info[i] for i in sorted(info)]
 
 
-def _add_gpu_rows(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
-    names = _sampled_columns(rows, GPU_FIELD_NAMES)
-    values = rows[names].to_numpy(dtype=float)
-    job_ids = rows["job_id"].fillna("").astype(str).to_numpy()
-    ranks = rows["rank"].fillna(-1).astype(int).to_numpy()
-    local_ranks = rows["local_rank"].fillna(-1).astype(int).to_numpy()
-    for i, gpu_index in enumerate(rows["gpu_index"].to_numpy()):
-        builder.add_gpu_row(int(gpu_index), int(ts[i]), dict(zip(names, values[i])), job_id=job_ids[i],
-                            rank=int(ranks[i]), local_rank=int(local_ranks[i]))
+class _GpuBlocks:
+    """A node's GPU sample rows converted to arrays once, handed to batches as per-GPU columnar blocks.
+
+    Rows arrive sorted by (ts, gpu_index) and grouped into batches by ``chunk``; within a batch each GPU's
+    rows become one block in time order. A field without any value in a batch stays out of it, as
+    :func:`_sampled_columns` leaves it out of row-built batches.
+    """
+
+    def __init__(self, rows: pd.DataFrame, ts: np.ndarray, chunk: np.ndarray) -> None:
+        gpu_index = rows["gpu_index"].to_numpy(dtype=np.int64)
+        self._order = np.lexsort((ts, gpu_index, chunk))  # by batch, then GPU, then time
+        self._gpu = gpu_index[self._order]
+        self._ts = ts[self._order]
+        self._values = rows[list(GPU_FIELD_NAMES)].to_numpy(dtype=float)[self._order]
+        self._job = rows["job_id"].fillna("").astype(str).to_numpy()[self._order]
+        self._rank = rows["rank"].fillna(-1).astype(np.int64).to_numpy()[self._order]
+        self._local_rank = rows["local_rank"].fillna(-1).astype(np.int64).to_numpy()[self._order]
+
+    def add(self, builder: BatchBuilder, rows: slice) -> None:
+        """Add the rows of one batch (a slice of the time-sorted rows, the same positions in batch order)."""
+        gpus = self._gpu[rows]
+        if not len(gpus):
+            return
+        values = self._values[rows]
+        sampled = np.flatnonzero(~np.isnan(values).all(axis=0))
+        cuts = np.flatnonzero(np.diff(gpus)) + 1
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(gpus)]):
+            block = slice(rows.start + lo, rows.start + hi)
+            builder.add_gpu_block(
+                int(self._gpu[block.start]), self._ts[block].tolist(),
+                {GPU_FIELD_NAMES[j]: values[lo:hi, j].tolist() for j in sampled},
+                self._job[block].tolist(), self._rank[block].tolist(), self._local_rank[block].tolist())
 
 
 def _add_host_rows(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:

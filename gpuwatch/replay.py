@@ -157,7 +157,7 @@ def replay(rec: Recording, channel: grpc.Channel, *, speed: float | None = None,
 # --------------------------------------------------------------------------------- offline results
 def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: float | None = None,
                    ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH, model_path: str | None = None,
-                   score_interval_s: float = 60.0, quiet: bool = False) -> dict[str, Any]:
+                   score_interval_s: float | None = None, quiet: bool = False) -> dict[str, Any]:
     """Replay into a collector started here on loopback (store ``db``, else a temporary one) and report
     what it stored and computed: the replay counts plus ``store`` (see :func:`store_results`) and
     ``scoring`` (see :func:`score_replayed`, with the model at ``model_path``, default the shipped one)."""
@@ -176,8 +176,13 @@ def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: flo
             result["store"] = store_results(server.store)
             m = rec.manifest
             if m.get("start_ms") is not None:
+                with Progress("loading the failure model", total=1, unit="models", quiet=quiet) as progress:
+                    model = _model(model_path)
+                    progress.advance()
+                started = time.monotonic()
                 result["scoring"] = score_replayed(server.store, int(m["start_ms"]), int(m["end_ms"]),
-                                                   model=_model(model_path), interval_s=score_interval_s, quiet=quiet)
+                                                   model=model, interval_s=score_interval_s, quiet=quiet)
+                result["scoring"]["seconds"] = round(time.monotonic() - started, 3)
         finally:
             server.stop()
     return result
@@ -207,41 +212,69 @@ def store_results(store: Any) -> dict[str, Any]:
     return {"nodes": nodes, "breakdowns": breakdowns}
 
 
-def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None, interval_s: float = 60.0,
+def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None, interval_s: float | None = None,
                    quiet: bool = False) -> dict[str, Any]:
-    """Run the collector's scorer and jobs monitor over the replayed time range, one round every
-    ``interval_s`` of recorded time, as they would have run live; return the last round's GPU scores, the
-    highest risk each GPU reached, and every alert raised (firing or resolved)."""
+    """Run the collector's scorer and jobs monitor over the replayed time range as they would have run live;
+    return the last round's GPU scores (at ``end_ms``), the highest risk each GPU reached, the GPUs failed at the
+    end, and every alert raised (firing or resolved).
+
+    Default (``interval_s`` None): GPUs are scored at every step of the model in one vectorised pass
+    (:func:`gpuwatch.collector.scoring.score_history`, the times the evaluation scores at) and the jobs monitor
+    runs once per step; with ``interval_s``, one live scorer round every ``interval_s`` of recorded time, each
+    re-reading its day of history (exact live cadence, much slower)."""
     from gpuwatch.collector.alert_hub import AlertHub, list_alerts
+    from gpuwatch.collector.failed import failed_gpus
     from gpuwatch.collector.jobs import JobsMonitor
-    from gpuwatch.collector.scoring import Scorer
+    from gpuwatch.collector.scoring import Scorer, observation, score_history
+    from gpuwatch.models.features import DEFAULT_STEP_S
     from gpuwatch.models.policy import AlertPolicy
     from gpuwatch.v1 import query_pb2 as q
 
-    if interval_s <= 0:
+    if interval_s is not None and interval_s <= 0:
         raise UserError(f"--score-interval {interval_s:g}: must be > 0 seconds")
+    step_s = interval_s or (int(model["step_s"]) if model else DEFAULT_STEP_S)
     hub = AlertHub(AlertPolicy(model["threshold"]) if model else None)
     hub.start(store)
-    scorer, monitor = Scorer(model, hub, interval_s=interval_s), JobsMonitor(hub, interval_s=interval_s)
+    scorer, monitor = Scorer(model, hub, interval_s=step_s), JobsMonitor(hub, interval_s=step_s)
     scorer.bind(store)
     monitor.bind(store)
-    rounds = list(range(start_ms + int(interval_s * 1000), end_ms, int(interval_s * 1000))) + [end_ms]
+    rounds = list(range(start_ms + int(step_s * 1000), end_ms, int(step_s * 1000))) + [end_ms]
     peak: dict[str, float] = {}
-    gpus: list[dict[str, Any]] = []
+
+    def keep_peak(gpus: list[dict[str, Any]]) -> None:
+        for g in gpus:
+            if g["risk"] is not None:
+                key = f"{g['node']}/{g['gpu_index']}"
+                peak[key] = max(peak.get(key, 0.0), g["risk"])
+
     try:
         with Progress("scoring", total=len(rounds), unit="rounds", quiet=quiet) as progress:
-            for now_ms in rounds:
-                gpus = scorer.score_once(now_ms)
+            if interval_s is None:
+                def steps() -> Iterator[tuple[int, list]]:
+                    for now_ms, gpus in score_history(store, model, start_ms, end_ms):
+                        keep_peak(gpus)
+                        progress.advance()
+                        yield now_ms, [observation(g, now_ms) for g in gpus if g["risk"] is not None]
+
+                hub.observe_risk_rounds(steps())
+            else:
+                for now_ms in rounds[:-1]:
+                    keep_peak(scorer.score_once(now_ms))
+                    progress.advance()
+        has_spans = bool(store.query_df("SELECT EXISTS (SELECT 1 FROM spans) AS any")["any"].iloc[0])
+        with Progress("jobs", total=len(rounds) if has_spans else 0, unit="rounds", quiet=quiet) as progress:
+            for now_ms in rounds if has_spans else ():
                 monitor.check_once(now_ms * 1000.0)
-                for g in gpus:
-                    if g["risk"] is not None:
-                        key = f"{g['node']}/{g['gpu_index']}"
-                        peak[key] = max(peak.get(key, 0.0), g["risk"])
                 progress.advance()
+        gpus = scorer.score_once(end_ms)  # the last round: exactly what the collector shows at the end
+        keep_peak(gpus)
     finally:
         hub.stop()
     alerts = json.loads(list_alerts(q.AlertsRequest(include_resolved=True), store).json)
-    return {"model": bool(model), "rounds": len(rounds), "gpus": gpus, "peak_risk": peak, "alerts": alerts}
+    failed = [{"node": f.node, "gpu_index": f.gpu_index, "since_ms": f.since_ms, "reason": f.reason}
+              for f in failed_gpus(store, end_ms).values()]
+    return {"model": bool(model), "rounds": len(rounds), "gpus": gpus, "peak_risk": peak, "failed": failed,
+            "alerts": alerts}
 
 
 def _model(path: str | None) -> dict | None:
@@ -281,8 +314,9 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                         help="replay into a collector started here and print its results (default)")
     p.add_argument("--db", help="with --offline: keep the store in this DuckDB file (default: a temporary one)")
     p.add_argument("--model", help="with --offline: failure model for scoring (default: the shipped model)")
-    p.add_argument("--score-interval", type=float, default=60.0, metavar="S",
-                   help="with --offline: score GPUs every S seconds of recorded time (default 60)")
+    p.add_argument("--score-interval", type=float, default=None, metavar="S",
+                   help="with --offline: score GPUs every S seconds of recorded time, each round re-reading its day "
+                        "of history as live (default: every step of the model in one pass, as the evaluation)")
     p.add_argument("--ticks-per-batch", type=int, default=DEFAULT_TICKS_PER_BATCH, metavar="N",
                    help=f"sample timestamps per batch (default {DEFAULT_TICKS_PER_BATCH})")
     p.add_argument("--tls-ca", help="with --collector: CA certificate of the collector (enables TLS)")

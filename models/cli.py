@@ -81,8 +81,19 @@ def run(command: str, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
-        print(result.pop("table", None) or "\n".join(f"{k}: {v}" for k, v in result.items()))
+        print(result.pop("table", None) or "\n".join(f"{k}: {readable(v)}" for k, v in result.items()))
     return 0
+
+
+def readable(value: object) -> str:
+    """A result value as a person reads it: "sudden 1, memory 2" rather than Python's "{'sudden': 1, ...}"."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {readable(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(readable(v) for v in value) or "none"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
 def simulate(args: argparse.Namespace) -> dict:

@@ -10,16 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from gpuwatch import xids
 from gpuwatch.recording import ts_ms
 
-#: One hit does not indict the GPU (application or sympathetic errors).
-APPLICATION_XIDS = frozenset({8, 13, 31, 32, 43, 45, 68, 69, 39, 40, 41, 70, 71, 72, 73, 75, 76, 77}
-                             | set(range(126, 136)))
-#: The GPU is degrading: remaps recorded, excessive SBE, contained memory errors, wear.
-PRECURSOR_XIDS = frozenset({63, 92, 93, 94, 121, 156, 157, 162, 163, 164, 165})
-#: Act now: the GPU (or its link) has failed.
-FATAL_XIDS = frozenset({46, 48, 62, 64, 74, 79, 95, 109, 119, 120, 136, 140, 143, 154, 158, 167}
-                       | set(range(144, 151)))
+# XID classes (catalog grouping, nvml-and-dcgm.md §6) live with the XID names in gpuwatch.xids.
+APPLICATION_XIDS, PRECURSOR_XIDS, FATAL_XIDS = xids.APPLICATION, xids.PRECURSOR, xids.FATAL
 
 COALESCE_S = 3600
 #: Counter/flag evidence of a failure, read from gpu_samples.

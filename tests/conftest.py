@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from gpuwatch.agent.sink import IngestSink
-from helpers import free_port, get_json, poll
+from helpers import start_alertmanager
 
-ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
 
 
 # ------------------------------------------------------------------------------------------- PKI
@@ -74,26 +71,7 @@ def pki(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture
 def alertmanager(tmp_path):
     """The base URL of a real Alertmanager on a free loopback port (skipped where it is not installed)."""
-    if not shutil.which(ALERTMANAGER):
-        pytest.skip(f"{ALERTMANAGER} is not installed (Debian package prometheus-alertmanager)")
-    config = tmp_path / "alertmanager.yml"
-    config.write_text("route:\n  receiver: blackhole\nreceivers:\n  - name: blackhole\n")
-    port = free_port()
-    proc = subprocess.Popen(
-        [ALERTMANAGER, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
-         "--cluster.listen-address=", f"--storage.path={tmp_path / 'data'}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"alertmanager exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            return get_json(url + "/api/v2/status")
-        except OSError:
-            return None
-
-    poll(ready, 20, "alertmanager to start")
+    proc, url = start_alertmanager(tmp_path)
     yield url
     proc.terminate()
     proc.wait(10)

@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,8 @@ from gpuwatch.recording import RecordingWriter, ts_ms
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 T = TypeVar("T")
+ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
+PROMETHEUS = "/usr/bin/prometheus"
 TOKEN = "s3cret-token"  # the bearer token of the security tests
 T0 = 1_767_225_600_000  # 2026-01-01T00:00Z: where recorded and simulated test telemetry starts
 MIN = 60_000
@@ -70,6 +73,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_alertmanager(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """A real Alertmanager on a free loopback port with its files under ``workdir``: (process, base URL)."""
+    if not shutil.which(ALERTMANAGER):
+        pytest.skip(f"{ALERTMANAGER} is not installed (Debian package prometheus-alertmanager)")
+    config = workdir / "alertmanager.yml"
+    config.write_text("route:\n  receiver: blackhole\nreceivers:\n  - name: blackhole\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [ALERTMANAGER, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
+         "--cluster.listen-address=", f"--storage.path={workdir / 'data'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"alertmanager exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            return get_json(url + "/api/v2/status")
+        except OSError:
+            return None
+
+    poll(ready, 20, "alertmanager to start")
+    return proc, url
 
 
 def run_on_terminal(*argv: str, timeout: float = 300.0) -> tuple[int, str, str]:

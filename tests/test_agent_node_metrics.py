@@ -76,7 +76,8 @@ def test_agent_serves_the_collectors_per_gpu_series_and_counts_xids(running_agen
     text = _scrape_once_it_shows(agent.metrics_server.url, 'xid="63"')
     samples = _samples(text)
     gpu2 = {"node": "n7", "gpu": 2, "gpu_uuid": fleet.gpus[2].uuid, "model": fleet.gpus[2].model.name}
-    assert samples[_series("gpu_xid_errors_total", **gpu2, xid=63)] == 1
+    assert samples[_series("gpu_xid_errors_total", **gpu2, xid=63,
+                           xid_description="ECC page retirement or row remapping recorded")] == 1
     assert samples[_series("gpu_memory_total_bytes", **gpu2)] == fleet.gpus[2].model.memory_bytes
     assert samples[_series("gpuwatch_gpu_job_info", node="n7", gpu=2, gpu_uuid=fleet.gpus[2].uuid, job_id="sim-n7",
                            rank=2)] == 1

@@ -152,6 +152,8 @@ def test_xid_arrives_through_nvml_event_wait_and_kmsg_copy_is_deduplicated(rig):
         poll(lambda: got, 5, "the XID event")
         [xid] = got
         assert (xid.kind, xid.gpu_index, xid.code, xid.attrs["source"]) == (ev.XID, 2, 48, "nvml")
+        # named from NVIDIA's catalog with its action, not "NVML event 0x8 data 48"
+        assert xid.message.startswith("XID 48 (Double bit ECC error (uncorrectable memory error)); action: drain")
         watcher.kmsg_line(fleet.kernel_log[-1])  # the same XID from the kernel log: not reported twice
         fleet.lose_gpu(5)
         poll(lambda: len(got) == 2, 5, "the gpu_lost XID")
@@ -172,7 +174,7 @@ def test_kmsg_source_reads_new_lines_from_a_log_file(rig, tmp_path):
             f.write("4,2,2,-;NVRM: Xid (PCI:0000:28:00): 94, pid=1234, Contained: SM (0x1).\n")
         poll(lambda: got, 5, "the XID event")
         assert [(e.gpu_index, e.code, e.attrs["source"]) for e in got] == [(1, 94, "kmsg")]
-        assert "Contained" in got[0].message
+        assert "Contained" in got[0].message and got[0].message.startswith("XID 94 (Contained ECC error")
     finally:
         watcher.stop()
 

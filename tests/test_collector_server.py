@@ -44,6 +44,9 @@ def test_streamed_batches_are_stored_once_and_queryable(collector, channel):
     gpus = stub.ListGpus(q.ListGpusRequest(node="node-1")).gpus
     assert [(g.info.index, g.info.uuid, g.job_id, g.rank) for g in gpus] == [
         (0, "GPU-node-1-0", "", -1), (1, "GPU-node-1-1", "job-7", 1)]
+    # every batch carries XID 79 on GPU 1 and no agent start follows: it has failed and stays so until reset
+    assert [g.state for g in gpus] == ["running", "failed"] and not gpus[0].failure
+    assert gpus[1].failure.startswith("failed: XID 79 (GPU has fallen off the bus)") and "reboot" in gpus[1].failure
     rows = stub.Latest(q.LatestRequest(gpu_index=-1)).rows
     assert [r.gpu_index for r in rows] == [0, 1] and rows[1].values["gpu_power_watts"] == pytest.approx(103.2)
     assert "gpu_sm_active_ratio" not in rows[0].values

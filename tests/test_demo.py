@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.demo import DemoPlan, failure_report, run_demo, summary_text
+from gpuwatch.demo import (DemoPlan, DemoResult, DemoView, GpuCell, JobRow, NodeRow, failure_report, render_rich,
+                           render_text, run_demo, summary_text)
 from gpuwatch.replay import replay_offline
 
 # 2 nodes x 4 GPUs for 20 s at 1500x (5 simulated minutes per 0.2 s tick): ~8 simulated hours, the scripted
@@ -36,9 +37,52 @@ def test_nodes_and_samples_are_stored(demo):
     assert [n["node"] for n in result.nodes] == ["demo-node-00", "demo-node-01"]
     assert all(n["gpus"] == 4 and n["samples"] >= 4 * 40 for n in result.nodes)  # >= 40 of ~100 ticks per GPU
     assert result.events["agent_start"] == 2 and result.events["xid"] >= 2
-    assert len(views) >= 5 and "max risk" in views[-1] and "demo-node-01" in views[-1]
-    job_line = next(line for line in views[-1].splitlines() if line.startswith("demo-job-demo-node-01"))
+    last = render_text(views[-1])
+    assert len(views) >= 5 and "max risk" in last and "demo-node-01" in last
+    job_line = next(line for line in last.splitlines() if line.startswith("demo-job-demo-node-01"))
     assert "comm_wait" in job_line  # the synthetic job's slow rank makes the others wait
+    assert int(job_line.split()[4]) == 1  # the stragglers column counts ranks
+
+
+def test_jobs_breakdowns_move_over_the_run(demo):
+    """Each job's breakdown covers its recent window, and its slow rank drifts: the shares change."""
+    _, views, _, _ = demo
+    for job in ("demo-job-demo-node-00", "demo-job-demo-node-01"):
+        waits = [j.breakdown.get("comm_wait") for v in views for j in v.jobs if j.job_id == job and j.breakdown]
+        assert len(waits) >= 3 and max(waits) - min(waits) > 0.02, waits
+
+
+def test_the_failed_gpu_is_shown_failed_and_idle(demo):
+    _, views, _, _ = demo
+    (node,) = [n for n in views[-1].nodes if n.node == "demo-node-01"]
+    failed = [g for g in node.gpus if g.failed]
+    assert [g.index for g in failed] == [3] and "XID 48" in failed[0].failed and failed[0].health == "fail"
+    assert failed[0].utilization == 0.0  # a fatal XID stopped its work
+    assert "GPU 3" in next(line for line in render_text(views[-1]).splitlines() if line.startswith("demo-node-01"))
+    assert any(a.get("state") == "failed" for a in views[-1].alerts)
+
+
+def test_views_with_unknown_values_render_as_dashes_in_text_and_rich():
+    """Before the first samples and scores every value is unknown: both views draw "-" and never fail."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    view = DemoView(elapsed_s=1.0, duration_s=60.0, sim_speed=600.0, data_ms=None, threshold=None,
+                    nodes=[NodeRow("n1", None, [GpuCell(0), GpuCell(1, utilization=float("nan"), risk=0.9)]),
+                           NodeRow("n2", 5, [])],
+                    jobs=[JobRow("j", None, None, None, {}), JobRow("k", 2, 10, 0.3, {"compute": 0.7, "bubble": None})],
+                    alerts=[{"alertname": "GPUFailureRisk"}, {}])
+    text = render_text(view)
+    assert "--:--" in text and "n1" in text and " - " in text
+    console = Console(file=StringIO(), width=160, color_system="truecolor", force_terminal=True)
+    console.print(render_rich(view))
+    drawn = console.file.getvalue()
+    assert "n1" in drawn and "-" in drawn and "\x1b[" in drawn  # drawn, in colour
+    empty = DemoView(0.0, 60.0, 600.0, None, None, [], [], [])
+    assert "waiting for the first batches" in render_text(empty)
+    console.print(render_rich(empty))
+    assert "none" in summary_text(DemoResult(nodes=[], events={}, report={"failed": [], "false_alarms": []}, workdir=""))
 
 
 def test_the_degrading_gpu_is_flagged_before_it_fails_and_no_healthy_gpu_is(demo):
@@ -49,7 +93,7 @@ def test_the_degrading_gpu_is_flagged_before_it_fails_and_no_healthy_gpu_is(demo
     assert failed["lead_time_s"] == (failed["failed_ms"] - failed["flagged_ms"]) / 1000
     assert failed["peak_risk"] > 0.5
     assert result.report["false_alarms"] == []
-    assert any("GPUFailureRisk: GPU 3 on demo-node-01" in v for v in views)
+    assert any("GPUFailureRisk: GPU 3 on demo-node-01" in render_text(v) for v in views)
     assert "GPU 3 on node demo-node-01 flagged at" in summary_text(result)
 
 

@@ -181,3 +181,41 @@ def test_latency_histogram_is_cumulative():
     snap = hist.snapshot()
     assert snap["buckets"] == [(0.1, 2), (1.0, 3), (math.inf, 4)]
     assert snap["sum"] == pytest.approx(3.65)
+
+
+def test_xid_counters_carry_nvidias_name_of_the_code_from_a_bounded_set():
+    from gpuwatch import xids
+
+    text = _render(_snapshot() | {"gpus": [_gpu("n1", 0, xid_counts={79: 1, 13: 2, 9999: 1})]})
+    names = {s.labels["xid"]: s.labels["xid_description"] for s in _samples(text) if s.name == "gpu_xid_errors_total"}
+    assert names == {"79": "GPU has fallen off the bus", "13": "Graphics engine exception", "9999": "Unknown XID"}
+    assert set(names.values()) <= xids.DESCRIPTIONS
+
+
+def test_a_collector_whose_agents_are_scraped_exports_scores_not_per_gpu_telemetry():
+    """Agent-only per-GPU truth: with gpu_telemetry off the collector keeps what needs the fleet's history."""
+    full, scores_only = _render(_snapshot()), _render(_snapshot(), gpu_telemetry=False)
+    names = {s.name for s in _samples(scores_only)}
+    assert not {n for n in names if n.startswith(("gpu_", "host_"))} and "gpuwatch_gpu_job_info" not in names
+    assert _value(scores_only, "gpuwatch_gpu_failure_risk_ratio", node="n1", gpu="0") == 0.91
+    assert {"gpuwatch_job_breakdown_ratio", "gpuwatch_ingest_batches_total"} <= names
+    assert "gpu_power_watts" in {s.name for s in _samples(full)}
+
+
+def test_dcgm_naming_serves_dcgm_exporter_names_units_and_labels():
+    gpu = _gpu("n1", 0, xid_counts={48: 1}, last_xid=48, pci_bus_id="00000000:18:00.0", driver_version="570.1",
+               job_id="job-1", rank=0)
+    gpu["values"].update(gpu_utilization_ratio=0.5, gpu_memory_used_bytes=2 * 2**30, gpu_memory_total_bytes=80 * 2**30,
+                         gpu_sm_clock_hertz=1.98e9, gpu_energy_joules_total=10.0)
+    text = _render({"gpus": [gpu]}, names="dcgm")
+    labels = {"gpu": "0", "UUID": "GPU-n1-0", "pci_bus_id": "00000000:18:00.0", "device": "nvidia0",
+              "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "n1", "DCGM_FI_DRIVER_VERSION": "570.1", "hpc_job": "job-1"}
+    assert _value(text, "DCGM_FI_DEV_GPU_UTIL", **labels) == 50.0
+    assert _value(text, "DCGM_FI_DEV_FB_USED", **labels) == 2048.0 and _value(text, "DCGM_FI_DEV_FB_FREE") == 78 * 1024
+    assert _value(text, "DCGM_FI_DEV_SM_CLOCK") == pytest.approx(1980.0)
+    assert _value(text, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION") == 10_000.0  # mJ
+    assert _value(text, "DCGM_FI_DEV_XID_ERRORS", err_code="48") == 48.0
+    assert not any(s.name.startswith("gpu_") for s in _samples(text))  # parsed: valid exposition text
+    # (promtool's lint objects to dcgm-exporter's own camelCase labels: UUID, modelName, Hostname)
+    with pytest.raises(UserError, match="metrics names 'nvidia'"):
+        build_registry(lambda: {}, names="nvidia")

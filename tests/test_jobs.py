@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from gpuwatch import events as ev
+from gpuwatch.batches import BatchBuilder
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, list_alerts
 from gpuwatch.collector.alerts import AlertmanagerSender
 from gpuwatch import cli
@@ -15,7 +17,8 @@ from gpuwatch.collector.jobs import JobsMonitor, list_jobs_rpc
 from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.v1 import query_pb2 as q
-from helpers import (KINETO_SAMPLED, STEP_US, WORLD, alertmanager_alerts, data_parallel_job, make_batch, poll, span_row,
+from gpuwatch.v1 import telemetry_pb2 as pb
+from helpers import (KINETO_SAMPLED, SPAN_FIELDS, STEP_US, WORLD, alertmanager_alerts, data_parallel_job, make_batch, poll, span_row,
                      write_spans)
 
 @pytest.fixture
@@ -82,6 +85,24 @@ def test_slow_rank_alert_resolves_when_the_job_ends(store):
     assert _alerts(store) == [] and _alerts(store, include_resolved=True)[0]["status"] == "resolved"
 
 
+def test_slow_rank_alert_resolves_when_the_jobs_agents_stopped(store):
+    """The job's nodes' agents stopped after its last span: the job is gone, its alert resolves (within the
+    analysis window, where its spans still say "straggler")."""
+    now = time.time() * 1e6
+    rows = data_parallel_job("slow-job", now, slow_rank=1)
+    write_spans(store, rows, 1)
+    monitor = _monitor(store)
+    monitor.check_once(now)
+    assert [a["alertname"] for a in _alerts(store)] == [SLOW_RANK]
+    for seq, node in enumerate(sorted({r[SPAN_FIELDS.index("node")] for r in rows}), start=1):
+        builder = BatchBuilder(pb.NodeIdentity(node=node), f"agent-{node}")
+        builder.add_event(ev.AGENT_STOP, int(now / 1000) + 1000, message="stopped")
+        store.write(builder.build(seq))
+    flags = monitor.check_once(now + 5e6)["slow-job"]
+    assert flags["gone"] and not flags["finished"] and flags["stragglers"]  # still shown, no longer alerted
+    assert _alerts(store) == [] and _alerts(store, include_resolved=True)[0]["status"] == "resolved"
+
+
 def test_a_restarted_hub_keeps_the_slow_rank_alert_without_a_duplicate(store):
     now = time.time() * 1e6
     write_spans(store, data_parallel_job("slow-job", now, slow_rank=1), 1)
@@ -140,5 +161,7 @@ def test_jobs_lists_every_job_the_collector_knows_and_from_where(tmp_path, capsy
         assert cli.main(["jobs", *address]) == 0
         table = capsys.readouterr().out.splitlines()
         assert table[0].split()[:2] == ["job_id", "sources"] and table[1].split()[:2] == ["J1", "traces"]
+        column = table[0].split().index("stragglers")  # a count of straggler ranks, not a rank
+        assert [row.split()[column] for row in table[1:]] == ["0", "0"]
     finally:
         server.stop()

@@ -170,6 +170,18 @@ def test_flight_recorder_entries_become_rows_once():
     assert harvester.harvest(lambda _: 0) == []
 
 
+def test_flight_recorder_harvester_of_a_restarted_probe_skips_the_earlier_probes_entries():
+    """The ring buffer outlives a probe: a probe started again in the process must not resend old entries."""
+    later = dict(FR_ENTRY, record_id=10, collective_seq_id=13)
+    entries = [FR_ENTRY]
+    dump = lambda *_: json.dumps({"entries": entries})  # noqa: E731
+    harvester = FlightRecorderHarvester.starting_now(dump)
+    assert harvester.harvest(lambda _: 0) == []
+    entries.append(later)
+    assert [r.seq for r in harvester.harvest(lambda _: 0)] == [13]
+    assert [r.seq for r in FlightRecorderHarvester(dump).harvest(lambda _: 0)] == [12, 13]  # no baseline: all
+
+
 def test_profiler_window_ships_compact_span_rows(tmp_path):
     torch = pytest.importorskip("torch")
     import torch.distributed as dist

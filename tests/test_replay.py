@@ -20,7 +20,8 @@ from gpuwatch.models.model import load_model
 from gpuwatch.recording import RecordingWriter, open_recording, ts_ms
 from gpuwatch.replay import (format_result, node_batches, recording_batches, recording_id, replay_agent_id,
                              replay_offline)
-from helpers import T0, CollectorProcess, sim_batches, sorted_samples, two_rank_spans, write_small_recording
+from helpers import (T0, CollectorProcess, degrading_node, sim_batches, sorted_samples, two_rank_spans,
+                     write_small_recording)
 
 
 def _gpuwatch(*argv, timeout=120):
@@ -220,3 +221,25 @@ def test_text_output_names_nested_signals_instead_of_yes():
 def test_text_output_says_yes_no_for_flags_and_rounds_floats():
     text = format_result({"scoring": {"model": True, "peak_risk": 0.123456789, "rounds": 3}})
     assert "model: yes" in text and "peak_risk: 0.1235" in text and "rounds: 3" in text and "True" not in text
+
+
+def test_offline_scoring_reports_the_gpu_that_failed_as_failed(tmp_path):
+    """XID 48 at 29 h of a 31 h recording, no reset after it: the scorer's last round, the failed list and the
+    risk alert raised before the failure all say "failed"; the healthy GPUs stay ok."""
+    gpu, events = degrading_node(T0, hours=31, fault_after_h=29, failing_gpu=1)
+    with RecordingWriter(tmp_path / "R", source="test", resolution_s=60.0) as w:
+        w.append("gpu_samples", gpu)
+        w.append("events", events)
+    scoring = replay_offline(tmp_path / "R", quiet=True)["scoring"]
+    (failed,) = scoring["failed"]
+    assert (failed["node"], failed["gpu_index"]) == ("node-0000", 1) and "XID 48" in failed["reason"]
+    health = {g["gpu_index"]: g["health"] for g in scoring["gpus"]}
+    assert health[1] == "fail" and all(h == "ok" for i, h in health.items() if i != 1)
+    (alert,) = [a for a in scoring["alerts"] if a["alertname"] == "GPUFailureRisk"]
+    assert alert["gpu_index"] == 1 and alert["state"] == "failed" and alert["status"] == "firing"
+    assert _ms(alert["starts_at"]) < failed["since_ms"] and "has failed: XID 48" in alert["summary"]
+    assert scoring["peak_risk"]["node-0000/1"] >= 0.5 and scoring["seconds"] > 0
+
+
+def _ms(iso: str) -> int:
+    return int(pd.Timestamp(iso).value // 1_000_000)

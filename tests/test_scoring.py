@@ -174,3 +174,27 @@ def test_samples_arriving_late_are_read_again(tmp_path, model):
         assert [g["risk"] for g in after] == [g["risk"] for g in fresh]
     finally:
         store.close()
+
+
+def test_an_alert_on_a_gpu_that_then_fails_says_failed_until_the_gpu_is_reset(store, model):
+    """XID 48 at 29 h: the risk alert of 28 h turns "failed" (peak risk, the failure's action) and stays, though
+    the model's risk falls once the GPU is down; the driver reload at 33 h (energy counter restarts) clears it."""
+    hub = AlertHub(AlertPolicy(model["threshold"]))
+    hub.start(store)
+    scorer = Scorer(model, hub)
+    scorer.bind(store)
+    scorer.score_once(T0 + 28 * HOUR_MS)
+    (flagged,) = _alerts(store)
+    assert flagged["state"] == "at_risk" and "peaked at" in flagged["summary"]
+
+    down = {g["gpu_index"]: g for g in scorer.score_once(T0 + 31 * HOUR_MS)}
+    assert down[FAILING]["health"] == "fail" and down[FAILING]["failed"]["code"] == 48
+    assert down[FAILING]["reasons"][0].startswith("failed: XID 48 (Double bit ECC error")
+    assert all(g["failed"] is None for i, g in down.items() if i != FAILING)
+    (alert,) = _alerts(store)
+    assert alert["state"] == "failed" and alert["status"] == "firing"
+    assert "has failed: XID 48" in alert["summary"] and f"peaked at {flagged['peak_risk']:.2f}" in alert["summary"]
+    assert "checkpoint" not in alert["action"] and "reset" in alert["action"]
+
+    repaired = {g["gpu_index"]: g for g in scorer.score_once(T0 + 36 * HOUR_MS)}
+    assert repaired[FAILING]["failed"] is None and _alerts(store) == []

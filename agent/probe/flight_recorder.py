@@ -70,11 +70,23 @@ def entry_to_row(entry: Mapping[str, Any], step: int) -> SpanRow | None:
 
 
 class FlightRecorderHarvester:
-    """Turns new completed entries of successive dumps into rows, each entry once."""
+    """Turns new completed entries of successive dumps into rows, each entry once.
 
-    def __init__(self, dump: Callable[..., str]) -> None:
+    The ring buffer belongs to the process, not to one probe: a probe closed and started again in the same
+    process finds the earlier probe's entries still there. ``after_record_id`` (see :meth:`starting_now`)
+    makes a new harvester ignore every entry recorded before it, so those collectives are not sent twice.
+    """
+
+    def __init__(self, dump: Callable[..., str], after_record_id: int = -1) -> None:
         self._dump = dump
+        self._after = after_record_id
         self._seen: set[int] = set()
+
+    @classmethod
+    def starting_now(cls, dump: Callable[..., str]) -> FlightRecorderHarvester:
+        """A harvester for the entries recorded from now on (the buffer's current entries are an earlier probe's)."""
+        ids = [entry.get("record_id", -1) for entry in json.loads(dump(True, False)).get("entries") or []]
+        return cls(dump, after_record_id=max(ids, default=-1))
 
     def harvest(self, step_of: Callable[[float], int]) -> list[SpanRow]:
         trace = json.loads(self._dump(True, False))  # includeCollectives, onlyActive
@@ -88,7 +100,7 @@ class FlightRecorderHarvester:
             self._seen = {i for i in self._seen if i >= oldest}  # the ring buffer forgot the rest
         rows = []
         for record_id, entry in zip(ids, entries):
-            if record_id in self._seen:
+            if record_id <= self._after or record_id in self._seen:
                 continue
             started = entry.get("time_discovered_started_ns") or entry.get("time_created_ns") or 0
             row = entry_to_row(entry, step_of(started / 1000.0))

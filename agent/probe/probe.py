@@ -73,7 +73,7 @@ class Probe:
         if flight_recorder_enabled(os.environ) and dist.is_available():
             dump = find_dump_function(torch._C._distributed_c10d)
             if dump is not None:
-                self._flight_recorder = FlightRecorderHarvester(dump)
+                self._flight_recorder = FlightRecorderHarvester.starting_now(dump)
         if self._flight_recorder is None and torch.cuda.is_available() and torch.cuda.is_initialized():
             from gpuwatch.probe.cuda_timing import CudaEventTimer
             self._cuda_timer = CudaEventTimer(torch)

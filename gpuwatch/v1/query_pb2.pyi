@@ -40,20 +40,24 @@ class ListGpusRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ...) -> None: ...
 
 class GpuSummary(_message.Message):
-    __slots__ = ("node", "info", "samples", "last_seen_ms", "job_id", "rank")
+    __slots__ = ("node", "info", "samples", "last_seen_ms", "job_id", "rank", "state", "failure")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     node: str
     info: _telemetry_pb2.GpuInfo
     samples: int
     last_seen_ms: int
     job_id: str
     rank: int
-    def __init__(self, node: _Optional[str] = ..., info: _Optional[_Union[_telemetry_pb2.GpuInfo, _Mapping]] = ..., samples: _Optional[int] = ..., last_seen_ms: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    state: str
+    failure: str
+    def __init__(self, node: _Optional[str] = ..., info: _Optional[_Union[_telemetry_pb2.GpuInfo, _Mapping]] = ..., samples: _Optional[int] = ..., last_seen_ms: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class ListGpusResponse(_message.Message):
     __slots__ = ("gpus",)
