@@ -35,8 +35,14 @@ def test_json_document_keys(capsys, tmp_path):
     trace = json.loads(perfetto.read_text())
     tracks = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {pid for pid, _ in tracks} == {0, 1}
-    busy = sum(e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0)
+    categories = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0 and e["cat"] in CATEGORIES]
+    busy = sum(e["dur"] for e in categories)
     assert abs(busy - doc["ranks"][0]["window_us"]) < 1e-6 * busy
+    kernels = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] not in CATEGORIES]
+    assert len(kernels) == doc["window"]["activities"]
+    comm = [e for e in kernels if e["args"].get("collective") == "all_to_all"]
+    assert comm and all(e["name"].startswith("ncclKernel_SendRecv") and e["args"]["stream"] >= 0 for e in comm)
+    assert all("correlation" in e["args"] and "launch_us" in e["args"] for e in kernels)
 
 
 def test_table_output_and_errors(capsys, tmp_path):

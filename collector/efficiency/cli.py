@@ -9,6 +9,7 @@ import orjson
 from gpuwatch.collector.efficiency.engine import analyze
 from gpuwatch.collector.efficiency.load import load_paths
 from gpuwatch.collector.efficiency.partition import CATEGORIES
+from gpuwatch.collector.efficiency.words import coverage_lines, what_if_lines
 from gpuwatch.errors import UserError
 
 _PROGRESS_BYTES = 64 << 20  # report reading progress on stderr past this many bytes per file
@@ -19,6 +20,9 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
                         help="Kineto trace files (.json/.json.gz, one per rank), folders of them, or span tables (.csv/.parquet)")
     parser.add_argument("--json", action="store_true", help="print the breakdown document as JSON")
     parser.add_argument("--per-step", action="store_true", help="add a breakdown per step for each rank")
+    parser.add_argument("--steps", metavar="A:B|hta",
+                        help="analyse only steps A..B (either end may be empty), or 'hta': HolisticTraceAnalysis's "
+                             "window (work launched before the last ProfilerStep)")
     parser.add_argument("--flops-per-step", type=float, help="model FLOPs per step and rank (for MFU)")
     parser.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one GPU (for MFU)")
     parser.add_argument("--gpu-hour-price", type=float, help="price of one GPU-hour (for lost cost)")
@@ -37,12 +41,14 @@ def run(command: str, args: argparse.Namespace) -> int:
     doc = analyze(
         timelines, per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
         peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, keep_segments=bool(args.perfetto),
+        steps=args.steps,
     )
     if args.perfetto:
         from gpuwatch.collector.efficiency.perfetto import perfetto_trace
 
         _write(args.perfetto, perfetto_trace(doc))
     doc.pop("_partitions", None)
+    doc.pop("_timelines", None)
     if args.html:
         from gpuwatch.collector.efficiency.html import html_report
 
@@ -90,17 +96,21 @@ def format_table(doc: dict) -> str:
         lines.append(f"communication hidden under compute: {100 * job['overlap_ratio']:.1f} %")
     lines.append(f"short kernels (< 10 us): {job['short_kernels']['count']} taking {job['short_kernels']['time_us'] / 1000:.1f} ms")
     lines.append(f"collectives matched across ranks: {doc['matched_collectives']}")
+    lines += coverage_lines(doc)
     if job["mfu"] is not None:
         lines.append(f"MFU: {100 * job['mfu']:.1f} %")
-    for label, entries in (("straggler", doc["stragglers"]), ("delayed", doc["delayed"])):
+    among = "" if doc["coverage"]["complete"] else " (among the ranks present)"
+    for label, entries in ((f"straggler{among}", doc["stragglers"]), ("delayed", doc["delayed"])):
         for s in entries:
             lines.append(f"{label}: rank {s['rank']} last at {100 * s['last_share']:.0f} % of {s['collectives']} "
                          f"collectives (chance {100 * s['chance_share']:.0f} %), mean lateness {s['mean_lateness_us']:.0f} us, "
                          f"busy {s['busy_per_step_us']:.0f} us/step vs peer median {s['peer_median_busy_per_step_us']:.0f}")
-    if not doc["stragglers"] and not doc["delayed"]:
+    if doc["straggler_verdict"] == "none" and not doc["delayed"]:
         lines.append("no stragglers")
+    lines += what_if_lines(doc.get("what_if"))
     for r in doc["ranks"]:
         for s in r.get("per_step", []):
             lines.append(f"rank {r['rank']} step {s['step']}: {s['window_us'] / 1000:.1f} ms, "
                          f"lost {100 * s['lost_fraction']:.1f} %" + ("" if s["mfu"] is None else f", MFU {100 * s['mfu']:.1f} %"))
     return "\n".join(lines) + "\n"
+

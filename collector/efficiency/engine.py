@@ -13,7 +13,9 @@ from gpuwatch.collector.efficiency.partition import (
     CATEGORIES, COMPUTE_C, MEMCPY_C, Partition, StepSlice, partition,
 )
 from gpuwatch.collector.efficiency.stragglers import find_stragglers
-from gpuwatch.collector.efficiency.timeline import RankTimeline
+from gpuwatch.collector.efficiency.timeline import KIND_NAMES, RankTimeline
+from gpuwatch.collector.efficiency.whatif import what_if
+from gpuwatch.collector.efficiency.window import select_steps
 from gpuwatch.errors import UserError
 
 US_PER_HOUR = 3.6e9
@@ -25,14 +27,16 @@ MAX_SPAN_US = 365 * 24 * US_PER_HOUR
 
 def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_step: float | None = None,
             peak_tflops: float | None = None, gpu_hour_price: float | None = None,
-            keep_segments: bool = False) -> dict:
-    """The breakdown document: per rank, per job, stragglers, matching (and per step when asked).
+            keep_segments: bool = False, steps: str | None = None, with_what_if: bool = True) -> dict:
+    """The breakdown document: per rank, per job, stragglers, matching, coverage, the analysed window and
+    the what-if (and per step when asked). `steps` picks the window (see window.py).
 
-    With `keep_segments`, the classified segments are kept in the private key `_partitions` (for
-    rendering timelines); drop it before serialising."""
+    With `keep_segments`, the classified segments and the analysed timelines are kept in the private keys
+    `_partitions` and `_timelines` (for rendering timelines); drop them before serialising."""
     _check_one_job(timelines)
-    timelines = sorted(timelines, key=lambda tl: tl.rank)
-    _check_times(timelines)
+    ordered = sorted(timelines, key=lambda tl: tl.rank)
+    _check_times(ordered)
+    timelines, window = select_steps(ordered, steps)
     origin = math.floor(min(float(tl.start_us.min()) for tl in timelines))
     matching = match_collectives(timelines)
     parts = [partition(tl, wait, origin, keep_segments=keep_segments)
@@ -44,6 +48,7 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
     ]
     busy = {entry["rank"]: entry["busy_per_step_us"] for entry in ranks}
     stragglers, delayed = find_stragglers(matching, busy)
+    coverage = _coverage(timelines, matching.matched)
     doc = {
         "spec": SPEC,
         "categories": list(CATEGORIES),
@@ -52,9 +57,15 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
         "stragglers": stragglers,
         "delayed": delayed,
         "matched_collectives": matching.matched,
+        "coverage": coverage,
+        "straggler_verdict": _verdict(stragglers, coverage),
+        "window": _window_entry(window, timelines, parts),
+        "what_if": what_if(timelines, matching) if with_what_if else None,
+        "top_kernels": top_kernels(timelines),
+        "trace_meta": next((tl.trace_meta for tl in timelines if tl.trace_meta), {}),
     }
     if keep_segments:
-        doc["_partitions"] = parts
+        doc["_partitions"], doc["_timelines"] = parts, timelines
     return doc
 
 
@@ -67,6 +78,74 @@ def _check_times(timelines: list[RankTimeline]) -> None:
     if span > MAX_SPAN_US:
         raise UserError(f"{timelines[0].source}: activity spans {span / US_PER_HOUR / 24:.0f} days; "
                         "the timestamps are not microseconds of one run")
+
+
+def _coverage(timelines: list[RankTimeline], matched: int) -> dict:
+    """Which ranks of the job are here, and so what can be said about waiting for peers. Without every
+    rank, a collective's last arrival may be a rank that is not here: `comm_wait` is then a lower bound
+    (the rest of the wait is inside `comm_transfer`) and no rank can be cleared of straggling."""
+    present = [tl.rank for tl in timelines]
+    world = next((tl.world_size for tl in timelines if tl.world_size), None)
+    complete = len(present) >= world if world else (len(present) >= 2 and matched > 0)
+    sampled = [tl.events_sampled for tl in timelines]
+    return {
+        "ranks_present": len(present),
+        "world_size": world,
+        "ranks": present,
+        "complete": complete,
+        "events_sampled": True if any(s is True for s in sampled) else (None if None in sampled else False),
+        "comm_wait_lower_bound": not complete,
+    }
+
+
+def _verdict(stragglers: list[dict], coverage: dict) -> str:
+    """`undetermined` whenever peers are missing: a rank last among the ranks present may still be early
+    among all of them, and a rank that looks fine may be held back by one that is not here."""
+    if not coverage["complete"]:
+        return "undetermined"
+    return "found" if stragglers else "none"
+
+
+def _window_entry(window: dict, timelines: list[RankTimeline], parts: list[Partition]) -> dict:
+    steps = sorted({int(s) for tl in timelines for s in np.unique(tl.step) if s >= 0})
+    return {
+        **window,
+        "start_us": min(p.origin_us + _us(p.start_ns) for p in parts),
+        "end_us": max(p.origin_us + _us(p.start_ns + p.window_ns) for p in parts),
+        "steps": steps,
+        "activities": int(sum(len(tl) for tl in timelines)),
+    }
+
+
+def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> dict:
+    """The kernels that take the most GPU time, and the most frequent ones (with how many ran under
+    10 us: the small kernels behind `small_kernel_overhead`), over all ranks. Summed per timeline over
+    its name ids, then merged by name (names are few; kernels are many)."""
+    merged: dict[str, list] = {}
+    for tl in timelines:
+        if not len(tl):
+            continue
+        ids = np.where(tl.name >= 0, tl.name, len(tl.names))
+        dur = tl.end_us - tl.start_us
+        n = len(tl.names) + 1
+        time = np.bincount(ids, weights=dur, minlength=n)
+        count = np.bincount(ids, minlength=n)
+        short = np.bincount(ids, weights=dur < 10.0, minlength=n)
+        kind = np.zeros(n, np.int64)
+        kind[ids[::-1]] = tl.kind[::-1]  # the kind of its first activity
+        for i in np.flatnonzero(count):
+            name = tl.names[i] if i < len(tl.names) else ""
+            row = merged.setdefault(name, [0.0, 0, 0, int(kind[i])])
+            row[0] += float(time[i])
+            row[1] += int(count[i])
+            row[2] += int(short[i])
+
+    def rows(key) -> list[dict]:
+        ordered = sorted(merged.items(), key=key)[:limit]
+        return [{"name": name, "kind": KIND_NAMES[k], "count": c, "time_us": round(t, 3),
+                 "mean_us": round(t / c, 3), "short_count": sh} for name, (t, c, sh, k) in ordered]
+
+    return {"by_time": rows(lambda item: (-item[1][0], item[0])), "by_count": rows(lambda item: (-item[1][1], item[0]))}
 
 
 def _check_one_job(timelines: list[RankTimeline]) -> None:

@@ -1,8 +1,10 @@
 """`load_paths()`: files or folders of Kineto traces and/or span tables -> rank timelines."""
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 
 from gpuwatch.collector.efficiency.timeline import RankTimeline
 from gpuwatch.errors import UserError
@@ -27,15 +29,27 @@ def expand_paths(paths: list[str]) -> list[str]:
     return files
 
 
-def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None = None) -> list[RankTimeline]:
+def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None = None,
+               workers: int | None = None) -> list[RankTimeline]:
     """Rank timelines from Kineto JSON (plain/gz) and CSV/Parquet span tables; `progress(file, bytes)`
-    is called as large files are read."""
+    is called as large files are read (it must be a module-level function to be used from workers).
+
+    Several files are read by up to `workers` processes at once (default: one per CPU): parsing is
+    CPU-bound Python, and a rank's timeline is a few arrays, cheap to send back."""
     files = expand_paths(paths)
-    timelines: list[RankTimeline] = []
-    for path in files:
-        report = (lambda n, p=path: progress(p, n)) if progress else None
-        timelines.extend(load_file(path, progress=report, default_rank=0 if len(files) == 1 else None))
-    return timelines
+    default_rank = 0 if len(files) == 1 else None
+    jobs = [(path, functools.partial(progress, path) if progress else None) for path in files]
+    workers = min(len(files), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        return [tl for path, report in jobs for tl in load_file(path, progress=report, default_rank=default_rank)]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        loaded = pool.map(functools.partial(_load_one, default_rank=default_rank), jobs)
+        return [tl for found in loaded for tl in found]
+
+
+def _load_one(job: tuple[str, Callable[[int], None] | None], default_rank: int | None) -> list[RankTimeline]:
+    path, report = job
+    return load_file(path, progress=report, default_rank=default_rank)
 
 
 def load_file(path: str, *, progress: Callable[[int], None] | None = None,

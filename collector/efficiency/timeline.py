@@ -27,6 +27,10 @@ class RankTimeline:
     indexes `process_groups`; both are `UNKNOWN` for non-communication activities or when unknown.
     `launch_us` is the start of the host call that launched the activity (NaN when unknown).
     `step_marks` holds the host-side step annotations `(step, start_us, end_us)` when the source had them.
+    `name` indexes `names` (kernel or op names, for top-kernel tables, Perfetto slices and the what-if's
+    "same op" across ranks); `correlation` is the profiler's launch correlation id (UNKNOWN if none).
+    `group_ranks` maps a process group name to its member ranks where the source lists them, and
+    `trace_meta` keeps a few descriptive top-level keys of the source (device, versions) for reports.
     """
 
     rank: int
@@ -40,12 +44,18 @@ class RankTimeline:
     seq: np.ndarray
     nbytes: np.ndarray
     stream: np.ndarray
+    name: np.ndarray
+    correlation: np.ndarray
     coll_types: list[str] = field(default_factory=list)
     process_groups: list[str] = field(default_factory=list)
     world_size: int | None = None
     job_id: str | None = None
     source: str = ""
     step_marks: np.ndarray = field(default_factory=lambda: np.empty((0, 3)))
+    names: list[str] = field(default_factory=list)
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    events_sampled: bool | None = False
+    trace_meta: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.start_us.shape[0])
@@ -65,6 +75,8 @@ class RankTimeline:
         seq: np.ndarray | None = None,
         nbytes: np.ndarray | None = None,
         stream: np.ndarray | None = None,
+        name: np.ndarray | None = None,
+        correlation: np.ndarray | None = None,
         **meta,
     ) -> "RankTimeline":
         """Build a timeline from whatever columns are known, filling the others with "unknown"."""
@@ -87,17 +99,16 @@ class RankTimeline:
             seq=column(seq, np.int64, UNKNOWN),
             nbytes=column(nbytes, np.int64, UNKNOWN),
             stream=column(stream, np.int32, UNKNOWN),
+            name=column(name, np.int32, UNKNOWN),
+            correlation=column(correlation, np.int64, UNKNOWN),
             **meta,
         )
 
     def select(self, mask: np.ndarray) -> "RankTimeline":
         """The same rank restricted to the activities where `mask` is true (e.g. one window or step range)."""
         arrays = {name: getattr(self, name)[mask] for name in _ACTIVITY_COLUMNS}
-        return RankTimeline(
-            rank=self.rank, coll_types=self.coll_types, process_groups=self.process_groups,
-            world_size=self.world_size, job_id=self.job_id, source=self.source,
-            step_marks=self.step_marks, **arrays,
-        )
+        meta = {name: getattr(self, name) for name in _META_FIELDS}
+        return RankTimeline(step_marks=self.step_marks, **meta, **arrays)
 
     def to_bytes(self) -> bytes:
         """The timeline as a compressed .npz (arrays plus a JSON header, no pickle): for the collector to
@@ -112,16 +123,23 @@ class RankTimeline:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RankTimeline":
-        """The timeline that `to_bytes` wrote."""
+        """The timeline that `to_bytes` wrote (columns added since then read as unknown)."""
         with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
             header = json.loads(arrays["header"].tobytes())
-            return cls(step_marks=arrays["step_marks"], **header,
-                       **{name: arrays[name] for name in _ACTIVITY_COLUMNS})
+            n = len(arrays["start_us"])
+            columns = {name: arrays[name] if name in arrays.files else np.full(n, UNKNOWN, _DTYPES[name])
+                       for name in _ACTIVITY_COLUMNS}
+            return cls(step_marks=arrays["step_marks"], **header, **columns)
 
     def type_names(self) -> np.ndarray:
         """Collective type name per activity ("" where none), for matching across ranks."""
         table = np.array(list(self.coll_types) + [""], dtype=object)
         return table[self.coll_type]
+
+    def kernel_names(self) -> np.ndarray:
+        """Kernel (or op) name per activity ("" where unknown)."""
+        table = np.array(list(self.names) + [""], dtype=object)
+        return table[self.name]
 
     def group_names(self) -> np.ndarray:
         """Process group name per activity ("" where unknown)."""
@@ -129,7 +147,10 @@ class RankTimeline:
         return table[self.process_group]
 
 
-_META_FIELDS = ("rank", "coll_types", "process_groups", "world_size", "job_id", "source")
+_META_FIELDS = ("rank", "coll_types", "process_groups", "world_size", "job_id", "source", "names", "group_ranks",
+                "events_sampled", "trace_meta")
 _ACTIVITY_COLUMNS = (
     "start_us", "end_us", "kind", "launch_us", "step", "coll_type", "process_group", "seq", "nbytes", "stream",
+    "name", "correlation",
 )
+_DTYPES = {"name": np.int32, "correlation": np.int64}

@@ -1,14 +1,24 @@
 """PyTorch profiler (Kineto) traces -> one `RankTimeline` per file.
 
-What is kept of a trace: GPU activities (`kernel`, `gpu_memcpy`, `gpu_memset`), the host launch call of
-each (`cuda_runtime`/`cuda_driver` events, joined by `args.correlation`), the `ProfilerStep#N` annotations
-(the step of a GPU activity is the step whose annotation holds its launch), and the collective CPU ops
-(`nccl:*`, `record_param_comms`) whose time range holds a communication kernel's launch. Events are read
-in blocks (see eventstream.py) and reduced to typed arrays as they stream by.
+What is kept of a trace: GPU activities, the host launch call of each (joined by `args.correlation`), the
+`ProfilerStep#N` annotations (the step of a GPU activity is the step whose annotation holds its launch),
+and the collective CPU ops (`nccl:*`, `hccl:*`, `record_param_comms`) whose time range holds a
+communication kernel's launch. Events are read in blocks (see eventstream.py) and reduced to typed arrays
+as they stream by.
+
+Every Kineto spelling HolisticTraceAnalysis reads is read: current categories (`kernel`, `gpu_memcpy`,
+`gpu_memset`; launches `cuda_runtime`, `cuda_driver`), the old ones (`Kernel`, `Memcpy`, `Memset`;
+launches `Runtime`; their `async_gpu` flow arrows repeat the correlation the args already carry), ROCm
+traces (same categories) and MTIA traces (`mtia_ccp_events`: `dma*` is memory, `event_wait` /
+`event_record` are synchronisation markers and not work; launches `mtia_runtime`). Synchronisation events
+(`cuda_sync`) are never GPU work.
 
 Collective type, in the spec's order: the kernel's `Collective name` arg, the enclosing CPU op, the
-kernel name. Process group / seq / bytes come from the kernel args, else from the enclosing
-`record_param_comms` op.
+kernel name. Point-to-point needs evidence: a `SendRecv` kernel typed by its name alone (no args, no
+enclosing op: e.g. already running when profiling began) takes the type the trace gives every other
+kernel of that name, when that is one type (NCCL runs all-to-all as `SendRecv`), and is otherwise
+communication of unknown type, never a pipeline bubble. Process group / seq / bytes / group members come
+from the kernel args, else from the enclosing `record_param_comms` op.
 """
 from __future__ import annotations
 
@@ -23,12 +33,20 @@ from gpuwatch.collector.traces.collectives import P2P_TYPES, canonical_type, is_
 from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream
 from gpuwatch.errors import UserError
 
-_GPU_CATS = {"kernel": COMPUTE, "gpu_memcpy": MEMCPY, "gpu_memset": MEMCPY}
-_LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
-_STEP_PREFIX, _COMM_OP_PREFIX, _COMM_RECORD_OP = "ProfilerStep#", "nccl:", "record_param_comms"
+_BY_NAME = -3  # an MTIA device event: its kind follows from its name (see `_mtia_kind`)
+_GPU_CATS = {"kernel": COMPUTE, "gpu_memcpy": MEMCPY, "gpu_memset": MEMCPY,
+             "Kernel": COMPUTE, "Memcpy": MEMCPY, "Memset": MEMCPY, "mtia_ccp_events": _BY_NAME}
+_LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "Runtime", "mtia_runtime"}
+_MTIA_SYNC = ("event_wait", "event_record")
+_STEP_PREFIX, _COMM_OP_PREFIXES, _COMM_RECORD_OP = "ProfilerStep#", ("nccl:", "hccl:"), "record_param_comms"
 # The events `_Collected.add` reads; the stream drops the others (most of a trace: CPU ops, flows) unparsed.
-_WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, _COMM_OP_PREFIX, _COMM_RECORD_OP])
+_WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, *_COMM_OP_PREFIXES, _COMM_RECORD_OP])
 _COMM = -2  # provisional kind of a communication kernel until its type is resolved
+# The flow arrows the profiler draws from each launch to its GPU work (category names over the versions).
+_LAUNCH_FLOWS = (b'"ac2g"', b'"async_cpu_to_gpu"', b'"async_gpu"')
+# Top-level trace keys worth showing in a report (the rest is bulky or private).
+_META_KEYS = ("schemaVersion", "displayTimeUnit", "deviceProperties", "distributedInfo", "cuda_runtime_version",
+              "cuda_driver_version", "hip_runtime_version", "cupti_version", "nccl_version", "record_shapes")
 _DTYPE_BYTES = {
     "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
     "int": 4, "int32": 4, "long": 8, "int64": 8, "short": 2, "int16": 2, "byte": 1, "uint8": 1,
@@ -53,8 +71,8 @@ class _Interner(dict):
 class _CommMeta:
     """Collective metadata columns (type, process group, seq, bytes) shared by kernels and CPU ops."""
 
-    def __init__(self, types: _Interner, groups: _Interner) -> None:
-        self.types, self.groups = types, groups
+    def __init__(self, types: _Interner, groups: _Interner, group_ranks: dict[str, list[int]]) -> None:
+        self.types, self.groups, self.group_ranks = types, groups, group_ranks
         self.type = array("i")
         self.group = array("i")
         self.seq = array("q")
@@ -66,6 +84,9 @@ class _CommMeta:
         self.type.append(self.types.id(ctype) if ctype else UNKNOWN)
         group = args.get("Process Group Name")
         self.group.append(self.groups.id(str(group)) if group is not None else UNKNOWN)
+        members = args.get("Process Group Ranks")
+        if group is not None and members is not None and str(group) not in self.group_ranks:
+            self.group_ranks[str(group)] = _rank_list(members)
         seq = args.get("Seq")
         self.seq.append(int(seq) if isinstance(seq, (int, float)) else UNKNOWN)
         self.nbytes.append(_message_bytes(args))
@@ -93,62 +114,93 @@ class _Collected:
 
     def __init__(self) -> None:
         self.types, self.groups, self.threads = _Interner(), _Interner(), _Interner()
+        self.names = _Interner()
+        self.group_ranks: dict[str, list[int]] = {}
         self.gpu_ts, self.gpu_dur, self.gpu_kind = array("d"), array("d"), array("b")
-        self.gpu_stream, self.gpu_corr = array("i"), array("q")
+        self.gpu_stream, self.gpu_corr, self.gpu_name = array("i"), array("q"), array("i")
         # Communication kernels only (most GPU activities are not): their index and collective metadata.
         self.comm_at = array("q")
-        self.comm_meta = _CommMeta(self.types, self.groups)
+        self.comm_meta = _CommMeta(self.types, self.groups, self.group_ranks)
         self.launch_corr, self.launch_ts, self.launch_thread = array("q"), array("d"), array("i")
         self.step_id, self.step_ts, self.step_end = array("q"), array("d"), array("d")
         self.op_thread, self.op_ts, self.op_end = array("i"), array("d"), array("d")
         self.op_is_nccl = array("b")
-        self.op_meta = _CommMeta(self.types, self.groups)
+        self.op_meta = _CommMeta(self.types, self.groups, self.group_ranks)
         self.kernel_class: dict[str, tuple[bool, int]] = {}
         self.comm_name_type = array("i")  # per communication kernel: the type its name alone gives
 
     def add(self, events: list[dict]) -> None:
-        for e in events:
-            if e.get("ph") != "X":
-                continue
-            cat = e.get("cat")
-            kind = _GPU_CATS.get(cat)
-            if kind is not None:
-                self._add_gpu(e, kind)
-            elif cat in _LAUNCH_CATS:
-                corr = e.get("args", {}).get("correlation")
-                if isinstance(corr, int):
-                    self.launch_corr.append(corr)
-                    self.launch_ts.append(e["ts"])
-                    self.launch_thread.append(self.threads.id((e.get("pid"), e.get("tid"))))
-            else:
-                name = e.get("name", "")
-                if name.startswith(_STEP_PREFIX):
-                    self.step_id.append(int(name[13:]) if name[13:].isdigit() else len(self.step_id))
-                    self.step_ts.append(e["ts"])
-                    self.step_end.append(e["ts"] + e.get("dur", 0))
-                elif name.startswith(_COMM_OP_PREFIX) or name == _COMM_RECORD_OP:
-                    self.op_thread.append(self.threads.id((e.get("pid"), e.get("tid"))))
-                    self.op_ts.append(e["ts"])
-                    self.op_end.append(e["ts"] + e.get("dur", 0))
-                    self.op_is_nccl.append(name != _COMM_RECORD_OP)
-                    self.op_meta.add(e.get("args", {}), canonical_type(name) if name.startswith(_COMM_OP_PREFIX) else None)
+        """Append a block of events. The bulk (GPU activities and launches) is split off and read column
+        by column with comprehensions, which run far faster than one Python branchy loop per event."""
+        complete = [e for e in events if e.get("ph") == "X"]
+        gpu = [e for e in complete if e.get("cat") in _GPU_CATS]
+        launches = [e for e in complete if e.get("cat") in _LAUNCH_CATS]
+        if gpu:
+            self._add_gpu(gpu)
+        if launches:
+            self._add_launches(launches)
+        if len(gpu) + len(launches) < len(complete):
+            for e in complete:
+                cat = e.get("cat")
+                if cat not in _GPU_CATS and cat not in _LAUNCH_CATS:
+                    self._add_other(e)
 
-    def _add_gpu(self, e: dict, kind: int) -> None:
-        args = e.get("args", {})
-        if kind == COMPUTE:
-            is_comm, name_type = self._classify(e.get("name", ""))
-            if is_comm or "Collective name" in args:
-                kind = _COMM
-                self.comm_at.append(len(self.gpu_ts))
-                self.comm_name_type.append(name_type)
-                self.comm_meta.add(args, None)
-        self.gpu_ts.append(e["ts"])
-        self.gpu_dur.append(e.get("dur", 0))
-        self.gpu_kind.append(kind)
-        stream = args.get("stream")
-        self.gpu_stream.append(stream if isinstance(stream, int) else UNKNOWN)
-        corr = args.get("correlation")
-        self.gpu_corr.append(corr if isinstance(corr, int) else UNKNOWN)
+    def _add_launches(self, launches: list[dict]) -> None:
+        corr = [(e.get("args") or {}).get("correlation") for e in launches]
+        kept = [(c, e) for c, e in zip(corr, launches) if type(c) is int]
+        threads = self.threads
+        self.launch_corr.extend([c for c, _ in kept])
+        self.launch_ts.extend([e["ts"] for _, e in kept])
+        self.launch_thread.extend([threads.setdefault((e.get("pid"), e.get("tid")), len(threads)) for _, e in kept])
+
+    def _add_other(self, e: dict) -> None:
+        """Step annotations and collective CPU ops (few per trace)."""
+        name = e.get("name", "")
+        if name.startswith(_STEP_PREFIX):
+            self.step_id.append(int(name[13:]) if name[13:].isdigit() else len(self.step_id))
+            self.step_ts.append(e["ts"])
+            self.step_end.append(e["ts"] + e.get("dur", 0))
+        elif name.startswith(_COMM_OP_PREFIXES) or name == _COMM_RECORD_OP:
+            self.op_thread.append(self.threads.id((e.get("pid"), e.get("tid"))))
+            self.op_ts.append(e["ts"])
+            self.op_end.append(e["ts"] + e.get("dur", 0))
+            is_op = name != _COMM_RECORD_OP
+            self.op_is_nccl.append(is_op)
+            self.op_meta.add(e.get("args", {}), canonical_type(name) if is_op else None)
+
+    def _add_gpu(self, gpu: list[dict]) -> None:
+        names = [e.get("name", "") for e in gpu]
+        kinds = [self._kind(_GPU_CATS[e["cat"]], n) for e, n in zip(gpu, names)]
+        if None in kinds:  # MTIA synchronisation markers: not work
+            kept = [i for i, k in enumerate(kinds) if k is not None]
+            gpu, names, kinds = [gpu[i] for i in kept], [names[i] for i in kept], [kinds[i] for i in kept]
+        args = [e.get("args") or {} for e in gpu]
+        base = len(self.gpu_ts)
+        # Communication kernels (by name, or a compute kernel with collective args): few, read one by one.
+        comm = [i for i, (k, a) in enumerate(zip(kinds, args))
+                if k == _COMM or (k == COMPUTE and "Collective name" in a)]
+        for i in comm:
+            kinds[i] = _COMM
+            self.comm_at.append(base + i)
+            self.comm_name_type.append(self._classify(names[i])[1])
+            self.comm_meta.add(args[i], None)
+        interned = self.names
+        self.gpu_ts.extend([e["ts"] for e in gpu])
+        self.gpu_dur.extend([e.get("dur", 0) for e in gpu])
+        self.gpu_kind.extend(kinds)
+        self.gpu_name.extend([interned.setdefault(n, len(interned)) for n in names])
+        streams = [a.get("stream") for a in args]
+        self.gpu_stream.extend([s if type(s) is int else UNKNOWN for s in streams])
+        corrs = [a.get("correlation") for a in args]
+        self.gpu_corr.extend([c if type(c) is int else UNKNOWN for c in corrs])
+
+    def _kind(self, kind: int, name: str) -> int | None:
+        """The provisional kind of a GPU activity: MTIA events by name, communication kernels by name."""
+        if kind == _BY_NAME:
+            kind = _mtia_kind(name)
+        if kind == COMPUTE and self._classify(name)[0]:
+            return _COMM
+        return kind
 
     def _classify(self, name: str) -> tuple[bool, int]:
         """(is a communication kernel, type id from the name alone), cached per kernel name."""
@@ -166,7 +218,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
 
     The rank comes from `distributedInfo.rank`, else from a `rank<N>` in the file name, else
     `default_rank`; without any of them the file is rejected."""
-    stream = TraceEventStream(path, progress=progress, only=_WANTED)
+    stream = TraceEventStream(path, progress=progress, only=_WANTED, count=_LAUNCH_FLOWS)
     got = _Collected()
     for events in stream:
         try:
@@ -176,11 +228,56 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
             raise UserError(f"{path}: malformed trace event (missing or mistyped field: "
                             f"{type(exc).__name__} {exc})") from None
     if not got.gpu_ts:
-        raise UserError(f"{path}: no GPU activity in the trace (no kernel, gpu_memcpy or gpu_memset events)")
+        raise UserError(f"{path}: no GPU activity in the trace (no kernel, memcpy or memset events of any "
+                        f"Kineto spelling: {', '.join(sorted(_GPU_CATS))})")
     info = stream.meta.get("distributedInfo") or {}
     rank = _rank_of(path, info, default_rank)
     world = info.get("world_size")
-    return _timeline(path, got, rank, int(world) if isinstance(world, int) else None)
+    tl = _timeline(path, got, rank, int(world) if isinstance(world, int) else None)
+    tl.trace_meta = _described(stream.meta)
+    tl.events_sampled = _sampled(path, stream.meta, tl, sum(stream.counts.values()))
+    return tl
+
+
+def _mtia_kind(name: str) -> int | None:
+    """Kind of an MTIA device event by its name; None for synchronisation markers (not work)."""
+    if name.startswith(_MTIA_SYNC):
+        return None
+    return MEMCPY if name.startswith("dma") else COMPUTE
+
+
+def _described(meta: dict) -> dict:
+    """The descriptive top-level keys of a trace, device properties reduced to the device names."""
+    out = {k: meta[k] for k in _META_KEYS if k in meta and k != "deviceProperties"}
+    devices = meta.get("deviceProperties")
+    if isinstance(devices, list):
+        out["devices"] = sorted({str(d.get("name")) for d in devices if isinstance(d, dict) and d.get("name")})
+    info = out.get("distributedInfo")
+    if isinstance(info, dict):  # the member list of every group can be thousands of ranks long
+        out["distributedInfo"] = {k: v for k, v in info.items() if k in ("backend", "rank", "world_size")}
+    return out
+
+
+def _sampled(path: str, meta: dict, tl: RankTimeline, flow_arrows: int) -> bool | None:
+    """Whether the trace holds only a sample of its events. True when its path or metadata says so, or
+    when its GPU work has launch records but the trace has none of the launch flow arrows the profiler
+    always writes with them (a trace filtered after profiling); None (unknown) when some GPU activities
+    have a correlation id but no launch record (a partial recording); else False."""
+    said = " ".join([path, str(meta.get("traceName", "")), str(meta.get("sampling", ""))])
+    if "sampl" in said.lower() or (flow_arrows == 0 and not np.isnan(tl.launch_us).all()):
+        return True
+    orphans = (tl.correlation >= 0) & np.isnan(tl.launch_us)
+    return None if orphans.any() else False
+
+
+def _rank_list(members) -> list[int]:
+    """`Process Group Ranks` as a list of ints (the profiler writes a list or its string form)."""
+    if isinstance(members, str):
+        members = [m for m in re.split(r"[^0-9]+", members) if m]
+    try:
+        return [int(m) for m in members]
+    except (TypeError, ValueError):
+        return []
 
 
 def _rank_of(path: str, info: dict, default_rank: int | None) -> int:
@@ -202,7 +299,8 @@ def _timeline(path: str, got: _Collected, rank: int, world: int | None) -> RankT
     launch, launch_thread = _join_launches(got, np.frombuffer(got.gpu_corr, dtype=np.int64))
     step = _steps_of(got, launch)
     comm = np.flatnonzero(kind == _COMM)
-    _resolve_comm(got, comm, launch[comm], launch_thread[comm], meta)
+    names = np.frombuffer(got.gpu_name, dtype=np.int32)
+    _resolve_comm(got, comm, launch[comm], launch_thread[comm], meta, names[comm])
     types = np.array(got.types.names() + [None], dtype=object)
     is_p2p = np.isin(types[meta["coll_type"][comm]], list(P2P_TYPES))
     kind[comm] = np.where(is_p2p, P2P, COLLECTIVE)
@@ -212,8 +310,9 @@ def _timeline(path: str, got: _Collected, rank: int, world: int | None) -> RankT
     return RankTimeline.build(
         rank, start.copy(), end, kind, launch_us=launch, step=step,
         stream=np.frombuffer(got.gpu_stream, dtype=np.int32).copy(), **meta,
-        coll_types=got.types.names(), process_groups=got.groups.names(),
-        world_size=world, source=path, step_marks=marks,
+        name=names.copy(), correlation=np.frombuffer(got.gpu_corr, dtype=np.int64).copy(),
+        coll_types=got.types.names(), process_groups=got.groups.names(), names=got.names.names(),
+        group_ranks=dict(got.group_ranks), world_size=world, source=path, step_marks=marks,
     )
 
 
@@ -250,9 +349,9 @@ def _steps_of(got: _Collected, launch: np.ndarray) -> np.ndarray:
 
 
 def _resolve_comm(got: _Collected, comm: np.ndarray, launch: np.ndarray, thread: np.ndarray,
-                  meta: dict[str, np.ndarray]) -> None:
+                  meta: dict[str, np.ndarray], kernel_name: np.ndarray) -> None:
     """Fill the type (and missing group/seq/bytes) of communication kernels from their enclosing CPU ops,
-    then from the kernel name."""
+    then from the kernel name (point-to-point only with evidence: see the module doc)."""
     ops = got.op_meta.arrays()
     op_thread = np.frombuffer(got.op_thread, dtype=np.int32)
     op_ts, op_end = np.frombuffer(got.op_ts), np.frombuffer(got.op_end)
@@ -271,7 +370,12 @@ def _resolve_comm(got: _Collected, comm: np.ndarray, launch: np.ndarray, thread:
             meta[column][comm] = target
     types = meta["coll_type"][comm]
     unnamed = types == UNKNOWN
-    types[unnamed] = np.frombuffer(got.comm_name_type, dtype=np.int32)[unnamed]
+    by_name = np.frombuffer(got.comm_name_type, dtype=np.int32).copy()
+    p2p_ids = [got.types[t] for t in P2P_TYPES if t in got.types]
+    for at in np.flatnonzero(unnamed & np.isin(by_name, p2p_ids)):  # a name alone is no evidence of p2p
+        seen = np.unique(types[~unnamed & (kernel_name == kernel_name[at])])
+        by_name[at] = seen[0] if len(seen) == 1 else got.types.id("unknown")
+    types[unnamed] = by_name[unnamed]
     meta["coll_type"][comm] = types
 
 

@@ -78,6 +78,7 @@ def _rank_timeline(rank: int, rows: pd.DataFrame, source: str, job: str | None) 
     process_group = np.array([group_names.index(g) if g else UNKNOWN for g in groups], dtype=np.int32)
     seq = acts["seq"].fillna(UNKNOWN).to_numpy(np.int64)
     nbytes = acts["bytes"].fillna(UNKNOWN).to_numpy(np.int64)
+    op_names = acts["name"].fillna("").astype(str).tolist()
 
     if len(step_start) and not (kind == COMPUTE).any():
         c_start, c_end = _subtract(step_start, step_end, start[comm], end[comm])
@@ -87,15 +88,34 @@ def _rank_timeline(rank: int, rows: pd.DataFrame, source: str, job: str | None) 
         pad = {"coll_type": coll_type, "process_group": process_group, "seq": seq, "nbytes": nbytes}
         coll_type, process_group, seq, nbytes = (np.concatenate([v, np.full(len(c_start), UNKNOWN)])
                                                  for v in pad.values())
+        op_names += [""] * len(c_start)
     if len(step_start):
         step = np.where(step == UNKNOWN, _step_at(start, step_start, step_end, step_ids), step)
+    op_names = _derived_names(op_names, kind, start, step)
+    names = sorted(set(op_names))
+    name_id = {n: i for i, n in enumerate(names)}
     world = int(rows["world_size"].max()) if rows["world_size"].notna().any() else 0
     marks = np.column_stack([step_ids, step_start, step_end]) if len(step_start) else np.empty((0, 3))
     return RankTimeline.build(
         rank, start, end, kind, step=step, coll_type=coll_type, process_group=process_group, seq=seq,
         nbytes=nbytes, coll_types=type_names, process_groups=group_names, world_size=world or None,
+        name=np.array([name_id[n] for n in op_names], dtype=np.int32) if op_names else None, names=names,
         job_id=job, source=f"{source} rank {rank}", step_marks=marks,
     )
+
+
+def _derived_names(names: list[str], kind: np.ndarray, start: np.ndarray, step: np.ndarray) -> list[str]:
+    """Unnamed compute (the probe's step time between its collectives) is named by its place in the step
+    ("compute part k"), so the what-if compares each part of a step with the same part on other ranks
+    and steps rather than with every other part."""
+    out = list(names)
+    unnamed = [i for i, n in enumerate(names) if not n and kind[i] == COMPUTE]
+    seen: dict[int, int] = {}
+    for i in sorted(unnamed, key=lambda i: (step[i], start[i])):
+        k = seen.get(int(step[i]), 0)
+        seen[int(step[i])] = k + 1
+        out[i] = f"compute part {k}"
+    return out
 
 
 def _step_at(t: np.ndarray, step_start: np.ndarray, step_end: np.ndarray, step_ids: np.ndarray) -> np.ndarray:
