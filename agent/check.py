@@ -22,7 +22,7 @@ from gpuwatch import events as ev
 from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.agent.nvml import GPM_METRICS, GPM_MIN_SPACING_S, NvmlSampler
 from gpuwatch.agent.simfleet import SimulatedFleet
-from gpuwatch.agent.uplink import make_channel
+from gpuwatch.agent.uplink import ChannelSecurity, collector_addresses, make_channel
 from gpuwatch.errors import UserError
 
 _GPM_FIELDS = [name for _, name, _ in GPM_METRICS]
@@ -104,17 +104,22 @@ def _check_collector(cfg: AgentConfig, timeout_s: float) -> CheckItem:
         return CheckItem("collector", True, "none configured (record-only)")
     cs = cfg.channel_security
     how = ("mutual TLS" if cs.cert else "TLS" if cs.ca else "plaintext") + (", bearer token" if cs.token_file else "")
+    results = [_reach(address, cs, how, timeout_s) for address in collector_addresses(cfg.collector)]
+    return CheckItem("collector", all(ok for ok, _ in results), "; ".join(detail for _, detail in results))
+
+
+def _reach(address: str, cs: ChannelSecurity, how: str, timeout_s: float) -> tuple[bool, str]:
     try:
-        channel = make_channel(cfg.collector, channel_security=cs)
+        channel = make_channel(address, channel_security=cs)
     except UserError as exc:
-        return CheckItem("collector", False, f"{cfg.collector}: {exc}")
+        return False, f"{address}: {exc}"
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:
-        return CheckItem("collector", False, f"{cfg.collector} ({how}): no connection within {timeout_s:g} s")
+        return False, f"{address} ({how}): no connection within {timeout_s:g} s"
     finally:
         channel.close()
-    return CheckItem("collector", True, f"{cfg.collector} reachable ({how})")
+    return True, f"{address} reachable ({how})"
 
 
 def _check_directory(what: str, path: Path) -> CheckItem:

@@ -3,9 +3,10 @@
 One long-lived bidi ``Ingest.Stream`` carries the spooled bytes as they are (no re-encoding) with at most
 ``window`` batches unacknowledged. When the collector is away the uplink reconnects with capped, jittered
 exponential backoff and resends everything not yet acknowledged (the collector deduplicates by agent id and
-sequence). When the collector refuses the stream with INVALID_ARGUMENT or FAILED_PRECONDITION (final: the
-batch will never be stored), the batches that were in flight are retried one by one with ``Ingest.Push`` to
-find the refused one, which is moved to ``<spool>/rejected/`` and counted so it can never block the rest.
+sequence); given several collectors (``a:7700,b:7700``, sharing one store) it moves on to the next one.
+When the collector refuses the stream with INVALID_ARGUMENT or FAILED_PRECONDITION (final: the batch will
+never be stored), the batches that were in flight are retried one by one with ``Ingest.Push`` to find the
+refused one, which is moved to ``<spool>/rejected/`` and counted so it can never block the rest.
 
 Every call carries this process's instance token. ALREADY_EXISTS means another running agent uses the same
 agent id (a copied spool or VM image): nothing is sent or dropped, the spool records the conflict for
@@ -99,23 +100,44 @@ class Uplink:
         channel_security: ChannelSecurity = ChannelSecurity(),
     ) -> None:
         self.spool = spool
-        self.address = address
+        self.addresses = collector_addresses(address)
         self.window = window
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.stats = UplinkStats()
-        self._channel = (channel_factory or (
-            lambda a: make_channel(a, channel_security=channel_security, reconnect_max_s=backoff_max_s)))(address)
-        self._stream_call = self._channel.stream_stream(
-            _STREAM, request_serializer=_raw, response_deserializer=pb.BatchAck.FromString)
-        self._push_call = self._channel.unary_unary(
-            _PUSH, request_serializer=_raw, response_deserializer=pb.BatchAck.FromString)
+        self._new_channel = channel_factory or (
+            lambda a: make_channel(a, channel_security=channel_security, reconnect_max_s=backoff_max_s))
+        self._current = 0
+        self._open(self.addresses[0])
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._call = None
         self._attempt = 0
         self._metadata = ((INSTANCE_METADATA, uuid.uuid4().hex),)
+
+    @property
+    def address(self) -> str:
+        """The collector the uplink sends to now."""
+        return self.addresses[self._current]
+
+    def _open(self, address: str) -> None:
+        self._channel = self._new_channel(address)
+        self._stream_call = self._channel.stream_stream(
+            _STREAM, request_serializer=_raw, response_deserializer=pb.BatchAck.FromString)
+        self._push_call = self._channel.unary_unary(
+            _PUSH, request_serializer=_raw, response_deserializer=pb.BatchAck.FromString)
+
+    def _fail_over(self) -> None:
+        """Move on to the next collector of the list (after a failed stream); the unacknowledged batches are
+        resent there, and the collectors' shared store keeps each once."""
+        if len(self.addresses) < 2:
+            return
+        failed = self.address
+        self._channel.close()
+        self._current = (self._current + 1) % len(self.addresses)
+        self._open(self.address)
+        log.warning("collector %s unavailable; failing over to %s", failed, self.address)
 
     # --- public ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -170,6 +192,7 @@ class Uplink:
                     self._cond.notify_all()
             if not self._stopping.is_set():
                 self._back_off(error)
+                self._fail_over()
 
     def _stream(self, stream: _Stream) -> None:
         self._call = self._stream_call(self._requests(stream), metadata=self._metadata)
@@ -262,6 +285,14 @@ class Uplink:
         level = logging.WARNING if self._attempt == 1 else logging.DEBUG  # once per outage, not per retry
         log.log(level, "collector %s: %s; retrying (backoff up to %.0f s)", self.address, error, self.backoff_max_s)
         self._stopping.wait(random.uniform(delay / 2, delay))
+
+
+def collector_addresses(value: str) -> list[str]:
+    """The collectors of a ``--collector`` value: HOST:PORT, or several separated by commas (tried in turn)."""
+    addresses = [a.strip() for a in value.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError(f"collector {value!r}: expected HOST:PORT[,HOST:PORT...]")
+    return addresses
 
 
 def _raw(data: bytes) -> bytes:

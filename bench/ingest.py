@@ -69,6 +69,7 @@ def main() -> int:
     parser.add_argument("--ticks", type=int, default=5, help="ticks (rows per GPU) per batch")
     parser.add_argument("--window", type=int, default=64, help="unacked batches in flight per stream")
     parser.add_argument("--collector", help="an already running collector (default: start one in this process)")
+    parser.add_argument("--no-agent-cost", action="store_true", help="skip bench/agent_cost.py at the end")
     args = parser.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
@@ -113,7 +114,7 @@ def main() -> int:
     tmp.cleanup()
 
     agent_cost = Path(__file__).with_name("agent_cost.py")
-    if agent_cost.exists():
+    if agent_cost.exists() and not args.no_agent_cost:
         print(f"--- {agent_cost.name} ---", flush=True)
         return subprocess.call([sys.executable, str(agent_cost)])
     return 0

@@ -20,7 +20,8 @@ import pandas as pd
 from gpuwatch.collector.alerts import ALERT_NAME as GPU_FAILURE_RISK
 from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition, iso_ms
 from gpuwatch.collector.query_cli import iso_utc
-from gpuwatch.collector.store.duckdb import DuckDBStore, ms_to_datetime
+from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.duckdb import ms_to_datetime
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.v1 import query_pb2 as q
 
@@ -88,22 +89,37 @@ class AlertHub:
     def __init__(self, policy: AlertPolicy | None = None, senders: Sequence[AlertSender] = (),
                  **engine_options: Any) -> None:
         self.senders = list(senders)
+        self._engine_options = engine_options
+        self._firing_gpu_alerts: list[Alert] = []  # for an engine made later (use_policy)
         self.engine = AlertEngine(policy, senders=self.senders, **engine_options) if policy else None
         self._jobs: dict[tuple[str, str], JobAlert] = {}
         self._lock = threading.Lock()
-        self._store: DuckDBStore | None = None
+        self._store: Store | None = None
 
     # ---- service -----------------------------------------------------------------------------------
-    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+    def start(self, store: Store) -> Mapping[str, Any]:
         """Use ``store`` and take back the alerts that were firing when the collector last stopped, so a
         restart neither resolves nor re-fires what is still true."""
         self._store = store
         self._restore(store)
         return {"Alerts": list_alerts}
 
-    def _restore(self, store: DuckDBStore) -> None:
-        firing = store.query_df("""
-            SELECT alertname, subject, epoch_ms(updated_at) AS updated_ms, doc FROM alerts WHERE status = 'firing'""")
+    def reload(self) -> None:
+        """Replace the alerts held here by those the store says are firing (another collector raised them
+        while it held the cluster lease), so taking the work over neither re-fires nor resolves twice."""
+        with self._lock:
+            self._jobs.clear()
+        self._restore(self._store, replace=True)
+
+    def use_policy(self, policy: AlertPolicy) -> None:
+        """Start risk alerting with ``policy``: the collector calls this once its failure model has loaded in
+        the background; the GPU alerts that were firing when the store was opened are taken back then."""
+        engine = AlertEngine(policy, senders=self.senders, **self._engine_options)
+        engine.restore(self._firing_gpu_alerts)
+        self.engine = engine
+
+    def _restore(self, store: Store, replace: bool = False) -> None:
+        firing = store.firing_alerts()
         gpu_alerts = []
         with self._lock:
             for row in firing.itertuples(index=False):
@@ -114,7 +130,9 @@ class AlertHub:
                 else:
                     self._jobs[(row.alertname, row.subject)] = JobAlert.from_json(doc, row.subject)
         if self.engine is not None:
-            self.engine.restore(gpu_alerts)
+            self.engine.restore(gpu_alerts, replace=replace)
+        else:
+            self._firing_gpu_alerts = gpu_alerts
 
     def stop(self) -> None:
         if self.engine is not None:
@@ -190,24 +208,12 @@ class AlertHub:
         table = pd.DataFrame(rows, columns=["id", "alertname", "subject", "status", "starts_at", "ends_at",
                                             "updated_at", "doc"])
 
-        def write(con) -> None:
-            con.register("_alert_rows", table)
-            try:
-                con.execute("""
-                    INSERT INTO alerts BY NAME SELECT * REPLACE (doc::JSON AS doc) FROM _alert_rows
-                    ON CONFLICT (id) DO UPDATE SET status = excluded.status, ends_at = excluded.ends_at,
-                        updated_at = excluded.updated_at, doc = excluded.doc""")
-            finally:
-                con.unregister("_alert_rows")
-
-        self._store.run_write(write)
+        self._store.upsert_alerts(table)
 
 
-def list_alerts(request: q.AlertsRequest, store: DuckDBStore) -> q.JsonResponse:
+def list_alerts(request: q.AlertsRequest, store: Store) -> q.JsonResponse:
     """The ``Alerts`` RPC: firing alerts (and resolved ones with include_resolved), newest first."""
-    docs = store.query_df("""
-        SELECT doc FROM alerts WHERE status = 'firing' OR $all
-        ORDER BY status = 'firing' DESC, starts_at DESC""", {"all": bool(request.include_resolved)})["doc"]
+    docs = store.alert_docs(bool(request.include_resolved))
     return q.JsonResponse(json="[" + ",".join(docs) + "]")
 
 

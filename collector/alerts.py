@@ -217,10 +217,13 @@ class AlertEngine:
         else:
             alert.failed = None
 
-    def restore(self, alerts: Iterable[Alert]) -> None:
+    def restore(self, alerts: Iterable[Alert], replace: bool = False) -> None:
         """Take back alerts that were firing when the collector stopped: a GPU still at risk keeps its alert
-        (same start, no new notification) and one that recovered resolves under the policy as usual."""
+        (same start, no new notification) and one that recovered resolves under the policy as usual. With
+        ``replace`` they are the only active ones (another collector held the alerts meanwhile)."""
         with self._lock:
+            if replace:
+                self._active.clear()
             self._active.update((a.gpu_uuid, a) for a in alerts)
 
     def active(self) -> list[Alert]:

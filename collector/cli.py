@@ -7,9 +7,12 @@ and queries the collector runs the failure scorer, the jobs monitor, the alert p
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import resource
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 from gpuwatch import config
@@ -17,11 +20,13 @@ from gpuwatch.batches import TimeWindow
 from gpuwatch.collector import jobs, scoring
 from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
+from gpuwatch.collector.lease import ClusterLease, holder_id
 from gpuwatch.collector.server import CollectorServer, serve
 from gpuwatch.collector.snapshot import MetricsService
+from gpuwatch.collector.store import redacted
 from gpuwatch.models.advisor import advise
 from gpuwatch.models.model import default_model_path, load_model
-from gpuwatch.models.policy import AlertPolicy
+from gpuwatch.errors import UserError
 from gpuwatch.security import check_listen_policy, read_token
 
 log = logging.getLogger(__name__)
@@ -33,21 +38,31 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
 def start_collector(cfg: config.Config) -> CollectorServer:
     """Start a collector with everything ``cfg`` (:func:`gpuwatch.config.load_config` over COLLECTOR_OPTIONS) asks."""
     check_listen_policy(cfg.listen, cfg.tls_cert is not None or cfg.tls_key is not None, cfg.insecure)  # fail fast
-    model = _model(cfg.model)
-    hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, _senders(cfg),
-                   advice=advise(n_gpus=cfg.job_gpus, checkpoint_s=cfg.checkpoint_cost))
-    scorer = scoring.Scorer(model, hub, interval_s=cfg.score_interval)
+    if cfg.model is not None and not Path(cfg.model).is_file():
+        raise UserError(f"{cfg.model}: no such model file")
+    # the model takes seconds to load: the collector listens first, scoring begins once it is loaded
+    hub = AlertHub(None, _senders(cfg), advice=advise(n_gpus=cfg.job_gpus, checkpoint_s=cfg.checkpoint_cost))
+    scorer = scoring.Scorer(None, hub, interval_s=cfg.score_interval, load_model=functools.partial(_model, cfg.model))
     monitor = jobs.JobsMonitor(hub, interval_s=cfg.jobs_interval, window_s=cfg.jobs_window,
                                hang_threshold_s=cfg.hang_threshold)
-    services: list[Any] = [hub, scorer, monitor]
+    # one collector among those sharing a store scores, monitors jobs and sends alerts (collector/lease.py)
+    lease = ClusterLease(min(cfg.score_interval, cfg.jobs_interval), holder=holder_id(cfg.listen),
+                         on_acquire=[hub.reload])
+    scorer.gate = monitor.gate = lease.held
+    services: list[Any] = [hub, lease, scorer, monitor]  # started in order: the hub before the lease reloads it
     if cfg.metrics_listen:
         metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
         services.append(MetricsService(cfg.metrics_listen, scorer=scorer, jobs=monitor, token=metrics_token,
-                                       insecure=cfg.insecure, gpu_telemetry=cfg.metrics_gpu_telemetry))
+                                       insecure=cfg.insecure, gpu_telemetry=cfg.metrics_gpu_telemetry,
+                                       interval_s=cfg.metrics_interval))
     try:
-        return serve(cfg.listen, cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
-                     stream_idle_timeout_s=cfg.stream_idle_timeout,
-                     time_window=TimeWindow(cfg.max_sample_age_days, cfg.max_sample_ahead_days), services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
+        return serve(cfg.listen, cfg.store or cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
+                     max_in_flight=cfg.max_in_flight, stream_idle_s=cfg.stream_idle_timeout,
+                     max_ingest_streams=cfg.max_ingest_streams,
+                     time_window=TimeWindow(cfg.max_sample_age_days, cfg.max_sample_ahead_days),
+                     memory_limit=cfg.memory_limit, span_retention_s=cfg.span_retention or None,
+                     clickhouse_cluster=cfg.clickhouse_cluster,
+                     services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
                      token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)
     except BaseException:
         hub.stop()  # its senders' threads started with it; serve stops only the services it started
@@ -74,15 +89,26 @@ def _senders(cfg: config.Config) -> list[AlertSender]:
     return senders
 
 
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard one: every connected agent holds a socket."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
 def run(command: str, args: argparse.Namespace) -> int:
     cfg = config.load_config(config.COLLECTOR_OPTIONS, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if raise_open_file_limit() < 4 * 1024:
+        log.warning("open-file limit %d: the collector can hold fewer agents than that; raise it (ulimit -n)",
+                    resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     server = start_collector(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService)), None)
-    print(f"gpuwatch collector listening on {server.address}, store {cfg.db}"
+    print(f"gpuwatch collector listening on {server.address}, store {redacted(cfg.store or cfg.db)}"
           + (f", metrics {metrics}" if metrics else ""), flush=True)
     stop.wait()
     log.info("stopping: committing queued batches")

@@ -1,8 +1,10 @@
 """Prometheus exposition of what the collector knows: per-GPU telemetry, job efficiency, failure risk, ingest.
 
-The exporter owns names, types, labels and the HTTP endpoint; it knows nothing about the store. At each
-scrape it calls a *snapshot provider* (any callable returning a :class:`Snapshot`: plain dicts) and turns the
-answer into metric families, so the numbers are as fresh as the provider's and nothing is cached twice.
+The exporter owns names, types, labels and the HTTP endpoint; it knows nothing about the store. It calls a
+*snapshot provider* (any callable returning a :class:`Snapshot`: plain dicts) and turns the answer into
+metric families: at each scrape for a small endpoint (the agent's), or with ``render_interval_s`` once per
+interval on a background thread, scrapes then copying the bytes of the last render (:class:`RenderedMetrics`:
+the collector's, where thousands of GPUs take seconds to render).
 
 Names follow Prometheus conventions (base units, ``_total`` counters, ``_ratio`` 0-1) and labels stay
 bounded: node, GPU index/UUID/model, job id, rank, breakdown category, health state, XID code. Never step
@@ -19,10 +21,12 @@ scrapes the agents (``gpu_telemetry=False``), and then exports only what needs t
 from __future__ import annotations
 
 import bisect
+import gzip
 import logging
 import math
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
@@ -30,6 +34,7 @@ from typing import Any, TypedDict
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -298,6 +303,94 @@ def build_registry(provider: SnapshotProvider, max_jobs: int = DEFAULT_MAX_JOBS,
     return registry
 
 
+class RenderedMetrics:
+    """The exposition of a registry rendered every ``interval_s`` on a background thread; scrapes copy bytes.
+
+    prometheus_client formats ~30 microseconds per series, so 8,000 GPUs take seconds per render: a scrape
+    must not pay that, nor several scrapers pay it each. Each render collects the families once and encodes
+    the variants (format, gzip) that scrapers asked for; a variant first asked for is encoded then, from the
+    last render. Between renders the thread waits ``interval_s`` or twice the last render's duration,
+    whichever is longer, so rendering takes at most a third of a core however large the fleet.
+    """
+
+    FIRST_RENDER_WAIT_S = 60.0
+
+    def __init__(self, registry: CollectorRegistry, interval_s: float) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"render interval must be positive, got {interval_s}")
+        self.interval_s = interval_s
+        self.renders = 0
+        self.last_render_s = 0.0
+        self._registry = registry
+        self._families: list[Metric] = []
+        self._outputs: dict[tuple[str, bool], bytes] = {}
+        self._wanted: set[tuple[str, bool]] = set()
+        self._lock = threading.Lock()
+        self._rendered = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-render", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def render(self) -> None:
+        """Collect and encode now (the background thread calls this; tests may too)."""
+        started = time.perf_counter()
+        families = list(self._registry.collect())
+        with self._lock:
+            wanted = set(self._wanted)
+        outputs = {variant: _encode(families, *variant) for variant in wanted}
+        with self._lock:
+            self._families, self._outputs = families, outputs
+            self.renders += 1
+            self.last_render_s = time.perf_counter() - started
+        self._rendered.set()
+
+    def output(self, accept: str | None, accept_encoding: str | None) -> tuple[list[tuple[str, str]], bytes] | None:
+        """Headers and body for a scrape with these Accept headers; None before the first render finished."""
+        if not self._rendered.wait(self.FIRST_RENDER_WAIT_S):
+            return None
+        _, content_type = choose_encoder(accept or "")
+        variant = (content_type, gzip_accepted(accept_encoding or ""))
+        with self._lock:
+            body = self._outputs.get(variant)
+            if body is None:
+                body = self._outputs[variant] = _encode(self._families, *variant)
+                self._wanted.add(variant)
+        headers = [("Content-Type", content_type)] + ([("Content-Encoding", "gzip")] if variant[1] else [])
+        return headers, body
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            try:
+                self.render()
+            except Exception:  # a failing provider must not end the endpoint; the last render stays served
+                log.exception("rendering metrics failed; serving the last render")
+            self._stop.wait(max(self.interval_s, 2 * (time.perf_counter() - started)))
+
+
+class _Rendered:
+    """What an encoder iterates: the families of one render."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def _encode(families: list[Metric], content_type: str, compress: bool) -> bytes:
+    encoder, _ = choose_encoder(content_type)
+    body = encoder(_Rendered(families))
+    return gzip.compress(body, compresslevel=1) if compress else body
+
+
 # ---- commit latency, kept by the collector, exported via the snapshot ---------------------------------
 
 DEFAULT_LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -342,8 +435,9 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def _guarded_app(registry: CollectorRegistry, token: str | None) -> Callable[..., Iterable[bytes]]:
-    metrics = make_wsgi_app(registry)
+def _guarded_app(registry: CollectorRegistry, token: str | None,
+                 rendered: RenderedMetrics | None = None) -> Callable[..., Iterable[bytes]]:
+    metrics = make_wsgi_app(registry) if rendered is None else _rendered_app(rendered)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if token is not None and not token_matches(environ.get("HTTP_AUTHORIZATION"), token):
@@ -357,11 +451,25 @@ def _guarded_app(registry: CollectorRegistry, token: str | None) -> Callable[...
     return app
 
 
+def _rendered_app(rendered: RenderedMetrics) -> Callable[..., Iterable[bytes]]:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        answer = rendered.output(environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING"))
+        if answer is None:
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain"), ("Retry-After", "10")])
+            return [b"the first render of the metrics has not finished yet\n"]
+        headers, body = answer
+        start_response("200 OK", headers + [("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
 class MetricsServer:
     """A running /metrics endpoint; ``close()`` stops it."""
 
-    def __init__(self, server: _Server) -> None:
+    def __init__(self, server: _Server, rendered: RenderedMetrics | None = None) -> None:
         self._server = server
+        self.rendered = rendered
         self._thread = threading.Thread(target=server.serve_forever, name="gpuwatch-metrics", daemon=True)
         self._thread.start()
 
@@ -378,6 +486,8 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+        if self.rendered is not None:
+            self.rendered.close()
 
     def __enter__(self) -> MetricsServer:
         return self
@@ -395,8 +505,12 @@ def start_metrics_server(
     max_jobs: int = DEFAULT_MAX_JOBS,
     names: str = "gpuwatch",
     gpu_telemetry: bool = True,
+    render_interval_s: float | None = None,
 ) -> MetricsServer:
     """Serve ``/metrics`` on ``listen`` (HOST:PORT, port 0 = any) in a daemon thread.
+
+    Without ``render_interval_s`` each scrape renders the provider's snapshot; with it a background thread
+    renders every ``render_interval_s`` seconds and scrapes get the last render (:class:`RenderedMetrics`).
 
     With ``token`` every request needs ``Authorization: Bearer <token>`` (401 otherwise). Binding beyond
     loopback without a token is refused unless ``insecure``: telemetry names nodes and jobs. ``names`` and
@@ -409,9 +523,13 @@ def start_metrics_server(
     check_exposure(listen, protected=token is not None, insecure=insecure, what="to serve metrics on",
                    needs="a bearer token (metrics_token_file)")
     server_class = _Server6 if ":" in host else _Server
-    app = _guarded_app(build_registry(snapshot_provider, max_jobs, names=names, gpu_telemetry=gpu_telemetry), token)
+    registry = build_registry(snapshot_provider, max_jobs, names=names, gpu_telemetry=gpu_telemetry)
+    rendered = RenderedMetrics(registry, render_interval_s) if render_interval_s is not None else None
+    app = _guarded_app(registry, token, rendered)
     try:
         server = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
     except OSError as exc:
         raise UserError(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
-    return MetricsServer(server)
+    if rendered is not None:
+        rendered.start()
+    return MetricsServer(server, rendered)

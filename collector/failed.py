@@ -60,29 +60,14 @@ class FailureTimeline:
 def failure_timeline(store: Any, until_ms: int | None = None) -> FailureTimeline:
     """Read fatal XIDs and lost GPUs, agent starts, and driver reloads (the energy counter going back) of the
     GPUs with fatal evidence, up to ``until_ms`` (default: everything stored)."""
-    until = {"until": until_ms}
-    fatal = store.query_df(f"""
-        SELECT node, gpu_index, epoch_ms(ts) AS ts_ms, kind, coalesce(code, 0) AS code FROM events
-        WHERE gpu_index >= 0 AND ($until IS NULL OR ts <= make_timestamp($until * 1000))
-          AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
-        ORDER BY ts""", {**until, "fatal": sorted(xids.FATAL)})
+    fatal = store.fatal_events(sorted(xids.FATAL), until_ms)
     if fatal.empty:
         return FailureTimeline([], {}, {})
-    starts = store.query_df(f"""
-        SELECT node, epoch_ms(ts) AS ts_ms FROM events
-        WHERE kind = '{event_kinds.AGENT_START}' AND ($until IS NULL OR ts <= make_timestamp($until * 1000))""",
-                            until)
-    reloads = store.query_df("""
-        WITH energy AS (
-            SELECT s.node, s.gpu_index, s.ts, s.gpu_energy_joules_total AS joules,
-                   lag(s.gpu_energy_joules_total) OVER (PARTITION BY s.node, s.gpu_index ORDER BY s.ts) AS before
-            FROM gpu_samples s
-            WHERE list_contains($gpus, s.node || '/' || s.gpu_index)
-              AND s.ts >= make_timestamp($since * 1000) - INTERVAL 1 DAY  -- the samples just before the failure
-              AND ($until IS NULL OR s.ts <= make_timestamp($until * 1000)))
-        SELECT node, gpu_index, epoch_ms(ts) AS ts_ms FROM energy WHERE joules < before""",
-                              {**until, "since": int(fatal["ts_ms"].min()),
-                               "gpus": sorted({f"{n}/{g}" for n, g in zip(fatal["node"], fatal["gpu_index"])})})
+    starts = store.event_times(event_kinds.AGENT_START, until_ms)
+    # the samples just before the first failure are enough to see a reload after it
+    reloads = store.counter_drops("gpu_energy_joules_total",
+                                  sorted(set(zip(fatal["node"], fatal["gpu_index"].astype(int)))),
+                                  int(fatal["ts_ms"].min()) - 86_400_000, until_ms)
     resets: dict[tuple[str, int], list[int]] = {}
     for node, gpu, ts in zip(reloads["node"], reloads["gpu_index"], reloads["ts_ms"]):
         resets.setdefault((node, int(gpu)), []).append(int(ts))

@@ -1,9 +1,10 @@
 """Who may hold an Ingest stream: a bound on open streams, idle timeouts, and one live agent per agent id.
 
-Each open Ingest stream holds a server worker, so without a bound a few hundred idle streams (a buggy or
-hostile client) starve real agents and every query. :class:`StreamAdmission` is the server-independent part
-of that policy: the servicer asks it to admit a stream, to claim the stream's agent id when the first batch
-names it, and releases the stream when it ends.
+An open Ingest stream costs the asyncio server a coroutine and its window of batches, not a thread, but
+without a bound a client opening streams without end (buggy or hostile) still grows the collector's memory
+and file descriptors. :class:`StreamAdmission` is the server-independent part of that policy: the servicer
+asks it to admit a stream (at most ``max_streams`` at once, far above a real fleet's one per agent), to claim
+the stream's agent id when a batch names it, and releases the stream when it ends.
 
 An agent id belongs to one running agent. Two agents with the same id (a spool or VM image copied to a
 second node) would have the collector take the second one's batches for resends of the first one's and
@@ -17,10 +18,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
-DEFAULT_MAX_STREAMS_PER_CONNECTION = 100
-#: Workers kept free of Ingest streams for queries and pushes when the stream bound is derived from max_workers.
-QUERY_RESERVE_WORKERS = 16
+DEFAULT_STREAM_IDLE_S = 300.0  # agents send every batch_interval (5 s by default)
+DEFAULT_MAX_INGEST_STREAMS = 20_000  # one per agent; docs/scale.md sizes a collector for thousands
 
 
 class StreamRefused(Exception):
@@ -47,9 +46,10 @@ class _Holder:
 
 
 class StreamAdmission:
-    """Thread-safe bookkeeping of open Ingest streams (usable from a thread-pool or an asyncio servicer)."""
+    """Thread-safe bookkeeping of open Ingest streams (usable from a thread-pool or an asyncio servicer);
+    ``idle_timeout_s`` is how long the servicer lets a stream stay silent before it ends it."""
 
-    def __init__(self, max_streams: int, idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S) -> None:
+    def __init__(self, max_streams: int, idle_timeout_s: float = DEFAULT_STREAM_IDLE_S) -> None:
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
         self._lock = threading.Lock()

@@ -1,14 +1,16 @@
 """Live jobs in the collector: the `Jobs` RPC, and a monitor that flags slow ranks and hangs as alerts.
 
-The list comes from :func:`gpuwatch.collector.live.job_summaries` over the probe spans in the store, plus the
-jobs known only from submitted traces or GPU samples. Every
+The list comes from :func:`gpuwatch.collector.live.job_summaries` over the recent probe spans in the store
+(rates, lost share), the step marks kept over each job's life (steps, last step, finished), plus the jobs
+known only from submitted traces or GPU samples. Every
 ``interval_s`` the :class:`JobsMonitor` analyses each running job's recent spans (``window_s``) with the
 efficiency engine (the same one as `gpuwatch analyze`): breakdown fractions, lost time per rank, and
 stragglers as ../shared/specs/efficiency.md defines them (last to arrive far more often than chance *and*
 busier than the peers; ranks late only because they waited are `delayed`, not flagged). A straggler keeps
 the time the monitor first flagged it (``since``) while it stays flagged. Hangs come from
 :func:`~gpuwatch.collector.live.detect_hangs`. Both become alerts (``SlowRank``, ``JobHang``) through the
-:class:`~gpuwatch.collector.alert_hub.AlertHub` and resolve when they clear.
+:class:`~gpuwatch.collector.alert_hub.AlertHub` and resolve when they clear. The per-step efficiency of
+the spans analysed each round is kept in the store, where it outlives the raw spans' window.
 """
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ from typing import Any
 import orjson
 import pandas as pd
 
-from gpuwatch import events as event_kinds
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, JobFinding
+from gpuwatch.collector.breakdowns import breakdown_rows
 from gpuwatch.collector.efficiency.engine import analyze
 from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
 from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.collector.query_cli import iso_utc
-from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.collector.store.base import STEP_MARK_KINDS, Store
 from gpuwatch.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
 
@@ -38,7 +40,7 @@ DEFAULT_WINDOW_S = 300.0
 DEFAULT_HANG_S = 300.0
 
 
-def list_jobs(store: DuckDBStore, now_us: float | None = None, window_s: float = DEFAULT_WINDOW_S,
+def list_jobs(store: Store, now_us: float | None = None, window_s: float = DEFAULT_WINDOW_S,
               flags: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every job the collector knows, with ``sources`` saying from where: probe ``spans`` (ranks, nodes, steps,
     step rate, lost fraction over the last ``window_s``), submitted ``traces`` (ranks) and ``gpu_samples``
@@ -51,13 +53,18 @@ def list_jobs(store: DuckDBStore, now_us: float | None = None, window_s: float =
         job["sources"].append(source)
         return job
 
-    spans = store.spans()
-    if not spans.empty:
-        now = time.time() * 1e6 if now_us is None else now_us
-        for summary in job_summaries(spans, now, window_s):
-            job = known(summary["job_id"], "spans")
-            job.update(summary, last_step=iso_utc(int(summary["last_step_us"] / 1000)) if summary["last_step_us"]
-                       else None)
+    now = time.time() * 1e6 if now_us is None else now_us
+    # with the monitor's flags (which carry each job's lost fraction) the step marks are enough
+    spans = store.recent_spans(window_s, kinds=None if flags is None else STEP_MARK_KINDS)
+    summaries = ({s["job_id"]: s for s in job_summaries(spans, now, window_s, lost=flags is None)}
+                 if not spans.empty else {})
+    for progress in store.job_progress().to_dict("records"):
+        summaries[progress["job_id"]] = _whole_life(summaries.get(progress["job_id"]), progress, now)
+    for job_id in sorted(summaries):
+        summary = summaries[job_id]
+        job = known(job_id, "spans")
+        job.update(summary, last_step=iso_utc(int(summary["last_step_us"] / 1000)) if summary["last_step_us"]
+                   else None)
     for row in _traced_jobs(store):
         job = known(row["job_id"], "traces")
         job["ranks"] = job["ranks"] or int(row["ranks"])
@@ -81,18 +88,33 @@ _UNKNOWN: dict[str, Any] = {
 }
 
 
-def _traced_jobs(store: DuckDBStore) -> list[dict[str, Any]]:
-    """Jobs with submitted traces (collector/breakdowns.py's job_timelines, absent until the first submission):
-    ranks and the last submission time (ISO UTC)."""
-    if not store.has_table("job_timelines"):
-        return []
-    df = store.query_df("""SELECT job_id, count(*) AS ranks, epoch_ms(max(submitted_at)) AS submitted_ms
-                           FROM job_timelines GROUP BY job_id ORDER BY job_id""")
-    return [{"job_id": r.job_id, "ranks": r.ranks, "submitted_at": iso_utc(int(r.submitted_ms))}
-            for r in df.itertuples()]
+def _whole_life(recent: dict[str, Any] | None, progress: Mapping[str, Any], now_us: float) -> dict[str, Any]:
+    """A job's summary with what its step marks say over its whole life (raw spans cover a window only):
+    ranks, nodes, world size, steps, last step and finished; rates and lost share stay the recent window's."""
+    last = progress["last_step_us"]
+    last = None if last is None or pd.isna(last) else float(last)
+    world = progress["world_size"]
+    return {
+        "step_rate": None, "step_time_s": None, "lost_fraction": None, **(recent or {}),
+        "job_id": progress["job_id"],
+        "ranks": max(int(progress["ranks"]), (recent or {}).get("ranks") or 0),
+        "nodes": sorted(set(progress["nodes"]) | set((recent or {}).get("nodes", []))),
+        "world_size": int(world) if world is not None and pd.notna(world) and world > 0 else
+        (recent or {}).get("world_size"),
+        "steps": int(progress["steps"]),
+        "last_step_us": last,
+        "last_step_age_s": (now_us - last) / 1e6 if last is not None else None,
+        "finished": bool(progress["finished"]),
+    }
 
 
-def list_jobs_rpc(request: q.JobsRequest, store: DuckDBStore) -> q.JsonResponse:
+def _traced_jobs(store: Store) -> list[dict[str, Any]]:
+    """Jobs with submitted traces: ranks and the last submission time (ISO UTC)."""
+    return [{"job_id": r["job_id"], "ranks": r["ranks"], "submitted_at": iso_utc(int(r["submitted_ms"]))}
+            for r in store.traced_jobs()]
+
+
+def list_jobs_rpc(request: q.JobsRequest, store: Store) -> q.JsonResponse:
     """The ``Jobs`` RPC of a collector without a monitor: the list without flags."""
     return _json_response(list_jobs(store))
 
@@ -101,11 +123,11 @@ def _json_response(jobs: list[dict[str, Any]]) -> q.JsonResponse:
     return q.JsonResponse(json=orjson.dumps(jobs, option=orjson.OPT_NON_STR_KEYS).decode())
 
 
-def analyse_spans(rows: pd.DataFrame, job_id: str) -> dict | None:
+def analyse_spans(rows: pd.DataFrame, job_id: str, per_step: bool = False) -> dict | None:
     """The engine's document for some of a job's span rows; None when they hold nothing it can analyse."""
     try:
         timelines = probe_timelines(rows, source=f"job {job_id} probe spans")
-        return analyze(timelines) if timelines is not None else None
+        return analyze(timelines, per_step=per_step) if timelines is not None else None
     except UserError as exc:
         log.warning("job %s: cannot analyse its recent spans: %s", job_id, exc)
         return None
@@ -134,7 +156,7 @@ class JobsMonitor(PeriodicService):
     def run_round(self) -> object:
         return self.check_once()
 
-    def jobs_rpc(self, request: q.JobsRequest, store: DuckDBStore) -> q.JsonResponse:
+    def jobs_rpc(self, request: q.JobsRequest, store: Store) -> q.JsonResponse:
         return _json_response(self.jobs())
 
     def jobs(self, now_us: float | None = None) -> list[dict[str, Any]]:
@@ -153,13 +175,15 @@ class JobsMonitor(PeriodicService):
         by ``Jobs`` and metrics). Alerts are raised for running jobs only: the alerts of a job that finished, or
         whose every node's agent stopped after its last span (the job is gone), resolve."""
         now = time.time() * 1e6 if now_us is None else now_us
-        spans = self._store.spans()
+        spans = self._store.recent_spans(max(self.window_s, self.hang_threshold_s))
         hangs = {h["job_id"]: h for h in detect_hangs(spans, now, self.hang_threshold_s)}
-        finished = {s["job_id"] for s in job_summaries(spans, now, self.window_s) if s["finished"]}
+        finished = {s["job_id"] for s in job_summaries(spans, now, self.window_s, lost=False) if s["finished"]}
         recent = spans[spans["start_us"] >= now - self.window_s * 1e6]
         fresh = spans["ts"] > self._ingested_upto if self._ingested_upto is not None else spans["ts"].notna()
         flags: dict[str, dict[str, Any]] = {}
         for job_id in sorted(set(recent["job_id"]) | set(hangs)):
+            if self.stopping:  # the collector is shutting down: the round's remaining jobs wait for a restart
+                return flags
             if job_id:
                 mine = spans["job_id"] == job_id
                 flags[job_id] = {**self._job_flags(job_id, spans[mine], spans[mine & fresh], now, hangs.get(job_id)),
@@ -176,17 +200,17 @@ class JobsMonitor(PeriodicService):
 
     def _stopped_nodes(self) -> dict[str, float]:
         """Nodes whose agent's last lifecycle event is ``agent_stop`` -> when it stopped (epoch us)."""
-        stopped = self._store.query_df(f"""
-            SELECT node, epoch_us(max(ts)) AS stopped_us FROM events
-            WHERE kind IN ('{event_kinds.AGENT_START}', '{event_kinds.AGENT_STOP}') GROUP BY node
-            HAVING arg_max(kind, ts) = '{event_kinds.AGENT_STOP}'""")
+        stopped = self._store.stopped_agents()
         return dict(zip(stopped["node"], stopped["stopped_us"].astype(float)))
 
     def _job_flags(self, job_id: str, rows: pd.DataFrame, new_rows: pd.DataFrame, now_us: float,
                    hang: dict | None) -> dict[str, Any]:
         """Flags from the window's rows; lost GPU seconds grow by the rows ingested since the last round."""
         doc = analyse_spans(rows[rows["start_us"] >= now_us - self.window_s * 1e6], job_id)
-        fresh = analyse_spans(new_rows, job_id) if len(new_rows) else None
+        fresh = analyse_spans(new_rows, job_id, per_step=True) if len(new_rows) else None
+        if fresh:  # the per-step aggregates that outlive the raw spans
+            steps = breakdown_rows(fresh)
+            self._store.add_step_breakdowns(steps[steps["step"].notna() & (steps["us"] > 0)].assign(job_id=job_id))
         lost = self._lost_s.get(job_id, 0.0) + (fresh["job"]["lost_us"] / 1e6 if fresh else 0.0)
         self._lost_s[job_id] = lost
         stragglers = []
@@ -198,6 +222,8 @@ class JobsMonitor(PeriodicService):
             del self._since[key]
         return {
             "breakdown": doc["job"]["breakdown_fraction"] if doc else {},
+            "lost_fraction": doc["job"]["lost_us"] / doc["job"]["window_us"] if doc and doc["job"]["window_us"]
+            else None,
             "rank_lost_ratio": {r["rank"]: r["lost_us"] / r["window_us"] for r in doc["ranks"] if r["window_us"]}
             if doc else {},
             "lost_gpu_seconds_total": lost,

@@ -27,13 +27,14 @@ def _checked(spans: pd.DataFrame) -> pd.DataFrame:
     return spans.assign(end_us=spans["start_us"] + spans["dur_us"].clip(lower=0))
 
 
-def job_summaries(spans: pd.DataFrame, now_us: float, window_s: float = 300.0) -> list[dict]:
-    """One summary per job: ranks, nodes, steps, step rate and time over the last `window_s`, lost fraction."""
+def job_summaries(spans: pd.DataFrame, now_us: float, window_s: float = 300.0, lost: bool = True) -> list[dict]:
+    """One summary per job: ranks, nodes, steps, step rate and time over the last `window_s`, lost fraction
+    (None with ``lost=False``: the engine's analysis is the costly part, and the jobs monitor has it already)."""
     spans = _checked(spans)
-    return [_summary(str(job), rows, now_us, window_s) for job, rows in spans.groupby("job_id", sort=True)]
+    return [_summary(str(job), rows, now_us, window_s, lost) for job, rows in spans.groupby("job_id", sort=True)]
 
 
-def _summary(job_id: str, rows: pd.DataFrame, now_us: float, window_s: float) -> dict:
+def _summary(job_id: str, rows: pd.DataFrame, now_us: float, window_s: float, lost: bool) -> dict:
     steps = rows[(rows["kind"] == "step") & (rows["dur_us"] >= 0)]
     recent = rows[rows["end_us"] >= now_us - window_s * 1e6]
     recent_steps = recent[recent["kind"] == "step"]
@@ -53,7 +54,7 @@ def _summary(job_id: str, rows: pd.DataFrame, now_us: float, window_s: float) ->
         # never negative: "now" can trail the newest span (an agent's clock ahead of the collector's)
         "last_step_age_s": max(0.0, (now_us - last_step_us) / 1e6) if last_step_us is not None else None,
         "finished": _finished_ranks(rows) >= set(rows["rank"].unique()),
-        "lost_fraction": _lost_fraction(recent, job_id),
+        "lost_fraction": _lost_fraction(recent, job_id) if lost else None,
     }
 
 

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.collector.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,11 @@ class Periodic:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (a long round checks this between units of work)."""
+        return self._stop.is_set()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop after the round in progress (waits up to ``timeout_s`` for it)."""
@@ -55,22 +60,43 @@ class PeriodicService:
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self._store: DuckDBStore | None = None
+        self._store: Store | None = None
         self._periodic: Periodic | None = None
+        #: Rounds run only while this says so (a :class:`~gpuwatch.collector.lease.ClusterLease`'s ``held``,
+        #: so that of several collectors sharing a store one does the work); None: always.
+        self.gate: Callable[[], bool] | None = None
+        self._lifecycle = threading.Lock()
+        self._stopped = False
 
-    def bind(self, store: DuckDBStore) -> None:
+    def bind(self, store: Store) -> None:
         """Use ``store`` without the periodic thread."""
         self._store = store
 
-    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+    def start(self, store: Store) -> Mapping[str, Any]:
         self.bind(store)
-        self._periodic = Periodic(self.name, self.interval_s, self.run_round)
-        self._periodic.start()
+        self.begin_rounds()
         return self.handlers()
 
+    def begin_rounds(self) -> None:
+        """Start the periodic thread (a subclass that must first get ready calls this itself, later)."""
+        with self._lifecycle:
+            if not self._stopped and self._periodic is None:
+                self._periodic = Periodic(self.name, self.interval_s, self._gated_round)
+                self._periodic.start()
+
     def stop(self) -> None:
+        with self._lifecycle:
+            self._stopped = True
         if self._periodic is not None:
             self._periodic.stop()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the service is being stopped (rounds end early, between units of work)."""
+        return self._periodic is not None and self._periodic.stopping
+
+    def _gated_round(self) -> object:
+        return self.run_round() if self.gate is None or self.gate() else None
 
     def handlers(self) -> Mapping[str, Any]:
         """Query methods this service answers."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pandas as pd
@@ -23,10 +23,12 @@ from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import RiskObservation
 from gpuwatch.collector.failed import Failure, failed_gpus, failure_timeline
 from gpuwatch.collector.periodic import PeriodicService
-from gpuwatch.collector.store.duckdb import DuckDBStore, ms_to_datetime
+from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.duckdb import ms_to_datetime
 from gpuwatch.models import features as feature_module
 from gpuwatch.models import rules
 from gpuwatch.models.model import score, top_signals
+from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.recording import ts_ms
 
 log = logging.getLogger(__name__)
@@ -37,20 +39,8 @@ _LAST = sorted(set(feature_module.SAMPLE_COLUMNS) - set(feature_module.MEANS.val
                - {"gpu_pcie_link_width", "gpu_pcie_link_gen", "gpu_pcie_link_width_max", "gpu_pcie_link_gen_max"})
 
 
-def _history_sql() -> str:
-    last = [f"arg_max({c}, ts) AS {c}" for c in _LAST]
-    means = [f"avg({c}) AS {c}" for c in feature_module.MEANS.values()]
-    link = ["min(gpu_pcie_link_width) AS gpu_pcie_link_width", "min(gpu_pcie_link_gen) AS gpu_pcie_link_gen",
-            "max(gpu_pcie_link_width_max) AS gpu_pcie_link_width_max",
-            "max(gpu_pcie_link_gen_max) AS gpu_pcie_link_gen_max"]
-    return f"""
-        SELECT node, gpu_index, date_trunc('minute', ts) AS minute, max(ts) AS ts, arg_max(job_id, ts) AS job_id,
-               arg_max(rank, ts) AS rank, {', '.join(last + means + link)}
-        FROM gpu_samples WHERE ts >= $since AND ts <= $until
-        GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts"""
-
-
-_HISTORY_SQL = _history_sql()
+_LINK_MINS = ("gpu_pcie_link_width", "gpu_pcie_link_gen")
+_LINK_MAXS = ("gpu_pcie_link_width_max", "gpu_pcie_link_gen_max")
 _MINUTE_MS = 60_000
 #: Minutes re-aggregated every round even without late data (a batch in flight during the last round).
 REREAD_S = 120.0
@@ -66,7 +56,7 @@ class MinuteHistory:
         self._rows: pd.DataFrame | None = None
         self._until_ms = 0
 
-    def samples(self, store: DuckDBStore, until_ms: int) -> pd.DataFrame:
+    def samples(self, store: Store, until_ms: int) -> pd.DataFrame:
         """Per-minute rows (node, gpu_index, minute, ts, job_id, rank, the feature inputs) up to ``until_ms``."""
         since_ms = int(until_ms - self.history_s * 1000)
         start_ms = max(since_ms, (int(self._until_ms - REREAD_S * 1000) // _MINUTE_MS) * _MINUTE_MS)
@@ -82,19 +72,17 @@ class MinuteHistory:
         return self._rows
 
 
-def _minutes(store: DuckDBStore, since_ms: int, until_ms: int) -> pd.DataFrame:
-    return store.query_df(_HISTORY_SQL, {"since": ms_to_datetime(since_ms), "until": ms_to_datetime(until_ms)})
+def _minutes(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
+    return store.gpu_minutes(since_ms, until_ms, last=_LAST, means=list(feature_module.MEANS.values()),
+                             mins=_LINK_MINS, maxs=_LINK_MAXS)
 
 
-def xid_events(store: DuckDBStore, until_ms: int, history_s: float = feature_module.HISTORY_S) -> pd.DataFrame:
+def xid_events(store: Store, until_ms: int, history_s: float = feature_module.HISTORY_S) -> pd.DataFrame:
     """XID events of the ``history_s`` before ``until_ms`` (what the event features read)."""
-    return store.query_df(f"""
-        SELECT node, gpu_index, ts, kind, code FROM events
-        WHERE kind = '{event_kinds.XID}' AND ts > $since AND ts <= $until""",
-        {"since": ms_to_datetime(int(until_ms - history_s * 1000)), "until": ms_to_datetime(until_ms)})
+    return store.event_rows([event_kinds.XID], int(until_ms - history_s * 1000), until_ms)
 
 
-def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int, history: MinuteHistory | None = None
+def score_gpus(store: Store, model: dict | None, now_ms: int, history: MinuteHistory | None = None
                ) -> list[dict[str, Any]]:
     """One dict per GPU with samples in the window: identity, job and rank, risk (None without a model),
     top signals, health state, the rules' reasons, and ``failed`` (collector/failed.py) when it has failed."""
@@ -110,7 +98,7 @@ def score_gpus(store: DuckDBStore, model: dict | None, now_ms: int, history: Min
     return _scored_rows(store, model, feats, owners, failed_gpus(store, now_ms))
 
 
-def score_history(store: DuckDBStore, model: dict | None, start_ms: int, end_ms: int
+def score_history(store: Store, model: dict | None, start_ms: int, end_ms: int
                   ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
     """Every GPU scored at every step of the model in (start_ms, end_ms]: (time, :func:`score_gpus` rows).
 
@@ -139,7 +127,7 @@ def score_history(store: DuckDBStore, model: dict | None, start_ms: int, end_ms:
         yield int(t), [_with_failure(rows[i], failures.get((rows[i]["node"], rows[i]["gpu_index"]))) for i in index]
 
 
-def _scored_rows(store: DuckDBStore, model: dict | None, feats: pd.DataFrame, owners: pd.DataFrame,
+def _scored_rows(store: Store, model: dict | None, feats: pd.DataFrame, owners: pd.DataFrame,
                  failures: Mapping[tuple[str, int], Failure]) -> list[dict[str, Any]]:
     """The :func:`score_gpus` rows of feature rows ``feats``; ``owners`` holds each row's job_id and rank."""
     health = rules.states(feats)
@@ -182,10 +170,9 @@ def observation(gpu: Mapping[str, Any], now_ms: int) -> RiskObservation:
 WALL, DATA = "wall", "data"
 
 
-def newest_sample_ms(store: DuckDBStore) -> int | None:
+def newest_sample_ms(store: Store) -> int | None:
     """The time of the newest stored GPU sample (epoch ms), None before the first."""
-    newest = store.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
-    return None if pd.isna(newest) else int(newest)
+    return store.newest_sample_ms()
 
 
 class Scorer(PeriodicService):
@@ -193,16 +180,24 @@ class Scorer(PeriodicService):
 
     A round scores "now": the wall clock, or with ``clock="data"`` the newest stored sample time, for
     telemetry on simulated or replayed time (the demo's accelerated agents), where the wall clock would
-    put every GPU hours before or after its data."""
+    put every GPU hours before or after its data.
+
+    With ``load_model`` (instead of ``model``) the model is loaded on a thread of its own when the service
+    starts, so the collector answers while it loads (seconds); rounds begin once it is loaded, the hub then
+    gets the model's alert policy, and :attr:`ready` is set. A model that fails to load is logged and
+    scoring gives health states only."""
 
     name = "gpu-scorer"
 
     def __init__(self, model: dict | None, hub: AlertHub | None = None, *, interval_s: float = DEFAULT_INTERVAL_S,
-                 history_s: float = feature_module.HISTORY_S, clock: str = WALL) -> None:
+                 history_s: float = feature_module.HISTORY_S, clock: str = WALL,
+                 load_model: Callable[[], dict | None] | None = None) -> None:
         if clock not in (WALL, DATA):
             raise ValueError(f"clock {clock!r}: expected {WALL!r} or {DATA!r}")
         super().__init__(interval_s)
         self.model = model
+        self.ready = threading.Event()
+        self._load_model = load_model
         self.hub = hub
         self.clock = clock
         self.history = MinuteHistory(history_s)
@@ -210,6 +205,27 @@ class Scorer(PeriodicService):
         self.scored_at_ms: int | None = None  # the "now" of the last round
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
+
+    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+        if self._load_model is None:
+            self.ready.set()
+            return super().start(store)
+        self.bind(store)
+        threading.Thread(target=self._load_then_begin, name="model-loader", daemon=True).start()
+        return self.handlers()
+
+    def _load_then_begin(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.model = self._load_model()
+        except Exception as exc:  # a bad model file must not take ingest and queries down with it
+            log.error("the failure model cannot be loaded (%s): GPUs get health states, no failure risk", exc)
+        if self.model is not None and self.hub is not None:
+            self.hub.use_policy(AlertPolicy(self.model["threshold"]))
+        log.info("failure model %s in %.1f s; scoring every %g s", "loaded" if self.model else "not loaded",
+                 time.perf_counter() - started, self.interval_s)
+        self.ready.set()
+        self.begin_rounds()
 
     def run_round(self) -> object:
         return self.score_once()

@@ -1,21 +1,40 @@
 """The collector's gRPC server: Ingest (agents stream batches, acked after commit) and Query (read API).
 
-Ingest takes the raw bytes of each batch and decodes them itself, so a malformed, oversized or wrong-version
-batch is answered with a precise status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION) and a
-log line naming the agent and peer, while every other client keeps being served. Query methods are plain
-functions ``handler(request, store) -> response`` looked up by method name, so other features plug theirs in
-through ``serve(..., query_handlers={"Breakdown": fn})``; a method without a handler answers UNIMPLEMENTED.
-Parts that run beside ingest (scoring, the jobs monitor, metrics) are :class:`Service` objects: they get
-the store when the server starts, may answer Query methods, and are stopped before the store closes.
-Transport security (TLS, mutual TLS, bearer token, the loopback-only plaintext rule) is gpuwatch.security's.
+The server is asynchronous (grpc.aio on one event-loop thread), so an agent's stream costs a coroutine, not
+a thread: one process holds thousands of agents, and idle or slow ones cost nothing but memory. Ingest takes
+the raw bytes of each batch and decodes them itself (gpuwatch.columnar), so a malformed, oversized or
+wrong-version batch is answered with a precise status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+FAILED_PRECONDITION) and a log line naming the agent and peer, while every other client keeps being served.
+A batch that validated but that the store cannot keep gets a final INVALID_ARGUMENT (the agent sets it aside
+instead of resending it forever), a store failure such as a full disk UNAVAILABLE (the agent resends), a
+batch of a second agent under the same agent id ALREADY_EXISTS (never UNKNOWN): :func:`store_failure`.
+A batch is acknowledged only after the store's writer thread committed it (the event loop awaits the
+store's future, never blocks on it); resends are recognised by (agent_id, sequence) in the store.
+
+Bounds, so no client can starve the others: each stream has at most ``stream_window`` batches between
+received and acknowledged (beyond that the server stops reading it and HTTP/2 flow control holds the
+sender), the whole collector at most ``max_in_flight`` (fair, first come first served), at most
+``max_ingest_streams`` streams are open at once (gpuwatch.collector.ingest_admission, which also fences
+agent ids: one live agent instance per id), a stream that sends nothing for ``stream_idle_s`` is closed (the
+agent reconnects when it has data), keepalive pings find dead peers (and a ping flood is refused), and
+connections without calls are closed after ``CONNECTION_IDLE_S``.
+
+Query methods are plain functions ``handler(request, store) -> response`` looked up by method name, run on
+their own thread pool (``max_workers``) so they are answered while ingest is saturated; other features
+plug theirs in through ``serve(..., query_handlers={"Breakdown": fn})``; a method without a handler
+answers UNIMPLEMENTED. Parts that run beside ingest (scoring, the jobs monitor, metrics) are
+:class:`Service` objects: they get the store when the server starts, may answer Query methods, and are
+stopped before the store closes. Transport security (TLS, mutual TLS, bearer token, the loopback-only
+plaintext rule) is gpuwatch.security's.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
-import queue
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -24,13 +43,14 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from gpuwatch import security
-from gpuwatch.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow, validate
+from gpuwatch.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.failed import failed_gpus
-from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_STREAM_IDLE_TIMEOUT_S,
-                                                 QUERY_RESERVE_WORKERS, StreamAdmission, StreamRefused,
-                                                 fencing_advice)
-from gpuwatch.collector.store.duckdb import DuckDBStore, StoreClosed, WriteResult
+from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_INGEST_STREAMS, DEFAULT_STREAM_IDLE_S, StreamAdmission,
+                                                 StreamRefused, fencing_advice)
+from gpuwatch.collector.store import open_store, redacted
+from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
+from gpuwatch.columnar import ColumnarBatch, decode
 from gpuwatch.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -41,16 +61,21 @@ DEFAULT_PORT = 7700
 # gRPC refuses messages above this outright (memory guard); batches between MAX_BATCH_BYTES and this
 # reach decode_batch, which answers with a message that says what to do.
 _HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
+DEFAULT_QUERY_WORKERS = 16
+DEFAULT_STREAM_WINDOW = 64  # batches per stream between received and acked (agents keep 32 in flight)
+DEFAULT_MAX_IN_FLIGHT = 4096  # batches received and not yet committed, all streams together
+CONNECTION_IDLE_S = 600.0  # a connection without calls (a query client that went quiet) is closed
+STREAMS_PER_CONNECTION = 100  # an agent needs one; a client opening more is refused further streams
 #: Initial metadata of an Ingest stream the collector admitted (a refused one ends with a status instead).
 ADMITTED_METADATA = (("gpuwatch-stream", "admitted"),)
 
-QueryHandler = Callable[[Message, DuckDBStore], Message]
+QueryHandler = Callable[[Message, Store], Message]
 
 
 class Service(Protocol):
     """A part of the collector running beside ingest (scorer, jobs monitor, metrics endpoint)."""
 
-    def start(self, store: DuckDBStore) -> Mapping[str, QueryHandler]:
+    def start(self, store: Store) -> Mapping[str, QueryHandler]:
         """Begin work on ``store``; return the Query methods it answers (may be empty)."""
 
     def stop(self) -> None:
@@ -67,27 +92,26 @@ class BatchRejected(Exception):
         self.agent = agent
 
 
-def decode_batch(raw: bytes, window: TimeWindow | None = None) -> pb.TelemetryBatch:
-    """Parse and validate one batch's bytes; raise :class:`BatchRejected` with the status to answer."""
+def decode_batch(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
+    """Parse and validate one batch's bytes (bounds, and times within ``window`` when given); raise
+    :class:`BatchRejected` with the status to answer."""
     if len(raw) > MAX_BATCH_BYTES:
         raise BatchRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
     try:
-        batch = pb.TelemetryBatch.FromString(raw)
+        return decode(raw, window)
     except DecodeError as exc:
         raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{len(raw)} bytes are not a gpuwatch.v1.TelemetryBatch ({exc})") from None
-    try:
-        validate(batch, window)
     except BatchError as exc:
-        code = (grpc.StatusCode.FAILED_PRECONDITION if batch.schema_version != SCHEMA_VERSION
+        header = pb.TelemetryBatch.FromString(raw)  # parsed before the check failed, so it parses
+        code = (grpc.StatusCode.FAILED_PRECONDITION if header.schema_version != SCHEMA_VERSION
                 else grpc.StatusCode.INVALID_ARGUMENT)
-        raise BatchRejected(code, f"batch {batch.sequence} of agent {batch.agent_id or '?'}: {exc}",
-                            batch.agent_id) from None
-    return batch
+        raise BatchRejected(code, f"batch {header.sequence} of agent {header.agent_id or '?'}: {exc}",
+                            header.agent_id) from None
 
 
-def store_failure(exc: BaseException, batch: pb.TelemetryBatch) -> BatchRejected:
+def store_failure(exc: BaseException, batch: ColumnarBatch) -> BatchRejected:
     """The status for a batch the store did not take: ALREADY_EXISTS for a cloned agent id, INVALID_ARGUMENT
     for a batch that validated but holds something the store cannot keep (final: the agent sets it aside
     instead of resending it forever), UNAVAILABLE for a store failure such as a full disk (the agent resends)."""
@@ -102,21 +126,60 @@ def store_failure(exc: BaseException, batch: pb.TelemetryBatch) -> BatchRejected
                          batch.agent_id)
 
 
+class StreamIdle(Exception):
+    """A stream sent nothing for the idle limit."""
+
+
 def _ack(result: WriteResult) -> pb.BatchAck:
     return pb.BatchAck(agent_id=result.agent_id, sequence=result.sequence, duplicate=result.duplicate)
+
+
+_DONE = object()
+
+
+def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Semaphore) -> asyncio.Future:
+    """The store's commit future as an asyncio future of the running loop, releasing ``in_flight`` when the
+    commit is done. Unlike asyncio.wrap_future, cancelling the returned future (its stream went away) leaves
+    the store's future alone: the batch is committed anyway and the writer resolves what it committed."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(done: concurrent.futures.Future) -> None:
+        in_flight.release()
+        if waiter.cancelled():
+            return
+        if done.exception() is not None:
+            waiter.set_exception(done.exception())
+        else:
+            waiter.set_result(done.result())
+
+    stored.add_done_callback(lambda done: loop.call_soon_threadsafe(settle, done))
+    return waiter
 
 
 class IngestService:
     """Stores every well-formed batch once and acknowledges it only after the store committed it.
 
-    Streams are admitted by ``admission`` (a bound on open streams, an idle timeout, one live agent per id)."""
+    Runs on the server's event loop; every wait is an ``await`` (the store's commit future, a full window),
+    so one slow agent never holds up another. Streams are admitted by ``admission`` (a bound on open streams,
+    the idle limit, one live agent instance per agent id); batch times outside ``window`` are refused.
+    """
 
-    def __init__(self, store: DuckDBStore, admission: StreamAdmission | None = None,
-                 window: TimeWindow | None = None) -> None:
+    def __init__(self, store: Store, *, stream_window: int = DEFAULT_STREAM_WINDOW,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+                 max_ingest_streams: int = DEFAULT_MAX_INGEST_STREAMS, window: TimeWindow | None = None) -> None:
         self.store = store
-        self.admission = admission or StreamAdmission(max_streams=2**31)
+        self.stream_window = stream_window
+        self.admission = StreamAdmission(max_ingest_streams, stream_idle_s)
         self.window = window
         self.rejected_by_agent: Counter[str] = Counter()
+        self._max_in_flight = max_in_flight
+        self._in_flight: asyncio.Semaphore | None = None  # made on the event loop
+
+    @property
+    def open_streams(self) -> int:
+        """Ingest streams being served now."""
+        return self.admission.open_count()
 
     def handler(self) -> grpc.GenericRpcHandler:
         ack = pb.BatchAck.SerializeToString
@@ -126,116 +189,125 @@ class IngestService:
             "Push": grpc.unary_unary_rpc_method_handler(self.push, response_serializer=ack),
         })
 
-    def push(self, raw: bytes, context: grpc.ServicerContext) -> pb.BatchAck:
-        batch = self._decode_or_abort(raw, context)
+    async def push(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.BatchAck:
         try:
+            batch = decode_batch(raw, self.window)
             self.admission.check_push(batch.agent_id, _instance(context), context.peer())
-        except StreamRefused as exc:
-            self._abort(exc, context)
-        future = self._submit_or_abort(batch, context)
-        try:
-            return _ack(future.result())
-        except Exception as exc:
-            self._abort(store_failure(exc, batch), context)
+            commit = await self._submit(batch)
+        except (BatchRejected, StoreClosed, StreamRefused) as exc:
+            await self._abort(exc, context)
+        return await self._acked(batch, commit, context)
 
-    def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[pb.BatchAck]:
-        """Read batches on a helper thread so many are in flight; yield their acks in order as they commit.
-
-        A stream that sends no batch for the admission's idle timeout is ended (the agent reconnects)."""
+    async def stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.BatchAck]:
+        """Read batches on a task of their own so up to ``stream_window`` are in flight; yield their acks in
+        order as they commit. A refused batch ends the stream after the acks of the batches before it."""
         try:
             handle = self.admission.open_stream()
         except StreamRefused as exc:
-            self._abort(exc, context)
-        context.send_initial_metadata(ADMITTED_METADATA)  # tells the client the stream is being served
-        pending: queue.Queue = queue.Queue()
-        done = object()
-        instance, peer = _instance(context), context.peer()
-
-        def read() -> None:
-            try:
-                for raw in requests:
-                    try:
-                        batch = decode_batch(raw, self.window)
-                        self.admission.claim(handle, batch.agent_id, instance, peer)
-                        pending.put((batch, self.store.submit(batch)))
-                    except (BatchRejected, StoreClosed, StreamRefused) as exc:
-                        pending.put(exc)
-                        return
-            except grpc.RpcError:  # the client went away; what was submitted is still stored
-                pass
-            finally:
-                pending.put(done)
-
-        threading.Thread(target=read, name="ingest-stream-reader", daemon=True).start()
+            await self._abort(exc, context)
         idle = False
         try:
-            while True:
-                try:
-                    item = pending.get(timeout=self.admission.idle_timeout_s)
-                except queue.Empty:
-                    idle = True
-                    log.info("closing an idle Ingest stream from %s (no batch for %.0f s)", peer,
-                             self.admission.idle_timeout_s)
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"no batch for {self.admission.idle_timeout_s:g} s; reconnect when there is data")
-                if item is done:
-                    return
-                if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
-                    self._abort(item, context)
-                batch, future = item
-                try:
-                    result = future.result()
-                except Exception as exc:
-                    self._abort(store_failure(exc, batch), context)
-                yield _ack(result)
+            await context.send_initial_metadata(ADMITTED_METADATA)  # tells the client the stream is served
+            window = asyncio.Semaphore(self.stream_window)
+            pending: asyncio.Queue = asyncio.Queue()
+            sender = (handle, _instance(context), context.peer())
+            reader = asyncio.create_task(self._read(requests, window, pending, sender))
+            try:
+                while (item := await pending.get()) is not _DONE:
+                    if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
+                        idle = isinstance(item, StreamIdle)
+                        await self._abort(item, context)
+                    yield await self._acked(*item, context)
+                    window.release()
+            except asyncio.CancelledError:
+                log.debug("ingest stream from %s cancelled (client gone or server stopping)", context.peer())
+                raise
+            finally:
+                reader.cancel()
         finally:
             self.admission.close_stream(handle, idle)
 
-    def _decode_or_abort(self, raw: bytes, context: grpc.ServicerContext) -> pb.TelemetryBatch:
+    async def _read(self, requests: AsyncIterator[bytes], window: asyncio.Semaphore, pending: asyncio.Queue,
+                    sender: tuple[int, str, str]) -> None:
+        incoming = requests.__aiter__()
+        idle_s = self.admission.idle_timeout_s
         try:
-            return decode_batch(raw, self.window)
-        except BatchRejected as exc:
-            self._abort(exc, context)
+            while True:
+                await window.acquire()
+                try:
+                    raw = await asyncio.wait_for(incoming.__anext__(), idle_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    pending.put_nowait(StreamIdle(f"no batch for {idle_s:g} s; reconnect to send"))
+                    return
+                try:
+                    batch = decode_batch(raw, self.window)
+                    self.admission.claim(sender[0], batch.agent_id, sender[1], sender[2])
+                    pending.put_nowait((batch, await self._submit(batch)))
+                except (BatchRejected, StoreClosed, StreamRefused) as exc:
+                    pending.put_nowait(exc)
+                    return
+        except (grpc.RpcError, grpc.aio.AioRpcError, ConnectionError):  # the client went away
+            return
+        finally:
+            pending.put_nowait(_DONE)
 
-    def _abort(self, exc: BaseException, context: grpc.ServicerContext) -> None:
-        if isinstance(exc, BatchRejected) and exc.code != grpc.StatusCode.UNAVAILABLE:
-            self.store.counters.reject()
-            self.rejected_by_agent[exc.agent or "?"] += 1
-            exc.message += f" ({self.rejected_by_agent[exc.agent or '?']} refused from this agent so far)"
-        _abort(exc, context)
-
-    def _submit_or_abort(self, batch: pb.TelemetryBatch, context: grpc.ServicerContext):
+    async def _submit(self, batch: ColumnarBatch) -> asyncio.Future:
+        """Queue ``batch`` for the writer once the collector-wide bound has room; the future is its commit."""
+        if self._in_flight is None:
+            self._in_flight = asyncio.Semaphore(self._max_in_flight)
+        await self._in_flight.acquire()
         try:
-            return self.store.submit(batch)
-        except StoreClosed as exc:
-            self._abort(exc, context)
+            stored = self.store.submit(batch)
+        except BaseException:
+            self._in_flight.release()
+            raise
+        return _awaitable_commit(stored, self._in_flight)
+
+    async def _acked(self, batch: ColumnarBatch, commit: asyncio.Future, context: grpc.aio.ServicerContext
+                     ) -> pb.BatchAck:
+        try:
+            return _ack(await commit)
+        except Exception as exc:
+            await self._abort(store_failure(exc, batch), context)
+
+    async def _abort(self, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(exc, BatchRejected):
+            if exc.code != grpc.StatusCode.UNAVAILABLE:  # refused for good: counted, per agent too
+                self.store.counters.reject()
+                agent = exc.agent or "?"
+                self.rejected_by_agent[agent] += 1
+                exc.message += f" ({self.rejected_by_agent[agent]} refused from this agent so far)"
+                log.warning("rejected a batch from agent %s (peer %s): %s", agent, context.peer(), exc.message)
+            else:
+                log.error("store failed for a batch from %s: %s", context.peer(), exc.message)
+            await context.abort(exc.code, exc.message)
+        elif isinstance(exc, StreamRefused):
+            log.warning("refused an Ingest call from %s: %s", context.peer(), exc.message)
+            await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+        elif isinstance(exc, StreamIdle):
+            log.info("closing an idle ingest stream from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"idle stream closed: {exc}")
+        else:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
 
 
-
-def _instance(context: grpc.ServicerContext) -> str:
+def _instance(context: grpc.aio.ServicerContext) -> str:
+    """The agent process's instance token (empty for clients that send none: they are not fenced)."""
     return dict(context.invocation_metadata() or ()).get(INSTANCE_METADATA, "")
 
 
-def _abort(exc: BaseException, context: grpc.ServicerContext) -> None:
-    if isinstance(exc, BatchRejected):
-        log.warning("rejected a batch from agent %s (peer %s): %s", exc.agent or "?", context.peer(), exc.message)
-        context.abort(exc.code, exc.message)
-    elif isinstance(exc, StreamRefused):
-        log.warning("refused an Ingest call from %s: %s", context.peer(), exc.message)
-        context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
-    else:
-        context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
-
-
 # ------------------------------------------------------------------------------------- query side
-def list_nodes(request: q.ListNodesRequest, store: DuckDBStore) -> q.ListNodesResponse:
+def list_nodes(request: q.ListNodesRequest, store: Store) -> q.ListNodesResponse:
     return q.ListNodesResponse(nodes=[
         q.NodeSummary(node=r["node"], gpus=r["gpus"], samples=r["samples"], last_seen_ms=r["last_seen_ms"],
                       agent_id=r["agent_id"], last_sequence=r["last_sequence"])
         for r in store.nodes()])
 
 
-def list_gpus(request: q.ListGpusRequest, store: DuckDBStore) -> q.ListGpusResponse:
+def list_gpus(request: q.ListGpusRequest, store: Store) -> q.ListGpusResponse:
     """The inventory with each GPU's latest job, and ``failed`` for a GPU that failed and was not reset since."""
     info_fields = pb.GpuInfo.DESCRIPTOR.fields_by_name
     failures = failed_gpus(store)
@@ -250,7 +322,7 @@ def list_gpus(request: q.ListGpusRequest, store: DuckDBStore) -> q.ListGpusRespo
     return q.ListGpusResponse(gpus=gpus)
 
 
-def latest(request: q.LatestRequest, store: DuckDBStore) -> q.LatestResponse:
+def latest(request: q.LatestRequest, store: Store) -> q.LatestResponse:
     rows = store.latest(request.node or None, None if request.gpu_index < 0 else request.gpu_index)
     identity = {"node", "gpu_index", "ts_ms"}
     return q.LatestResponse(rows=[
@@ -259,7 +331,7 @@ def latest(request: q.LatestRequest, store: DuckDBStore) -> q.LatestResponse:
         for r in rows])
 
 
-def series(request: q.SeriesRequest, store: DuckDBStore) -> q.SeriesResponse:
+def series(request: q.SeriesRequest, store: Store) -> q.SeriesResponse:
     if not request.node or not request.field:
         raise UserError("a series needs node and field")
     df = store.series(request.node, request.gpu_index, request.field, since_ms=request.since_ms or None,
@@ -267,7 +339,7 @@ def series(request: q.SeriesRequest, store: DuckDBStore) -> q.SeriesResponse:
     return q.SeriesResponse(ts_ms=df["ts_ms"].tolist(), values=df["value"].tolist())
 
 
-def events(request: q.EventsRequest, store: DuckDBStore) -> q.EventsResponse:
+def events(request: q.EventsRequest, store: Store) -> q.EventsResponse:
     rows = store.events(request.node or None, request.kind or None, request.since_ms or None, request.limit or None)
     return q.EventsResponse(events=[
         q.EventsResponse.Row(node=r["node"], event=pb.Event(
@@ -281,7 +353,7 @@ DEFAULT_QUERY_HANDLERS: dict[str, QueryHandler] = {
 }
 
 
-def query_handler(store: DuckDBStore, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
+def query_handler(store: Store, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
     """The Query service over ``handlers``: NotFound answers NOT_FOUND, other UserError INVALID_ARGUMENT, a
     method without a handler UNIMPLEMENTED."""
     service = q.DESCRIPTOR.services_by_name["Query"]
@@ -308,16 +380,38 @@ def query_handler(store: DuckDBStore, handlers: Mapping[str, QueryHandler]) -> g
 
 
 # ----------------------------------------------------------------------------------------- serving
+class _EventLoopThread:
+    """An asyncio event loop on a daemon thread of its own (the gRPC server's); the caller stays synchronous."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run ``coro`` on the loop and return its result (or raise its exception) here."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
 class CollectorServer:
     """A running collector: its gRPC server, store and services. ``stop`` commits what was received, then closes."""
 
-    def __init__(self, server: grpc.Server, store: DuckDBStore, host: str, port: int,
-                 services: Sequence[Service] = ()) -> None:
+    def __init__(self, server: grpc.aio.Server, loop: _EventLoopThread, query_pool: ThreadPoolExecutor,
+                 store: Store, host: str, port: int, services: Sequence[Service] = (),
+                 ingest: IngestService | None = None) -> None:
         self._server = server
+        self._loop = loop
+        self._query_pool = query_pool
         self.store = store
         self.host = host
         self.port = port
         self.services = list(services)
+        self.ingest = ingest
         self._stopped = threading.Event()
 
     @property
@@ -328,9 +422,11 @@ class CollectorServer:
         """Stop taking RPCs (open streams get ``grace`` seconds), stop the services, flush, close the store."""
         if self._stopped.is_set():
             return
-        self._server.stop(grace).wait()
+        self._loop.run(self._server.stop(grace))
         _stop_all(self.services)
-        self.store.close()
+        self.store.close()  # commits what was received; the loop still runs the commits' callbacks
+        self._loop.close()
+        self._query_pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -346,16 +442,34 @@ def _stop_all(services: Sequence[Service]) -> None:
             log.exception("stopping %s failed", type(service).__name__)
 
 
-def client_limit_options(max_streams_per_connection: int) -> list[tuple[str, int]]:
-    """Per-connection limits of the gRPC server: concurrent calls per connection, dropping connections idle
-    for 10 minutes, and refusing keepalive pings more often than the agents' 60 s (a ping flood)."""
+def _server_options() -> list[tuple[str, Any]]:
     return [
-        ("grpc.max_concurrent_streams", max_streams_per_connection),
-        ("grpc.max_connection_idle_ms", 600_000),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
+        ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
+        ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+        # find dead peers (a node that lost power leaves a half-open connection) ...
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        # ... and let agents do the same: they ping every 60 s (gpuwatch.agent.uplink)
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+        # ... but no more often than that: a client pinging faster (a ping flood) is disconnected
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
         ("grpc.http2.max_ping_strikes", 2),
-        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
     ]
+
+
+async def _start_grpc(listen: str, handlers: Sequence[grpc.GenericRpcHandler], query_pool: ThreadPoolExecutor,
+                      token: str | None, tls: Mapping[str, Any], insecure: bool) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(migration_thread_pool=query_pool, handlers=handlers,
+                             interceptors=security.aio_server_interceptors(token), options=_server_options())
+    port = security.add_listen_port(server, listen, insecure=insecure, **tls)
+    if not port:
+        raise UserError(f"cannot listen on {listen}: the address is in use or not local")
+    await server.start()
+    return server, port
 
 
 def serve(
@@ -363,10 +477,11 @@ def serve(
     db_path: str,
     *,
     retention_days: float | None = None,
-    max_workers: int = 256,
-    max_ingest_streams: int | None = None,
-    max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
-    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    max_workers: int = DEFAULT_QUERY_WORKERS,
+    stream_window: int = DEFAULT_STREAM_WINDOW,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+    max_ingest_streams: int = DEFAULT_MAX_INGEST_STREAMS,
     time_window: TimeWindow | None = None,
     query_handlers: Mapping[str, QueryHandler] | None = None,
     services: Sequence[Service] = (),
@@ -381,11 +496,10 @@ def serve(
 
     TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with ``token`` every call
     needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is refused unless
-    ``insecure``. ``max_workers`` bounds concurrent RPCs; every connected agent's stream holds one worker, and
-    at most ``max_ingest_streams`` (default: ``max_workers`` less a reserve for queries, 16 or a quarter) are
-    served at once, each ended after ``stream_idle_timeout_s`` without a batch; one connection may open at most
-    ``max_streams_per_connection`` concurrent calls. Batch times outside ``time_window`` (around the
-    collector's clock; the collector command always sets one) are refused.
+    ``insecure``. ``max_workers`` threads answer Query calls; ingest runs on the event loop, bounded by
+    ``stream_window``, ``max_in_flight``, ``max_ingest_streams`` and ``stream_idle_s`` (see the module
+    docstring). Batch times outside ``time_window`` (around the collector's clock; the collector command
+    always sets one) are refused.
     Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
     Raises UserError when the store is locked by another process or the address cannot be bound.
     """
@@ -394,34 +508,29 @@ def serve(
         raise UserError(f"--listen {listen!r} is not HOST:PORT")
     tls = tls_cert is not None or tls_key is not None
     security.check_listen_policy(listen, tls, insecure)  # before anything is opened
-    store = DuckDBStore(db_path, retention_days=retention_days, **store_options)
+    store = open_store(db_path, retention_days=retention_days, **store_options)
     started: list[Service] = []
+    loop: _EventLoopThread | None = None
     try:
         handlers: dict[str, QueryHandler] = {**DEFAULT_QUERY_HANDLERS, **BreakdownService().handlers()}
         for service in services:
             handlers.update(service.start(store))
             started.append(service)
         handlers.update(query_handlers or {})
-        server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                             interceptors=security.server_interceptors(token),
-                             options=[("grpc.so_reuseport", 0),
-                                      ("grpc.max_receive_message_length", _HARD_RECEIVE_LIMIT),
-                                      ("grpc.max_send_message_length", _HARD_RECEIVE_LIMIT),
-                                      *client_limit_options(max_streams_per_connection)])
-        if max_ingest_streams is None:
-            max_ingest_streams = max(1, max_workers - min(QUERY_RESERVE_WORKERS, max_workers // 4))
-        admission = StreamAdmission(max_ingest_streams, stream_idle_timeout_s)
-        server.add_generic_rpc_handlers((IngestService(store, admission, time_window).handler(),
-                                         query_handler(store, handlers)))
-        port = security.add_listen_port(server, listen, cert=tls_cert, key=tls_key, client_ca=tls_client_ca,
-                                        insecure=insecure)
-        if not port:
-            raise UserError(f"cannot listen on {listen}: the address is in use or not local")
+        ingest = IngestService(store, stream_window=stream_window, max_in_flight=max_in_flight,
+                               stream_idle_s=stream_idle_s, max_ingest_streams=max_ingest_streams,
+                               window=time_window)
+        query_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="query")
+        loop = _EventLoopThread()
+        server, port = loop.run(_start_grpc(
+            listen, (ingest.handler(), query_handler(store, handlers)), query_pool, token,
+            {"cert": tls_cert, "key": tls_key, "client_ca": tls_client_ca}, insecure))
     except BaseException:
+        if loop is not None:
+            loop.close()
         _stop_all(started)
         store.close()
         raise
-    server.start()
     log.info("collector listening on %s:%d (%s), store %s", host, port,
-             "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", db_path)
-    return CollectorServer(server, store, host, port, started)
+             "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", redacted(db_path))
+    return CollectorServer(server, loop, query_pool, store, host, port, started, ingest)

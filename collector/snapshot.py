@@ -1,15 +1,13 @@
 """What the collector's /metrics shows: the exporter's snapshot, built from the store, scorer and jobs monitor.
 
-A scrape reads the latest value of every GPU field, XID counts, agents' spool health and the ingest
+A snapshot reads the latest value of every GPU field, XID counts, agents' spool health and the ingest
 counters from the store, and the last round of the scorer (risk, health) and of the jobs monitor
-(breakdowns, lost time, stragglers). Several Prometheus servers and dashboards may scrape at once, so a
-snapshot is reused for ``cache_s`` seconds and never rebuilt concurrently.
+(breakdowns, lost time, stragglers). It is built and rendered once per interval on one background thread,
+however many Prometheus servers and dashboards scrape.
 """
 from __future__ import annotations
 
-import math
-import threading
-import time
+import functools
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -18,12 +16,12 @@ from gpuwatch import fields
 from gpuwatch.collector.exporter import MetricsServer, Snapshot, start_metrics_server
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.scoring import Scorer
-from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.collector.store.base import Store
 
-DEFAULT_CACHE_S = 5.0
+DEFAULT_RENDER_INTERVAL_S = 5.0
 
 
-def build_snapshot(store: DuckDBStore, scorer: Scorer | None = None, jobs: JobsMonitor | None = None) -> Snapshot:
+def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor | None = None) -> Snapshot:
     """One consistent-enough view for one scrape (each part is read once)."""
     inventory = {(g["node"], g["index"]): g for g in store.gpus()}
     xids: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
@@ -58,43 +56,23 @@ def _job(flags: Mapping[str, Any]) -> dict[str, Any]:
             "stragglers": {s["rank"]: s["mean_lateness_us"] / 1e6 for s in flags["stragglers"]}}
 
 
-class CachedSnapshot:
-    """A snapshot provider that rebuilds at most every ``cache_s`` seconds, one scrape at a time."""
-
-    def __init__(self, store: DuckDBStore, scorer: Scorer | None = None, jobs: JobsMonitor | None = None,
-                 cache_s: float = DEFAULT_CACHE_S) -> None:
-        self._args = (store, scorer, jobs)
-        self.cache_s = cache_s
-        self.builds = 0
-        self._snapshot: Snapshot | None = None
-        self._built_at = -math.inf
-        self._lock = threading.Lock()
-
-    def __call__(self) -> Snapshot:
-        with self._lock:
-            if time.monotonic() - self._built_at >= self.cache_s:
-                self._snapshot = build_snapshot(*self._args)
-                self._built_at = time.monotonic()
-                self.builds += 1
-            return self._snapshot
-
-
 class MetricsService:
-    """Collector service: the Prometheus endpoint over a :class:`CachedSnapshot` of the running collector."""
+    """Collector service: the Prometheus endpoint, rendered from a fresh snapshot every ``interval_s``
+    (exporter.RenderedMetrics); a scrape gets the last render."""
 
     def __init__(self, listen: str, *, scorer: Scorer | None = None, jobs: JobsMonitor | None = None,
-                 token: str | None = None, insecure: bool = False, cache_s: float = DEFAULT_CACHE_S,
-                 gpu_telemetry: bool = True) -> None:
+                 token: str | None = None, insecure: bool = False, gpu_telemetry: bool = True,
+                 interval_s: float = DEFAULT_RENDER_INTERVAL_S) -> None:
         self.listen = listen
         self.gpu_telemetry = gpu_telemetry
         self._parts = (scorer, jobs)
-        self._token, self._insecure, self._cache_s = token, insecure, cache_s
+        self._token, self._insecure, self._interval_s = token, insecure, interval_s
         self.server: MetricsServer | None = None
 
-    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
-        provider = CachedSnapshot(store, *self._parts, cache_s=self._cache_s)
+    def start(self, store: Store) -> Mapping[str, Any]:
+        provider = functools.partial(build_snapshot, store, *self._parts)
         self.server = start_metrics_server(self.listen, provider, self._token, insecure=self._insecure,
-                                           gpu_telemetry=self.gpu_telemetry)
+                                           gpu_telemetry=self.gpu_telemetry, render_interval_s=self._interval_s)
         return {}
 
     def stop(self) -> None:

@@ -198,6 +198,20 @@ def validate(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms:
     Well-formed means storable: every index, sequence and time is within what the store keeps (times from
     1970 to 9999), and, given a ``window``, times lie within it around ``now_ms`` (default: this clock).
     """
+    validate_envelope(batch, window, now_ms)
+    for s in batch.samples:
+        _check_columns(f"samples for GPU {s.gpu_index}", s.columns, len(s.ts_ms), _GPU_FIELD_SET)
+    _check_columns("host samples", batch.host.columns, len(batch.host.ts_ms), _HOST_FIELD_SET)
+
+
+def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms: int | None = None
+                      ) -> None:
+    """Everything :func:`validate` checks except the sample columns (field names, value counts): the bounds
+    of indexes, sequences and times included.
+
+    Split out for the collector, which checks the columns while it copies them out of the batch's bytes
+    (gpuwatch.columnar); it reads only attributes that the collector's view of a batch shares.
+    """
     if batch.schema_version != SCHEMA_VERSION:
         raise BatchError(f"schema_version {batch.schema_version} is not supported (this collector reads {SCHEMA_VERSION})")
     if not batch.agent_id:
@@ -228,9 +242,7 @@ def validate(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms:
         for name, col in (("job_id", s.job_id), ("rank", s.rank), ("local_rank", s.local_rank)):
             if len(col) not in (0, n):
                 raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
-        _check_columns(where, s.columns, n, _GPU_FIELD_SET)
     _check_sample_times(batch, earliest, latest)
-    _check_columns("host samples", batch.host.columns, len(batch.host.ts_ms), _HOST_FIELD_SET)
     for e in batch.events:
         if not e.kind:
             raise BatchError("an event has an empty kind")

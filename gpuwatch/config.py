@@ -72,6 +72,15 @@ def address(value: str) -> None:
     split_address(value)
 
 
+def addresses(value: str) -> None:
+    """HOST:PORT, or several separated by commas."""
+    parts = [a.strip() for a in value.split(",")]
+    if not all(parts):
+        raise ValueError(f"{value!r}: an empty address in the list (HOST:PORT[,HOST:PORT...])")
+    for part in parts:
+        split_address(part)
+
+
 def positive(value: float) -> None:
     if value <= 0:
         raise ValueError(f"must be greater than 0, got {value}")
@@ -98,6 +107,8 @@ def one_of(*choices: str) -> Check:
 
 # ---- component schemas --------------------------------------------------------------------------------
 
+DEFAULT_MEMORY_LIMIT = "1GB"  # gpuwatch.collector.store.base.DEFAULT_MEMORY_LIMIT
+DEFAULT_SPAN_RETENTION_S = 1800.0  # gpuwatch.collector.store.base.DEFAULT_SPAN_RETENTION_S
 DEFAULT_COLLECTOR_PORT = 7700  # gpuwatch.collector.server.DEFAULT_PORT
 DEFAULT_SCORE_INTERVAL_S = 60.0  # gpuwatch.collector.scoring.DEFAULT_INTERVAL_S
 DEFAULT_JOBS_INTERVAL_S = 30.0  # gpuwatch.collector.jobs.DEFAULT_INTERVAL_S
@@ -108,7 +119,9 @@ DEFAULT_CHECKPOINT_COST_S = 300.0  # gpuwatch.collector.alerts.DEFAULT_CHECKPOIN
 LOG_LEVEL = Option("log_level", str, "info", "log level", one_of("debug", "info", "warning", "error"))
 
 AGENT_OPTIONS: tuple[Option, ...] = (
-    Option("collector", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}", "collector address HOST:PORT", address),
+    Option("collector", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}",
+           "collector address HOST:PORT, or several HOST:PORT,HOST:PORT sharing one store (failed over in turn)",
+           addresses),
     Option("node", str, None, "node name (default: the hostname)"),
     Option("interval", float, 1.0, "fast-tier sampling interval in seconds", positive),
     Option("slow_interval", float, 30.0, "slow-tier (reliability counters) interval in seconds", positive),
@@ -133,15 +146,29 @@ AGENT_OPTIONS: tuple[Option, ...] = (
 
 COLLECTOR_OPTIONS: tuple[Option, ...] = (
     Option("listen", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}", "gRPC listen address HOST:PORT", address),
-    Option("db", str, "gpuwatch.duckdb", "DuckDB database file"),
+    Option("db", str, "gpuwatch.duckdb", "DuckDB database file (shorthand for --store PATH)"),
+    Option("store", str, None, "store URL: PATH or duckdb:///PATH (embedded DuckDB), chdb:///DIR (in-process "
+           "ClickHouse), clickhouse[s]://[USER:PASSWORD@]HOST:8123/DB (ClickHouse server); default --db"),
+    Option("clickhouse_cluster", str, None, "ClickHouse cluster NAME: tables are ReplicatedMergeTree ON CLUSTER "
+           "NAME behind Distributed tables (docs/scale.md)"),
+    Option("memory_limit", str, DEFAULT_MEMORY_LIMIT, "the store engine's memory limit (e.g. 1GB)"),
+    Option("span_retention", float, DEFAULT_SPAN_RETENTION_S, "seconds of raw probe spans kept per job (its own "
+           "clock; per-step aggregates and step marks are kept for --retention-days; 0 keeps all)", non_negative),
     Option("retention_days", float, 30.0, "delete samples and events older than this (0 keeps everything)",
            non_negative),
-    Option("max_workers", int, 256, "gRPC worker threads (each connected agent stream holds one)", positive),
+    Option("max_workers", int, 16, "threads answering queries (ingest runs on the event loop, not on these)",
+           positive),
+    Option("max_in_flight", int, 4096, "batches received and not yet committed, all agents together; beyond it the "
+           "collector stops reading streams until the store catches up", positive),
     Option("stream_idle_timeout", float, 300.0, "seconds an agent stream may send nothing before it is closed",
            positive),
+    Option("max_ingest_streams", int, 20_000, "agent streams served at once; more are refused (RESOURCE_EXHAUSTED) "
+           "and retry later", positive),
     Option("max_sample_age_days", float, 3650.0, "refuse batches with times further back than this", positive),
     Option("max_sample_ahead_days", float, 30.0, "refuse batches with times further ahead than this", positive),
     Option("metrics_listen", str, None, "Prometheus /metrics listen address HOST:PORT", address),
+    Option("metrics_interval", float, 5.0, "seconds between /metrics renders (a scrape gets the last one)",
+           positive),
     Option("metrics_token_file", str, None, "bearer token Prometheus must send to /metrics"),
     Option("metrics_gpu_telemetry", bool, True,
            "export per-GPU and host telemetry on /metrics; false when Prometheus scrapes the agents' own /metrics"),

@@ -254,14 +254,8 @@ def failure_report(store: Any) -> dict[str, Any]:
     from gpuwatch.collector.alerts import ALERT_NAME
     from gpuwatch.models.faults import FATAL_XIDS
 
-    faults = store.query_df("""
-        SELECT node, gpu_index, epoch_ms(min(ts)) AS failed_ms FROM events
-        WHERE gpu_index >= 0 AND (kind = 'gpu_lost' OR (kind = 'xid' AND list_contains($fatal, code)))
-        GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(FATAL_XIDS)})
-    alerts = store.query_df("""
-        SELECT doc->>'node' AS node, CAST(doc->>'gpu_index' AS INTEGER) AS gpu_index,
-               epoch_ms(starts_at) AS starts_ms, CAST(doc->>'peak_risk' AS DOUBLE) AS peak_risk
-        FROM alerts WHERE alertname = $name ORDER BY starts_at""", {"name": ALERT_NAME})
+    faults = store.first_failures(sorted(FATAL_XIDS))
+    alerts = store.alert_starts(ALERT_NAME)
     failed = []
     for f in faults.itertuples():
         mine = alerts[(alerts["node"] == f.node) & (alerts["gpu_index"] == f.gpu_index)

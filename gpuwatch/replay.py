@@ -194,13 +194,12 @@ def store_results(store: Any) -> dict[str, Any]:
     from gpuwatch.collector.breakdowns import BreakdownService
     from gpuwatch.v1 import query_pb2 as q
 
-    counts = store.query_df("""
-        SELECT node, count(*) AS events FROM events GROUP BY node""").set_index("node")["events"].to_dict()
+    counts = store.event_counts_by_node()
     nodes = [{"node": r["node"], "gpus": r["gpus"], "samples": r["samples"], "events": int(counts.get(r["node"], 0)),
               "agent_id": r["agent_id"], "last_sequence": r["last_sequence"]} for r in store.nodes()]
     service = BreakdownService()
     breakdowns = {}
-    for job_id in store.query_df("SELECT DISTINCT job_id FROM spans WHERE job_id <> '' ORDER BY 1")["job_id"]:
+    for job_id in store.span_job_ids():
         try:
             doc = json.loads(service.breakdown(q.BreakdownRequest(job_id=job_id), store).json)
         except UserError as exc:
@@ -261,7 +260,7 @@ def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None
                 for now_ms in rounds[:-1]:
                     keep_peak(scorer.score_once(now_ms))
                     progress.advance()
-        has_spans = bool(store.query_df("SELECT EXISTS (SELECT 1 FROM spans) AS any")["any"].iloc[0])
+        has_spans = store.count("spans") > 0
         with Progress("jobs", total=len(rounds) if has_spans else 0, unit="rounds", quiet=quiet) as progress:
             for now_ms in rounds if has_spans else ():
                 monitor.check_once(now_ms * 1000.0)

@@ -89,14 +89,27 @@ def token_matches(header: str | None, token: str) -> bool:
     return header is not None and hmac.compare_digest(header.encode(), expected)
 
 
-def _denied(handler: grpc.RpcMethodHandler, method: str, why: str) -> grpc.RpcMethodHandler:
+def _refusal_reason(header: str | None) -> str:
+    return "no bearer token" if header is None else "wrong bearer token"
+
+
+def _denied(handler: grpc.RpcMethodHandler, method: str, why: str, asynchronous: bool = False
+            ) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED without running it (and logs who
-    was turned away, so a misconfigured agent shows in the collector's log, not only in its own)."""
+    was turned away, so a misconfigured agent shows in the collector's log, not only in its own). On an
+    asyncio server the refusal runs on the event loop and must be a coroutine (a plain function's abort would
+    wait on the loop it blocks)."""
 
     def abort(_request: Any, context: grpc.ServicerContext) -> None:
         log.warning("refused %s from %s: %s", method, context.peer(), why)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
 
+    async def abort_async(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        log.warning("refused %s from %s: %s", method, context.peer(), why)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+
+    if asynchronous:
+        abort = abort_async  # type: ignore[assignment]
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort)
     if handler.request_streaming:
@@ -123,7 +136,27 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         header = dict(details.invocation_metadata or ()).get(AUTH_HEADER)
         if handler is None or token_matches(header, self._token):
             return handler
-        return _denied(handler, details.method, "no bearer token" if header is None else "wrong bearer token")
+        return _denied(handler, details.method, _refusal_reason(header))
+
+
+class AsyncBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """:class:`BearerTokenInterceptor` for an asyncio server (grpc.aio); refused calls get UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("empty bearer token")
+        self._token = token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        header = dict(details.invocation_metadata or ()).get(AUTH_HEADER)
+        if handler is None or token_matches(header, self._token):
+            return handler
+        return _denied(handler, details.method, _refusal_reason(header), asynchronous=True)
 
 
 # ---- attaching the token (client side) ----------------------------------------------------------------
@@ -252,3 +285,8 @@ def add_listen_port(
 def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
     """Interceptors for ``grpc.server(..., interceptors=...)``: the token check when a token is configured."""
     return [BearerTokenInterceptor(token)] if token else []
+
+
+def aio_server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
+    """Interceptors for ``grpc.aio.server(..., interceptors=...)``: the token check when a token is configured."""
+    return [AsyncBearerTokenInterceptor(token)] if token else []

@@ -68,6 +68,14 @@ def alertmanager_alerts(url: str, alertname: str, active: bool = True) -> list[d
     return [a for a in alerts if a["labels"].get("alertname") == alertname]
 
 
+STORE_KINDS = ("duckdb", "chdb")  # the store engines the store and end-to-end tests run against
+
+
+def store_url(kind: str, folder: Path, name: str = "store") -> str:
+    """A --store URL of engine ``kind`` in ``folder``: a DuckDB file, or a chdb (in-process ClickHouse) directory."""
+    return str(folder / f"{name}.duckdb") if kind == "duckdb" else f"chdb://{folder / (name + '-chdb')}"
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now (for servers that must know their port up front)."""
     with socket.socket() as s:
@@ -129,22 +137,29 @@ def run_on_terminal(*argv: str, timeout: float = 300.0) -> tuple[int, str, str]:
 # ------------------------------------------------------------------------------- collector process
 class CollectorProcess:
     """`gpuwatch collector` as a child process on loopback (port 0: a free one), restartable on the same
-    port and store; its stderr goes to ``<db>.stderr`` and is shown when it fails to start."""
+    port and store; its stderr goes to ``<db>.stderr`` and is shown when it fails to start. ``db`` is a
+    DuckDB file (``--db``) or a ``chdb://`` store URL (``--store``)."""
 
     def __init__(self, db: str | Path, port: int = 0) -> None:
-        self.db, self.port = Path(db), port
+        self.db, self.port = str(db), port
         self.proc: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 60.0) -> CollectorProcess:
-        stderr_path = Path(f"{self.db}.stderr")
+    @property
+    def _chdb_dir(self) -> str | None:
+        return self.db.removeprefix("chdb://") if self.db.startswith("chdb://") else None
+
+    def start(self, timeout_s: float = 60.0, *extra: str) -> CollectorProcess:
+        stderr_path = Path(f"{self._chdb_dir or self.db}.stderr")
+        # ClickHouse drops rows past the TTL at insert: test batches carry 2023 times, so no TTL there
+        store = ["--store", self.db, "--retention-days", "0"] if self._chdb_dir else ["--db", self.db]
         with stderr_path.open("a") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpuwatch", "collector", "--listen", self.address, "--db", str(self.db),
-                 "--log-level", "warning"], stdout=subprocess.PIPE, stderr=stderr, text=True)
+                [sys.executable, "-m", "gpuwatch", "collector", "--listen", self.address, *store,
+                 "--log-level", "warning", *extra], stdout=subprocess.PIPE, stderr=stderr, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         line = self.proc.stdout.readline() if ready else ""
         if "listening on " not in line:
@@ -165,8 +180,17 @@ class CollectorProcess:
             assert self.proc.wait(60) == 0
 
     def rows(self, sql: str) -> list[tuple]:
-        """Query the store after stop() (DuckDB lets one process write or several read)."""
-        con = duckdb.connect(str(self.db), read_only=True)
+        """Query the store after stop() (DuckDB lets one process write or several read). ClickHouse is read as
+        the collector reads it, with ``final`` (rows of one key stored twice count once: see store/clickhouse.py)."""
+        if self._chdb_dir:
+            import clickhouse_connect
+
+            client = clickhouse_connect.get_client(dsn=self.db, database="gpuwatch", settings={"final": 1})
+            try:
+                return [tuple(r) for r in client.query(sql).result_rows]
+            finally:
+                client.close()
+        con = duckdb.connect(self.db, read_only=True)
         try:
             return con.execute(sql).fetchall()
         finally:

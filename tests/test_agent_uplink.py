@@ -73,3 +73,29 @@ def test_refused_batch_is_quarantined_and_the_rest_go_through(tmp_path, sink):
     assert spool.rejected() == [3] and uplink.stats.rejected == 1
     reason = (tmp_path / "rejected" / f"{3:020d}.reason.txt").read_text()
     assert "INVALID_ARGUMENT" in reason and "not_a_field" in reason
+
+
+def test_fails_over_to_the_next_collector_of_the_list_and_resends_what_was_not_acked(tmp_path):
+    from helpers import free_port
+
+    store = SinkStore()  # the collectors' shared store
+    first, second = IngestSink(store), IngestSink(store)
+    first_port, second_port = first.start(), second.start()
+    spool = Spool(tmp_path)
+    uplink = Uplink(spool, f"127.0.0.1:{free_port()},127.0.0.1:{first_port},127.0.0.1:{second_port}",
+                    backoff_initial_s=0.05, backoff_max_s=0.5)
+    uplink.start()
+    try:
+        _spool_batches(spool, 5)
+        uplink.notify()
+        assert uplink.wait_drained(30)  # the first address is dead: the uplink moved on
+        assert uplink.address == f"127.0.0.1:{first_port}"
+        first.stop()
+        _spool_batches(spool, 5)
+        uplink.notify()
+        assert uplink.wait_drained(30)
+        assert uplink.address == f"127.0.0.1:{second_port}"
+    finally:
+        uplink.stop()
+        second.stop()
+    assert store.sequences(spool.agent_id) == list(range(1, 11))

@@ -125,6 +125,7 @@ def test_collector_gives_the_alerts_advice_for_its_configured_job(tmp_path):
     server = start_collector(cfg)
     try:
         hub = next(s for s in server.services if isinstance(s, AlertHub))
-        assert hub.engine.advice.young_interval_s / 60 == pytest.approx(19, rel=0.02)  # §5: C = 1 min
+        engine = poll(lambda: hub.engine, 120, "risk alerting once the model has loaded")
+        assert engine.advice.young_interval_s / 60 == pytest.approx(19, rel=0.02)  # §5: C = 1 min
     finally:
         server.stop()

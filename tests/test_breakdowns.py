@@ -97,6 +97,7 @@ def test_live_breakdown_from_probe_spans(collector):
     server.store.write(_probe_batch(rows))
     doc = fetch_breakdown(stub, "L", per_step=True)
     assert doc.pop("source") == "live"
+    assert doc.pop("history") == {"steps": 0, "ranks": 0, "breakdown_us": {}}  # no jobs-monitor round yet
     expected = orjson.loads(orjson.dumps(analyze(timelines_from_spans(rows, source="job L probe spans"),
                                                  per_step=True)))
     assert doc == expected

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from gpuwatch.collector.cli import start_collector
-from gpuwatch.collector.snapshot import CachedSnapshot, MetricsService
+from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.config import COLLECTOR_OPTIONS, load_config
 from gpuwatch.models.failsim import HOUR_MS
 from helpers import data_parallel_job, degrading_node, make_batch, poll, sim_batches, write_spans
@@ -81,9 +81,15 @@ def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(
         assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
-def test_snapshot_is_cached_between_scrapes(collector):
-    provider = CachedSnapshot(collector.store, cache_s=60)
-    first = provider()
+def test_scrapes_get_the_last_render_until_the_next_one(collector):
+    (metrics,) = [s for s in collector.services if isinstance(s, MetricsService)]
+    rendered = metrics.server.rendered
+    poll(lambda: rendered.renders >= 1, 60, "the first render")
+    rendered.close()  # no background renders from here on: this test renders by hand
+    rendered.render()
+    before = _scrape(metrics.server.url)
     collector.store.write(make_batch(1))
-    assert provider() is first and provider.builds == 1
-    assert CachedSnapshot(collector.store, cache_s=0)()["ingest"]["batches_total"] == 1
+    assert _scrape(metrics.server.url) == before  # served from the render, not rebuilt per scrape
+    assert _value(before, "gpuwatch_ingest_batches_total") == 0
+    rendered.render()
+    assert _value(_scrape(metrics.server.url), "gpuwatch_ingest_batches_total") == 1

@@ -5,24 +5,25 @@ import grpc
 import pytest
 
 from gpuwatch.collector import client
-from gpuwatch.collector.store.duckdb import DuckDBStore
-from helpers import ROWS_PER_BATCH, CollectorProcess, make_batch
+from gpuwatch.collector.store import open_store
+from helpers import ROWS_PER_BATCH, STORE_KINDS, CollectorProcess, make_batch, store_url
 
 pytestmark = pytest.mark.slow
 
 
-def _stored_rows(db_path: str) -> tuple[int, int]:
+def _stored_rows(url: str) -> tuple[int, int]:
     """(rows, distinct (node, gpu, ts)) in gpu_samples, read by this process after the collector is gone."""
-    store = DuckDBStore(db_path)
+    store = open_store(url)
     try:
-        df = store.query_df("SELECT count(*) AS n, count(DISTINCT (node, gpu_index, ts)) AS d FROM gpu_samples")
-        return int(df["n"][0]), int(df["d"][0])
+        rows = store.gpu_samples(columns=[])
+        return len(rows), len(rows.drop_duplicates(["node", "gpu_index", "ts"]))
     finally:
         store.close()
 
 
-def test_an_acked_batch_survives_sigkill(tmp_path):
-    db = str(tmp_path / "c.duckdb")
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_an_acked_batch_survives_sigkill(kind, tmp_path):
+    db = store_url(kind, tmp_path, "c")
     collector = CollectorProcess(db).start()
     ch = client.channel(collector.address)
     assert not client.push(ch, make_batch(1)).duplicate
@@ -31,8 +32,9 @@ def test_an_acked_batch_survives_sigkill(tmp_path):
     assert _stored_rows(db) == (ROWS_PER_BATCH, ROWS_PER_BATCH)
 
 
-def test_sigkill_mid_stream_then_resend_stores_every_sample_exactly_once(tmp_path):
-    db = str(tmp_path / "c.duckdb")
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_sigkill_mid_stream_then_resend_stores_every_sample_exactly_once(kind, tmp_path):
+    db = store_url(kind, tmp_path, "c")
     total = 400
     batches = [make_batch(seq).SerializeToString() for seq in range(1, total + 1)]
     collector = CollectorProcess(db).start()

@@ -89,3 +89,15 @@ def test_plaintext_beyond_loopback_is_refused_unless_insecure(tmp_path):
                              "--db", str(tmp_path / "cli.duckdb")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "refusing to listen on 0.0.0.0:0 without TLS" in result.stderr and "--insecure" in result.stderr
+
+
+def test_a_stream_without_the_token_is_refused_and_the_collector_keeps_serving(collector, pki):
+    agent = {"ca": pki["ca"], "cert": pki["client"], "key": pki["client_key"]}
+    for token in (None, "not-the-token"):
+        ch = client.channel(collector.address, **agent, token=token)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.stream_batches(ch, [make_batch(7)]))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ch.close()
+    assert _push(collector, 1, token=TOKEN, **agent).sequence == 1  # the refusals blocked nothing
+    assert _stored(collector) == ROWS_PER_BATCH

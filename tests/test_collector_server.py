@@ -1,5 +1,6 @@
 """The collector over real gRPC on loopback: ingest, dedup, rejections, queries, plug-in handlers, query CLI."""
 import json
+import threading
 
 import grpc
 import pytest
@@ -11,7 +12,7 @@ from gpuwatch.collector.server import serve
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import ROWS_PER_BATCH, TICKS, free_port, make_batch
+from helpers import ROWS_PER_BATCH, TICKS, free_port, make_batch, poll
 
 
 def _not_found(request, store):
@@ -183,3 +184,79 @@ def test_table_cells_show_nested_values_by_name():
              "stragglers": [{"rank": 2}, {"rank": 5}], "delayed": []}]
     header, line = format_table(rows).splitlines()
     assert line.split() == ["0", "xid_rate,temp_max", "3", "seq=3", "bus=1a", "yes", "2,5", "-"]
+
+
+def _idle_streams(address: str, count: int, per_channel: int, stop: threading.Event) -> list:
+    """``count`` Ingest streams that never send, ``per_channel`` on each connection: their channels and calls
+    (a call dropped is a call cancelled)."""
+    def never():
+        stop.wait()
+        yield from ()
+
+    held = []
+    for first in range(0, count, per_channel):
+        ch = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        held.append(ch)
+        call = ch.stream_stream("/gpuwatch.v1.Ingest/Stream", request_serializer=bytes,
+                                response_deserializer=pb.BatchAck.FromString)
+        held.extend(call(never()) for _ in range(min(per_channel, count - first)))
+    return held
+
+
+def test_hundreds_of_idle_streams_starve_no_agent_and_no_query(collector, channel):
+    stop = threading.Event()
+    idle = _idle_streams(collector.address, 300, 75, stop)  # more than the old server's 256 worker threads
+    try:
+        poll(lambda: collector.ingest.open_streams >= 300, 120, "300 idle streams held by the collector")
+        acks = list(client.stream_batches(channel, [make_batch(s, agent="busy") for s in (1, 2, 3)]))
+        assert [a.sequence for a in acks] == [1, 2, 3]
+        (node,) = client.connect(collector.address).ListNodes(q.ListNodesRequest()).nodes
+        assert node.samples == 3 * ROWS_PER_BATCH
+    finally:
+        stop.set()
+        for ch in idle:
+            if isinstance(ch, grpc.Channel):
+                ch.close()
+
+
+def test_a_stream_silent_past_the_idle_limit_is_closed_and_its_batches_were_acked(tmp_path):
+    server = serve("127.0.0.1:0", str(tmp_path / "idle.duckdb"), stream_idle_s=0.5)
+    ch = client.channel(server.address)
+    release = threading.Event()
+
+    def one_then_silence():
+        yield make_batch(1).SerializeToString()
+        release.wait(120)
+
+    try:
+        call = ch.stream_stream("/gpuwatch.v1.Ingest/Stream", request_serializer=bytes,
+                                response_deserializer=pb.BatchAck.FromString)(one_then_silence(), timeout=120)
+        assert next(call).sequence == 1
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "idle stream closed" in err.value.details()
+        assert server.store.count("gpu_samples") == ROWS_PER_BATCH
+    finally:
+        release.set()
+        ch.close()
+        server.stop()
+
+
+def test_a_client_gone_while_its_batches_wait_for_the_commit_stops_no_one(collector, channel):
+    gate = threading.Event()
+    blocker = threading.Thread(target=collector.store.run_write, args=(lambda con: gate.wait(120),))
+    blocker.start()  # the writer is busy: batches that arrive now wait for their commit
+    try:
+        call = channel.stream_stream("/gpuwatch.v1.Ingest/Stream", request_serializer=bytes,
+                                     response_deserializer=pb.BatchAck.FromString)(
+            iter([make_batch(s, agent="leaver").SerializeToString() for s in (1, 2, 3)]))
+        poll(lambda: collector.store.queue_depth() >= 3, 60, "the leaving client's batches queued")
+        call.cancel()
+        poll(lambda: collector.ingest.open_streams == 0, 60, "the cancelled stream to end")
+    finally:
+        gate.set()
+        blocker.join()
+    other = client.channel(collector.address)
+    assert not client.push(other, make_batch(1, agent="stayer", node="node-2")).duplicate
+    assert collector.store.count("gpu_samples") == 4 * ROWS_PER_BATCH  # the leaver's batches were committed too
+    other.close()

@@ -2,24 +2,30 @@
 import pytest
 
 from gpuwatch import fields
-from gpuwatch.collector.store.duckdb import DDL, DuckDBStore
-from gpuwatch.errors import UserError
-from helpers import ROWS_PER_BATCH, T0_MS, TICKS, make_batch
+from gpuwatch.collector.store.duckdb import DDL, ms_to_datetime
+from gpuwatch.collector.store import open_store
+from gpuwatch.collector.store.base import TABLES
+from gpuwatch.errors import AgentIdConflict, UserError
+from helpers import ROWS_PER_BATCH, T0_MS, TICKS, make_batch, store_url, STORE_KINDS
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = DuckDBStore(str(tmp_path / "store.duckdb"), retention_days=1)
+RETENTION_DAYS = 3650  # the test data lies in 2023; ClickHouse's TTL would drop it at insert under a short one
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request, tmp_path):
+    s = open_store(store_url(request.param, tmp_path), retention_days=RETENTION_DAYS)
     yield s
     s.close()
 
 
 def test_wide_tables_have_one_column_per_catalogue_field(store):
-    gpu_columns = store.query_df("SELECT * FROM gpu_samples LIMIT 0").columns.tolist()
-    host_columns = store.query_df("SELECT * FROM host_samples LIMIT 0").columns.tolist()
+    gpu_columns = store.columns("gpu_samples")
+    host_columns = store.columns("host_samples")
     assert gpu_columns == ["node", "gpu_index", "ts", "job_id", "rank", "local_rank", *fields.GPU_FIELD_NAMES]
     assert host_columns == ["node", "ts", *fields.HOST_FIELD_NAMES]
-    assert len(DDL) == 8
+    assert len(DDL) == len(TABLES) == 14  # every table, features' included, is created when the store opens
+    assert all(store.count(table) == 0 for table in TABLES)
 
 
 def test_group_with_duplicates_stores_each_batch_once(store):
@@ -74,25 +80,53 @@ def test_retention_deletes_only_rows_older_than_the_window(store):
     store.write(make_batch(1))
     store.write(make_batch(1000))
     last_old_ms = T0_MS + 1000 * (1 * TICKS + TICKS - 1)
-    deleted = store.apply_retention(now_ms=last_old_ms + 86_400_000 + 1)
+    deleted = store.apply_retention(now_ms=last_old_ms + RETENTION_DAYS * 86_400_000 + 1)
     assert deleted["gpu_samples"] == ROWS_PER_BATCH and deleted["events"] == 1 and deleted["host_samples"] == 1
     assert store.count("gpu_samples") == ROWS_PER_BATCH
-    assert store.query_df("SELECT min(epoch_ms(ts)) AS t FROM gpu_samples")["t"][0] > last_old_ms
+    assert store.gpu_samples()["ts"].min() > ms_to_datetime(last_old_ms)
 
 
-def test_reopened_store_keeps_rows_and_dedup_state(tmp_path):
-    path = str(tmp_path / "reopen.duckdb")
-    first = DuckDBStore(path)
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_reopened_store_keeps_rows_and_dedup_state(kind, tmp_path):
+    path = store_url(kind, tmp_path, "reopen")
+    first = open_store(path)
     first.write(make_batch(1))
     first.write(make_batch(2))
     first.close()
-    second = DuckDBStore(path)
+    second = open_store(path)
     try:
         assert second.write(make_batch(1)).duplicate  # below last_sequence: found in `ingested`
         assert not second.write(make_batch(3)).duplicate
         assert second.count("gpu_samples") == 3 * ROWS_PER_BATCH
     finally:
         second.close()
+
+
+def test_a_cloned_agent_ids_batch_is_a_conflict_not_a_duplicate(store):
+    store.write(make_batch(1, agent="cloned"))
+    assert store.write(make_batch(1, agent="cloned")).duplicate  # a resend: the same content
+    with pytest.raises(AgentIdConflict):
+        store.write(make_batch(1, agent="cloned", node="node-2"))  # another agent's batch under that id
+    assert store.count("gpu_samples") == ROWS_PER_BATCH and store.count("ingested") == 1
+
+
+def test_an_ingested_table_from_before_fingerprints_is_migrated(tmp_path):
+    import duckdb
+
+    path = str(tmp_path / "old.duckdb")
+    store = open_store(path)
+    store.write(make_batch(1, agent="old-agent"))
+    store.close()
+    con = duckdb.connect(path)
+    con.execute("ALTER TABLE ingested DROP COLUMN fingerprint")  # as stores written before fingerprints are
+    con.close()
+    store = open_store(path)
+    try:
+        assert "fingerprint" in store.columns("ingested")
+        # a batch stored before there were fingerprints: its resend is still a duplicate, never a conflict
+        assert store.write(make_batch(1, agent="old-agent")).duplicate
+    finally:
+        store.close()
 
 
 def test_spans_are_stored_columnar(store):
@@ -107,12 +141,95 @@ def test_spans_are_stored_columnar(store):
 
 
 def test_a_batch_that_cannot_be_stored_fails_alone_not_its_group(store):
-    bad = make_batch(1, agent="agent-bad", node="node-bad")
-    bad.samples[0].gpu_index = 2**31  # passes validation (no inventory check without gpus) but overflows INTEGER
-    del bad.gpus[:]
+    from gpuwatch.columnar import ColumnarBatch, from_message
+
+    message = make_batch(1, agent="agent-bad", node="node-bad")
+    checked = from_message(message)
+    message.samples[0].gpu_index = 2**31  # overflows INTEGER; the server's checks refuse it, the store must
+    del message.gpus[:]                   # cope all the same: past the checks, as if they missed a case
+    bad = ColumnarBatch(message, checked.gpu_values, checked.host_values)
     futures = [store.submit(make_batch(1)), store.submit(bad), store.submit(make_batch(2))]
     assert not futures[0].result(30).duplicate and not futures[2].result(30).duplicate
     with pytest.raises(Exception):
         futures[1].result(30)
     assert store.count("gpu_samples") == 2 * ROWS_PER_BATCH
     assert store.write(make_batch(3)).sequence == 3  # the writer keeps going
+
+
+def test_raw_spans_are_trimmed_per_job_while_step_marks_stay(store):
+    from gpuwatch.v1 import telemetry_pb2 as pb
+    batch = make_batch(1)
+    steps = range(0, 3000, 10)  # a step every 10 s of the job's clock, 3000 s in all
+    starts = [s * 1e6 for s in steps for _ in (0, 1)]
+    batch.spans.CopyFrom(pb.SpanTable(
+        job_id=["j"] * len(starts), rank=[0] * len(starts), step=[s // 10 for s in steps for _ in (0, 1)],
+        kind=["step", "compute"] * len(steps), name=["step", "fwd"] * len(steps), start_us=starts,
+        dur_us=[9e6] * len(starts)))
+    store.write(batch)
+    store.span_retention_s = 1000.0
+    deleted = store.trim_spans()
+    kept = store.spans("j")
+    assert deleted == len(starts) - len(kept) > 0
+    assert kept["start_us"].min() >= (2990 - 1000) * 1e6  # the last 1000 s before the job's newest span
+    progress = store.job_progress().set_index("job_id").loc["j"]
+    assert progress["steps"] == len(steps) and not progress["finished"]  # step marks outlive the raw spans
+    assert len(store.recent_spans(100.0, "j")) < len(kept)
+
+
+def test_cluster_schema_parses(tmp_path):
+    """The --clickhouse-cluster DDL (ReplicatedMergeTree + Distributed) is valid ClickHouse SQL; running it
+    needs a cluster with ZooKeeper/Keeper, which these tests do not have."""
+    import clickhouse_connect
+
+    from gpuwatch.collector.store.clickhouse import create_statements
+
+    client = clickhouse_connect.get_client(dsn=f"chdb://{tmp_path / 'ddl'}")
+    try:
+        statements = create_statements("gpuwatch", 30, cluster="prod")
+        assert sum("Distributed(prod" in s for s in statements) == len(TABLES)
+        for statement in statements:
+            client.query(f"EXPLAIN AST {statement}")
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("url, options, message", [
+    ("mysql://h/db", {}, "unknown scheme"),
+    ("chdb://", {}, "give a directory"),
+    ("clickhouse://127.0.0.1:1/gpuwatch", {}, "cannot open store clickhouse://127.0.0.1:1/gpuwatch"),
+    ("clickhouse://u:secret@127.0.0.1:1/gpu-watch", {}, r"database name 'gpu-watch'.*letters"),
+    ("DUCKDB", {"memory_limit": "lots"}, "cannot open store"),
+    ("chdb://DIR", {"memory_limit": "lots"}, "memory limit 'lots'"),
+])
+def test_a_store_that_cannot_be_opened_is_one_clear_error(tmp_path, url, options, message):
+    url = url.replace("DUCKDB", str(tmp_path / "s.duckdb")).replace("DIR", str(tmp_path / "ch"))
+    with pytest.raises(UserError, match=message) as info:
+        open_store(url, **options).close()
+    assert "secret" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_failure_evidence_reads(store):
+    """What collector/failed.py and the jobs monitor read: fatal events, agent starts and stops, counter resets."""
+    from gpuwatch.batches import BatchBuilder
+    from gpuwatch.v1 import telemetry_pb2 as pb
+    builder = BatchBuilder(pb.NodeIdentity(node="n"), "agent-f", [pb.GpuInfo(index=0, uuid="GPU-f")])
+    for i, joules in enumerate([10.0, 20.0, 5.0, 6.0]):  # the driver reloaded before the third sample
+        builder.add_gpu_row(0, T0_MS + 1000 * i, {"gpu_energy_joules_total": joules})
+    builder.add_event("agent_start", T0_MS, gpu_index=-1)
+    builder.add_event("xid", T0_MS + 500, gpu_index=0, code=48, message="DBE")
+    builder.add_event("xid", T0_MS + 600, gpu_index=0, code=13, message="not fatal")
+    builder.add_event("agent_stop", T0_MS + 4000, gpu_index=-1)
+    store.write(builder.build(1))
+    fatal = store.fatal_events([48, 79])
+    assert fatal[["node", "gpu_index", "ts_ms", "kind", "code"]].values.tolist() == [["n", 0, T0_MS + 500, "xid", 48]]
+    assert store.fatal_events([48], until_ms=T0_MS + 100).empty
+    assert store.event_times("agent_start")["ts_ms"].tolist() == [T0_MS]
+    drops = store.counter_drops("gpu_energy_joules_total", [("n", 0)], T0_MS - 1000)
+    assert drops[["node", "gpu_index", "ts_ms"]].values.tolist() == [["n", 0, T0_MS + 2000]]
+    assert store.stopped_agents()[["node", "stopped_us"]].values.tolist() == [["n", (T0_MS + 4000) * 1000]]
+
+
+def test_empty_answers_keep_their_columns(store):
+    assert list(store.recent_spans(60.0).columns[:3]) == ["job_id", "rank", "step"]
+    assert list(store.stopped_agents().columns) == ["node", "stopped_us"]
+    assert list(store.event_rows(["xid"]).columns) == ["node", "gpu_index", "ts", "kind", "code"]

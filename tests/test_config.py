@@ -117,6 +117,18 @@ def test_collector_defaults_match_the_components():
         (jobs.DEFAULT_INTERVAL_S, jobs.DEFAULT_WINDOW_S, jobs.DEFAULT_HANG_S)
     assert (config.DEFAULT_JOB_GPUS, config.DEFAULT_CHECKPOINT_COST_S) == \
         (alerts.DEFAULT_JOB_GPUS, alerts.DEFAULT_CHECKPOINT_COST_S)
+    from gpuwatch.collector.store import base
+    assert (config.DEFAULT_MEMORY_LIMIT, config.DEFAULT_SPAN_RETENTION_S) == \
+        (base.DEFAULT_MEMORY_LIMIT, base.DEFAULT_SPAN_RETENTION_S)
+
+
+def test_agent_takes_a_list_of_collectors_and_names_a_bad_entry():
+    cfg = load_config(AGENT_OPTIONS, _parse(["--collector", "a:7700,b:7700"], AGENT_OPTIONS), env={})
+    assert cfg.collector == "a:7700,b:7700"
+    with pytest.raises(UserError, match=r"collector \(from flag --collector\): 'b' is not HOST:PORT"):
+        load_config(AGENT_OPTIONS, _parse(["--collector", "a:7700,b"], AGENT_OPTIONS), env={})
+    with pytest.raises(UserError, match="an empty address in the list"):
+        load_config(AGENT_OPTIONS, _parse(["--collector", "a:7700,"], AGENT_OPTIONS), env={})
 
 
 def test_retention_zero_keeps_everything_and_negative_is_refused():

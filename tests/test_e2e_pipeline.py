@@ -1,5 +1,5 @@
 """End to end over real gRPC on loopback: `gpuwatch agent` processes (simulated GPUs beneath pynvml) stream to
-a real `gpuwatch collector` process with its DuckDB store; restarts and kills on either side lose nothing
+a real `gpuwatch collector` process with its store (DuckDB, and ClickHouse in-process through chdb); restarts and kills on either side lose nothing
 and store nothing twice."""
 import json
 import os
@@ -19,7 +19,7 @@ from gpuwatch.collector.client import connect
 from gpuwatch.collector.query_cli import parse_time_ms
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import CollectorProcess, free_port, poll
+from helpers import STORE_KINDS, CollectorProcess, free_port, poll, store_url
 
 GPUS = 2
 
@@ -38,8 +38,9 @@ def samples_by_node(address: str) -> dict[str, int]:
     return {n.node: n.samples for n in reply.nodes}
 
 
-def test_collector_killed_mid_stream_and_restarted_stores_every_sample_once(tmp_path):
-    collector = CollectorProcess(tmp_path / "store.duckdb").start()
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_collector_killed_mid_stream_and_restarted_stores_every_sample_once(kind, tmp_path):
+    collector = CollectorProcess(store_url(kind, tmp_path)).start()
     ticks, nodes = 60, ("kill-a", "kill-b")
     agents = [subprocess.Popen(agent_cmd(collector.address, node, tmp_path / node, "--ticks", str(ticks)))
               for node in nodes]
@@ -60,7 +61,8 @@ def test_collector_killed_mid_stream_and_restarted_stores_every_sample_once(tmp_
     assert collector.rows("SELECT count(*) FROM host_samples") == [(ticks * len(nodes),)]
 
 
-def test_agent_restarted_with_a_full_spool_drains_it_in_order_once(tmp_path):
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_agent_restarted_with_a_full_spool_drains_it_in_order_once(kind, tmp_path):
     port, spool = free_port(), tmp_path / "spool"
     address = f"127.0.0.1:{port}"
     first = subprocess.Popen(agent_cmd(address, "spool-node", spool, interval=0.02))  # no collector yet
@@ -72,7 +74,7 @@ def test_agent_restarted_with_a_full_spool_drains_it_in_order_once(tmp_path):
     spooled = [pb.TelemetryBatch.FromString(decode_record(p.read_bytes()))
                for p in sorted((spool / "batches").glob("*.pb"))]
     spooled_rows = sum(len(s.ts_ms) for b in spooled for s in b.samples if s.gpu_index == 0)
-    collector = CollectorProcess(tmp_path / "store.duckdb", port).start()
+    collector = CollectorProcess(store_url(kind, tmp_path), port).start()
     try:
         second = subprocess.run(agent_cmd(address, "spool-node", spool, "--ticks", "3", interval=0.02), timeout=120)
         assert second.returncode == 0
@@ -85,9 +87,9 @@ def test_agent_restarted_with_a_full_spool_drains_it_in_order_once(tmp_path):
     assert sequences == sorted(set(sequences)) and {b.sequence for b in spooled} <= set(sequences)
 
 
-@pytest.fixture(scope="module")
-def shared_collector(tmp_path_factory):
-    collector = CollectorProcess(tmp_path_factory.mktemp("collector") / "store.duckdb").start()
+@pytest.fixture(scope="module", params=STORE_KINDS)
+def shared_collector(request, tmp_path_factory):
+    collector = CollectorProcess(store_url(request.param, tmp_path_factory.mktemp("collector"))).start()
     yield collector
     collector.stop()
 

@@ -1,6 +1,7 @@
 """Prometheus exposition: rendered from a constructed snapshot, checked by promtool, scraped over real HTTP."""
 from __future__ import annotations
 
+import gzip
 import math
 import shutil
 import subprocess
@@ -149,6 +150,31 @@ def test_scrape_over_http_with_token():
         assert status == 200 and body.rstrip().endswith("# EOF")
         assert _get(server.url.replace("/metrics", "/other"), token=TOKEN)[0] == 404
     assert len(scrapes) == 2
+
+
+def test_rendered_endpoint_serves_each_render_to_every_scraper_and_format():
+    state = {"batches_total": 1}
+    calls = []
+
+    def provider():
+        calls.append(1)
+        return {"ingest": dict(state)}
+
+    with start_metrics_server("127.0.0.1:0", provider, render_interval_s=3600) as server:
+        text = _get(server.url)[1]
+        assert _value(text, "gpuwatch_ingest_batches_total") == 1.0
+        state["batches_total"] = 7
+        openmetrics = _get(server.url, accept="application/openmetrics-text; version=1.0.0")[1]
+        request = urllib.request.Request(server.url, headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["Content-Encoding"] == "gzip"
+            assert gzip.decompress(response.read()).decode() == text
+        assert _get(server.url)[1] == text and openmetrics.rstrip().endswith("# EOF")
+        assert _value(openmetrics, "gpuwatch_ingest_batches_total") == 1.0
+        assert len(calls) == server.rendered.renders == 1  # four scrapes, one snapshot
+        server.rendered.render()
+        assert _value(_get(server.url)[1], "gpuwatch_ingest_batches_total") == 7.0
+        assert len(calls) == 2
 
 
 def test_scrape_without_token_on_loopback_reflects_each_snapshot():

@@ -152,7 +152,7 @@ def test_a_clone_that_reuses_sequences_later_is_refused_not_taken_for_resends(co
 # ---- point 9: idle streams and per-client limits -------------------------------------------------
 def test_idle_streams_are_bounded_and_timed_out_while_agents_and_queries_are_served(tmp_path):
     server = serve("127.0.0.1:0", str(tmp_path / "idle.duckdb"), max_workers=12, max_ingest_streams=4,
-                   stream_idle_timeout_s=1.0)
+                   stream_idle_s=1.0)
     stop = threading.Event()
     channels = [client.channel(server.address) for _ in range(6)]
     try:
@@ -178,10 +178,11 @@ def test_idle_streams_are_bounded_and_timed_out_while_agents_and_queries_are_ser
 
 
 def test_server_sets_per_connection_limits():
-    from gpuwatch.collector.server import client_limit_options
+    from gpuwatch.collector.server import STREAMS_PER_CONNECTION, _server_options
 
-    options = dict(client_limit_options(8))
-    assert options["grpc.max_concurrent_streams"] == 8 and options["grpc.max_connection_idle_ms"] > 0
+    options = dict(_server_options())
+    assert options["grpc.max_concurrent_streams"] == STREAMS_PER_CONNECTION
+    assert options["grpc.max_connection_idle_ms"] > 0 and options["grpc.http2.max_ping_strikes"] > 0
 
 
 # ---- point 10: causes in the logs ----------------------------------------------------------------

@@ -18,8 +18,9 @@ from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import (KINETO_SAMPLED, SPAN_FIELDS, STEP_US, WORLD, alertmanager_alerts, data_parallel_job, make_batch, poll, span_row,
-                     write_spans)
+from gpuwatch.collector.store import open_store
+from helpers import (KINETO_SAMPLED, SPAN_FIELDS, STEP_US, STORE_KINDS, WORLD, alertmanager_alerts, data_parallel_job,
+                     make_batch, poll, span_row, store_url, write_spans)
 
 @pytest.fixture
 def store(tmp_path):
@@ -165,3 +166,23 @@ def test_jobs_lists_every_job_the_collector_knows_and_from_where(tmp_path, capsy
         assert [row.split()[column] for row in table[1:]] == ["0", "0"]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_steps_and_per_step_breakdowns_outlive_the_raw_span_window(kind, tmp_path):
+    store = open_store(store_url(kind, tmp_path))
+    try:
+        now = time.time() * 1e6
+        write_spans(store, data_parallel_job("long-job", now, steps=20, slow_rank=1), 1)
+        monitor = _monitor(store)
+        monitor.check_once(now)  # analyses the new spans and keeps their per-step breakdown
+        store.span_retention_s = 5 * STEP_US / 1e6  # keep the last 5 steps' raw spans
+        assert store.trim_spans() > 0 and len(store.spans("long-job")) < 20 * WORLD * 2
+        (job,) = monitor.jobs(now)
+        assert job["steps"] == 20 and job["ranks"] == WORLD  # from the step marks, not the trimmed spans
+        doc = json.loads(BreakdownService().breakdown(q.BreakdownRequest(job_id="long-job"), store).json)
+        assert doc["history"]["steps"] == 20 and doc["history"]["ranks"] == WORLD
+        assert doc["history"]["breakdown_us"]["comm_wait"] > 0  # rank 1's peers wait for it in every step
+        assert max(r["window_us"] for r in doc["ranks"]) <= 6 * STEP_US  # the live part: the raw window only
+    finally:
+        store.close()

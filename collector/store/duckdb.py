@@ -14,13 +14,10 @@ import itertools
 import json
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import duckdb
@@ -31,8 +28,12 @@ import pyarrow.compute as pc
 
 from gpuwatch import events as event_kinds
 from gpuwatch import fields
-from gpuwatch.collector.exporter import LatencyHistogram
-from gpuwatch.errors import AgentIdConflict, NotFound, UserError
+from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
+                                           DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS)
+from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
+                                             fingerprint)
+from gpuwatch.columnar import ColumnarBatch
+from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,28 @@ DDL: list[str] = [
     """CREATE TABLE IF NOT EXISTS alerts (
     id VARCHAR PRIMARY KEY, alertname VARCHAR NOT NULL, subject VARCHAR NOT NULL, status VARCHAR NOT NULL,
     starts_at TIMESTAMP NOT NULL, ends_at TIMESTAMP, updated_at TIMESTAMP NOT NULL, doc JSON NOT NULL)""",
+    # the step marks ("step" and "end" span rows) of every job: kept as long as samples, while the raw spans
+    # are trimmed to a window (steps, step rate and finished ranks over a job's whole life come from here)
+    """CREATE TABLE IF NOT EXISTS job_steps (
+    job_id VARCHAR, rank INTEGER, step BIGINT, kind VARCHAR, start_us DOUBLE, dur_us DOUBLE, world_size INTEGER,
+    node VARCHAR, ts TIMESTAMP NOT NULL)""",
+    # per-step efficiency of live jobs (category -> us), written by the jobs monitor from the spans it analysed
+    """CREATE TABLE IF NOT EXISTS step_breakdowns (
+    job_id VARCHAR NOT NULL, rank INTEGER NOT NULL, step BIGINT, category VARCHAR NOT NULL, us DOUBLE NOT NULL,
+    ts TIMESTAMP NOT NULL)""",
+    # submitted traces (one compact timeline per job and rank) and the breakdowns computed from them
+    """CREATE TABLE IF NOT EXISTS job_timelines (
+    job_id VARCHAR NOT NULL, rank INTEGER NOT NULL, filename VARCHAR, timeline BLOB NOT NULL,
+    submitted_at TIMESTAMP NOT NULL, PRIMARY KEY (job_id, rank))""",
+    """CREATE TABLE IF NOT EXISTS breakdowns (
+    job_id VARCHAR NOT NULL, source VARCHAR NOT NULL, rank INTEGER NOT NULL, step BIGINT, category VARCHAR NOT NULL,
+    us DOUBLE NOT NULL, computed_at TIMESTAMP NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS breakdown_docs (
+    job_id VARCHAR NOT NULL, source VARCHAR NOT NULL, doc JSON NOT NULL, computed_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (job_id, source))""",
+    # who runs the once-per-cluster work (scoring, jobs monitor, alert delivery) until when (epoch ms)
+    """CREATE TABLE IF NOT EXISTS leases (
+    name VARCHAR PRIMARY KEY, holder VARCHAR NOT NULL, expires_ms BIGINT NOT NULL)""",
 ]
 
 # Run after DDL on every open: columns added since a table was first created.
@@ -83,9 +106,13 @@ MIGRATIONS: list[str] = [
     "ALTER TABLE ingested ADD COLUMN IF NOT EXISTS fingerprint VARCHAR",
 ]
 
+# Seconds after which an unchanged inventory entry is written again (its gpus.last_seen refreshed).
+INVENTORY_REFRESH_S = 60.0
+
 # Tables that retention trims, with the timestamp column it compares.
 RETENTION: dict[str, str] = {
     "gpu_samples": "ts", "host_samples": "ts", "events": "ts", "spans": "ts", "ingested": "ingested_at",
+    "job_steps": "ts", "step_breakdowns": "ts",
 }
 
 # SpanTable column -> (Arrow type, value used when a batch leaves the column empty).
@@ -97,81 +124,10 @@ _SPAN_COLUMNS: dict[str, tuple[pa.DataType, Any]] = {
 }
 
 _GPU_FIELD_INDEX = {name: i for i, name in enumerate(fields.GPU_FIELD_NAMES)}
-_HOST_FIELD_INDEX = {name: i for i, name in enumerate(fields.HOST_FIELD_NAMES)}
 _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes", "architecture", "gpm_supported")
 
 
-@dataclass(frozen=True)
-class WriteResult:
-    """What the writer did with one batch: stored it, or recognised it as already stored."""
-
-    agent_id: str
-    sequence: int
-    duplicate: bool
-
-
-@dataclass
-class _Pending:
-    batch: pb.TelemetryBatch
-    future: Future = field(default_factory=Future)
-
-
-@dataclass
-class _Task:
-    """Work other than a batch that must run on the writer thread (retention, flush barriers)."""
-
-    fn: Callable[[duckdb.DuckDBPyConnection], Any]
-    future: Future = field(default_factory=Future)
-
-
-_STOP = object()
-
-
-class StoreClosed(RuntimeError):
-    """The store no longer accepts writes."""
-
-
-class IngestCounters:
-    """What the writer committed since the store was opened (exported as gpuwatch_ingest_* metrics)."""
-
-    def __init__(self) -> None:
-        self.batches = self.samples = self.duplicates = self.rejected = 0
-        self.commit_seconds = LatencyHistogram()
-        self._oldest_sample_ms: int | None = None
-        self._lock = threading.Lock()
-
-    def committed(self, batches: Sequence[pb.TelemetryBatch], duplicates: int, seconds: float) -> None:
-        blocks = [s.ts_ms for b in batches for s in b.samples if len(s.ts_ms)]
-        rows = sum(len(ts) for ts in blocks)
-        oldest = min(min(ts) for ts in blocks) if blocks else None
-        with self._lock:
-            self.batches += len(batches)
-            self.samples += rows
-            self.duplicates += duplicates
-            if oldest is not None and (self._oldest_sample_ms is None or oldest < self._oldest_sample_ms):
-                self._oldest_sample_ms = oldest
-        self.commit_seconds.observe(seconds)
-
-    def take_oldest_sample_ms(self) -> int | None:
-        """The oldest GPU sample time committed since the last call (None: no samples since), so a reader
-        that keeps aggregates of recent data (the scorer) knows when late data (a spool replay) needs a re-read."""
-        with self._lock:
-            oldest, self._oldest_sample_ms = self._oldest_sample_ms, None
-        return oldest
-
-    def reject(self) -> None:
-        """The server refused a batch before it reached the store (malformed, oversized, wrong version)."""
-        with self._lock:
-            self.rejected += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            counts = {"batches_total": self.batches, "samples_total": self.samples,
-                      "duplicates_total": self.duplicates, "rejected_total": self.rejected}
-        return {**counts, "commit_seconds": self.commit_seconds.snapshot()}
-
-
-class DuckDBStore:
+class DuckDBStore(GroupWriter):
     """One DuckDB database file (or ":memory:"), written by one writer thread, read through cursors."""
 
     def __init__(
@@ -182,175 +138,90 @@ class DuckDBStore:
         retention_interval_s: float = 3600.0,
         max_group_batches: int = 2048,
         max_queued_batches: int = 8192,
+        memory_limit: str = DEFAULT_MEMORY_LIMIT,
+        span_retention_s: float | None = DEFAULT_SPAN_RETENTION_S,
+        span_trim_interval_s: float = DEFAULT_SPAN_TRIM_INTERVAL_S,
     ) -> None:
         try:
-            self._con = duckdb.connect(path)
+            self._con = duckdb.connect(path, config={"memory_limit": memory_limit})
         except duckdb.IOException as exc:
+            raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
+        except duckdb.Error as exc:  # an invalid memory_limit: DuckDB names the setting
             raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
         for statement in [*DDL, *MIGRATIONS]:
             self._con.execute(statement)
         if path != ":memory:":
             _private(path)
         self.path = path
-        self.retention_days = retention_days
-        self._retention_interval_s = retention_interval_s
-        self._max_group = max_group_batches
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queued_batches)
         self._cursor_lock = threading.Lock()
-        self._closed = False
-        self.counters = IngestCounters()
-        self._last_sequence: dict[str, int] = dict(
-            self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()
-        )
-        self._writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
-        self._writer.start()
+        # (node, GPU index) -> (the inventory entry as last written, monotonic time written): unchanged entries
+        # are rewritten only every INVENTORY_REFRESH_S, not in every transaction
+        self._inventory: dict[tuple[str, int], tuple[bytes, float]] = {}
+        super().__init__(
+            dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()),
+            retention_days=retention_days, span_retention_s=span_retention_s,
+            retention_interval_s=retention_interval_s, span_trim_interval_s=span_trim_interval_s,
+            max_group_batches=max_group_batches, max_queued_batches=max_queued_batches)
 
     # ----------------------------------------------------------------------------------------- writes
-    def submit(self, batch: pb.TelemetryBatch) -> Future:
-        """Queue a validated batch; the future resolves to a :class:`WriteResult` once it is committed.
-
-        Blocks while the queue is full, which pushes back on the senders instead of growing memory.
-        """
-        if self._closed:
-            raise StoreClosed("the store is closed")
-        pending = _Pending(batch)
-        self._queue.put(pending)
-        return pending.future
-
-    def write(self, batch: pb.TelemetryBatch, timeout: float | None = None) -> WriteResult:
-        """Store one batch and wait for its commit (tests, simple tools)."""
-        return self.submit(batch).result(timeout)
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Return once every batch queued before this call is committed."""
-        self.run_write(lambda con: None, timeout)
-
     def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
         """Delete rows older than ``retention_days`` before ``now_ms``; return rows deleted per table."""
         if not self.retention_days:
             return {}
-        cutoff = self._retention_cutoff(now_ms)
+        cutoff = ms_to_datetime(self._retention_cutoff_ms(now_ms))
         return self.run_write(lambda con: _delete_before(con, cutoff), timeout)
 
-    def close(self) -> None:
-        """Commit everything queued, stop the writer and close the database."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
-        self._writer.join()
+    def trim_spans(self, timeout: float | None = None) -> int:
+        """Delete the raw spans older than ``span_retention_s`` before their job's newest span (the job's own
+        clock, so replayed or simulated time is trimmed like live time); return how many were deleted."""
+        if not self.span_retention_s:
+            return 0
+        return self.run_write(lambda con: _trim_spans(con, self.span_retention_s), timeout)
+
+    def _housekeeping(self, retention: bool, trim: bool) -> None:
+        if retention and self.retention_days:
+            _delete_before(self._con, ms_to_datetime(self._retention_cutoff_ms()))
+        if trim and self.span_retention_s:
+            _trim_spans(self._con, self.span_retention_s)
+
+    def _task_argument(self) -> duckdb.DuckDBPyConnection:
+        return self._con
+
+    def _close_engine(self) -> None:
         self._con.close()
 
-    def run_write(self, fn: Callable[[duckdb.DuckDBPyConnection], Any], timeout: float | None = None) -> Any:
-        """Run ``fn(connection)`` on the writer thread, between batch groups, and return its result.
-
-        Features that keep their own tables (breakdowns, alerts) write through this, so DuckDB only ever
-        sees one writer and their writes are ordered with ingest.
-        """
-        if self._closed:
-            raise StoreClosed("the store is closed")
-        task = _Task(fn)
-        self._queue.put(task)
-        return task.future.result(timeout)
-
-    def _write_loop(self) -> None:
-        next_retention = time.monotonic() + self._retention_interval_s
-        stopping = False
-        while not stopping:
-            try:
-                first = [self._queue.get(timeout=max(0.01, next_retention - time.monotonic()))]
-            except queue.Empty:
-                first = []
-            group: list = []
-            for item in itertools.chain(first, self._drain()):
-                if item is _STOP:
-                    stopping = True
-                elif isinstance(item, _Task):
-                    self._write_group(group)
-                    group = []
-                    _resolve(item.future, item.fn, self._con)
-                else:
-                    group.append(item)
-            self._write_group(group)
-            if time.monotonic() >= next_retention:
-                next_retention = time.monotonic() + self._retention_interval_s
-                self._periodic_retention()
-
-    def _periodic_retention(self) -> None:
-        if not self.retention_days:
-            return
-        try:
-            _delete_before(self._con, self._retention_cutoff())
-        except Exception:  # a failed clean-up must not stop ingest; it is retried next interval
-            log.exception("retention failed")
-
-    def _retention_cutoff(self, now_ms: int | None = None) -> dt.datetime:
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        return ms_to_datetime(now_ms - int(self.retention_days * 86_400_000))
-
-    def _drain(self) -> Iterable:
-        for _ in range(self._max_group - 1):
-            try:
-                yield self._queue.get_nowait()
-            except queue.Empty:
-                return
-
-    def _write_group(self, group: list[_Pending]) -> None:
-        if not group:
-            return
-        results, fresh = self._deduplicate(group)
-        started = time.perf_counter()
-        try:
-            self._commit([p.batch for p in fresh])
-        except Exception as exc:
-            if len(group) > 1:  # find the batch that cannot be stored so it does not fail the others
-                log.warning("storing a group of %d batches failed (%s); storing them one by one", len(group), exc)
-                for p in group:
-                    self._write_group([p])
-                return
-            log.error("batch %d of agent %s cannot be stored: %s%s", group[0].batch.sequence, group[0].batch.agent_id,
-                      _first_line(exc), _space_hint(self.path, exc))
-            group[0].future.set_exception(exc)
-            return
-        duplicates = sum(isinstance(r, WriteResult) and r.duplicate for r in results)
-        self.counters.committed([p.batch for p in fresh], duplicates, time.perf_counter() - started)
-        for p in fresh:
-            self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
-        for p, result in zip(group, results):
-            if isinstance(result, AgentIdConflict):
-                p.future.set_exception(result)
-            else:
-                p.future.set_result(result)
-
-    def _commit(self, batches: list[pb.TelemetryBatch]) -> None:
+    def _commit(self, batches: list[ColumnarBatch]) -> None:
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
         if not batches:
             return
+        inventory = self._inventory_to_write(batches)
         self._con.begin()
         try:
-            _insert_group(self._con, batches)
+            _insert_group(self._con, batches, inventory)
             self._con.commit()
         except BaseException:
             _rollback_keeping_cause(self._con)
             raise
+        written = time.monotonic()
+        self._inventory.update({key: (entry, written) for key, (entry, _) in inventory.items()})
 
-    def _deduplicate(self, group: list[_Pending]) -> tuple[list[WriteResult], list[_Pending]]:
-        """Mark batches stored before, or earlier in the same group, as duplicates; return the rest to write."""
-        maybe_stored = [p for p in group if p.batch.sequence <= self._last_sequence.get(p.batch.agent_id, 0)]
-        stored = _stored_keys(self._con, [(p.batch.agent_id, p.batch.sequence) for p in maybe_stored])
-        results, fresh = [], []
-        for p in group:
-            key = (p.batch.agent_id, p.batch.sequence)
-            duplicate = key in stored
-            fingerprint = _fingerprint(p.batch)
-            if duplicate and stored[key] is not None and fingerprint != stored[key]:
-                results.append(AgentIdConflict(*key))  # another agent's batch under this id: not a resend
-                continue
-            stored.setdefault(key, fingerprint)
-            results.append(WriteResult(key[0], key[1], duplicate))
-            if not duplicate:
-                fresh.append(p)
-        return results, fresh
+    def _inventory_to_write(self, batches: list[ColumnarBatch]) -> dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]:
+        """The newest inventory entry per (node, GPU) of the group that is new, changed or due for refresh."""
+        latest = {(b.message.node.node, g.index): g for b in batches for g in b.message.gpus}
+        stale = time.monotonic() - INVENTORY_REFRESH_S
+        out = {}
+        for key, gpu in latest.items():
+            entry = gpu.SerializeToString()
+            known = self._inventory.get(key)
+            if known is None or known[0] != entry or known[1] < stale:
+                out[key] = (entry, gpu)
+        return out
+
+    def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+        return _stored_keys(self._con, keys)
+
+    def _failure_hint(self, exc: BaseException) -> str:
+        return _space_hint(self.path, exc)
 
     # ------------------------------------------------------------------------------------------ reads
     def query_df(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
@@ -503,14 +374,6 @@ class DuckDBStore:
                    epoch_ms(max(ts)) AS last_seen_ms
             FROM gpu_samples WHERE job_id IS NOT NULL AND job_id <> '' GROUP BY job_id ORDER BY job_id""")
 
-    def has_table(self, name: str) -> bool:
-        """Whether ``name`` exists yet (tables that features create on first use, e.g. job_timelines)."""
-        return bool(self._records("SELECT 1 FROM duckdb_tables() WHERE table_name = $name", {"name": name}))
-
-    def queue_depth(self) -> int:
-        """Batches and tasks waiting for the writer."""
-        return self._queue.qsize()
-
     def xid_counts(self) -> list[dict[str, Any]]:
         """XID events stored per node, GPU and code."""
         return self._records(f"""
@@ -527,28 +390,262 @@ class DuckDBStore:
                    epoch_ms(max(a.last_seen)) AS last_seen_ms
             FROM agents a LEFT JOIN d USING (node) GROUP BY a.node ORDER BY a.node""")
 
+    def columns(self, table: str) -> list[str]:
+        """The column names of one of the store's tables, in order."""
+        self.count(table)  # names an unknown table
+        return self.query_df(f"SELECT * FROM {table} LIMIT 0").columns.tolist()
+
     def count(self, table: str) -> int:
         """Rows in one of the store's tables."""
         if table not in {_table_name(s) for s in DDL}:
             raise UserError(f"unknown table {table!r}")
         return int(self.query_df(f"SELECT count(*) AS n FROM {table}")["n"].iloc[0])
 
+    # ---- scoring ---------------------------------------------------------------------------------------
+    def gpu_minutes(self, since_ms: int, until_ms: int, *, last: Sequence[str], means: Sequence[str],
+                    mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
+        """Every GPU's samples per minute between the two times: node, gpu_index, minute, ts (last sample),
+        job_id and rank of the last sample, then the last value of ``last``, the mean of ``means``, the
+        minimum of ``mins`` and the maximum of ``maxs`` (each under its own name)."""
+        _check_fields([*last, *means, *mins, *maxs])
+        values = ([f"arg_max({c}, ts) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
+                  + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
+        return self.query_df(f"""
+            SELECT node, gpu_index, date_trunc('minute', ts) AS minute, max(ts) AS ts, arg_max(job_id, ts) AS job_id,
+                   arg_max(rank, ts) AS rank{''.join(', ' + v for v in values)}
+            FROM gpu_samples WHERE ts >= $since AND ts <= $until
+            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""",
+            {"since": ms_to_datetime(since_ms), "until": ms_to_datetime(until_ms)})
+
+    def newest_sample_ms(self) -> int | None:
+        """The time of the newest stored GPU sample (epoch ms), None before the first."""
+        newest = self.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
+        return None if pd.isna(newest) else int(newest)
+
+    def event_rows(self, kinds: Sequence[str], since_ms: int | None = None,
+                   until_ms: int | None = None) -> pd.DataFrame:
+        """Events of ``kinds`` after ``since_ms`` up to ``until_ms``: node, gpu_index, ts, kind, code."""
+        return self.query_df("""
+            SELECT node, gpu_index, ts, kind, code FROM events
+            WHERE list_contains($kinds, kind) AND ($since IS NULL OR ts > $since)
+              AND ($until IS NULL OR ts <= $until)""",
+            {"kinds": list(kinds), "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms)})
+
+    def event_counts_by_node(self) -> dict[str, int]:
+        """Events stored per node."""
+        return {r["node"]: int(r["n"]) for r in self._records("SELECT node, count(*) AS n FROM events GROUP BY node")}
+
+    def first_failures(self, fatal_xids: Sequence[int]) -> pd.DataFrame:
+        """Per GPU that failed (lost, or a fatal XID): node, gpu_index and the first failure (failed_ms)."""
+        return self.query_df(f"""
+            SELECT node, gpu_index, epoch_ms(min(ts)) AS failed_ms FROM events
+            WHERE gpu_index >= 0 AND (kind = '{event_kinds.GPU_LOST}'
+                                      OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
+            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(int(c) for c in fatal_xids)})
+
+    def fatal_events(self, fatal_xids: Sequence[int], until_ms: int | None = None) -> pd.DataFrame:
+        """Lost GPUs and fatal XIDs up to ``until_ms``, oldest first: node, gpu_index, ts_ms, kind, code (0 if none)."""
+        return self.query_df(f"""
+            SELECT node, gpu_index, epoch_ms(ts) AS ts_ms, kind, coalesce(code, 0) AS code FROM events
+            WHERE gpu_index >= 0 AND ($until IS NULL OR ts <= $until)
+              AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
+            ORDER BY ts""", {"until": _ms_or_none(until_ms), "fatal": sorted(int(c) for c in fatal_xids)})
+
+    def event_times(self, kind: str, until_ms: int | None = None) -> pd.DataFrame:
+        """When each node logged events of ``kind`` up to ``until_ms``: node, ts_ms."""
+        return self.query_df("""
+            SELECT node, epoch_ms(ts) AS ts_ms FROM events WHERE kind = $kind AND ($until IS NULL OR ts <= $until)""",
+            {"kind": kind, "until": _ms_or_none(until_ms)})
+
+    def counter_drops(self, field: str, gpus: Sequence[tuple[str, int]], since_ms: int,
+                      until_ms: int | None = None) -> pd.DataFrame:
+        """Samples of ``gpus`` where the counter ``field`` went back (a driver reload restarts NVML's counters),
+        between the two times: node, gpu_index, ts_ms."""
+        _check_fields([field])
+        return self.query_df(f"""
+            WITH c AS (
+                SELECT node, gpu_index, ts, {field} AS value,
+                       lag({field}) OVER (PARTITION BY node, gpu_index ORDER BY ts) AS before
+                FROM gpu_samples WHERE list_contains($gpus, node || '/' || gpu_index)
+                  AND ts >= $since AND ($until IS NULL OR ts <= $until))
+            SELECT node, gpu_index, epoch_ms(ts) AS ts_ms FROM c WHERE value < before""",
+            {"gpus": [f"{n}/{g}" for n, g in gpus], "since": ms_to_datetime(since_ms),
+             "until": _ms_or_none(until_ms)})
+
+    def stopped_agents(self) -> pd.DataFrame:
+        """Nodes whose agent's last lifecycle event is a stop: node, stopped_us (epoch µs)."""
+        return self.query_df(f"""
+            SELECT node, epoch_us(max(ts)) AS stopped_us FROM events
+            WHERE kind IN ('{event_kinds.AGENT_START}', '{event_kinds.AGENT_STOP}') GROUP BY node
+            HAVING arg_max(kind, ts) = '{event_kinds.AGENT_STOP}'""")
+
+    # ---- jobs ------------------------------------------------------------------------------------------
+    def recent_spans(self, window_s: float, job_id: str | None = None,
+                     kinds: Sequence[str] | None = None) -> pd.DataFrame:
+        """Spans (of ``kinds``, default all) within ``window_s`` of their job's newest span (the job's own
+        clock), like :meth:`spans`."""
+        return self.query_df("""
+            WITH j AS (SELECT job_id, max(start_us) AS newest FROM spans
+                       WHERE $job IS NULL OR job_id = $job GROUP BY job_id)
+            SELECT s.* FROM spans s JOIN j USING (job_id)
+            WHERE s.start_us + greatest(s.dur_us, 0) >= j.newest - $window
+              AND ($kinds IS NULL OR list_contains($kinds, s.kind))
+            ORDER BY s.job_id, s.rank, s.start_us""",
+            {"job": job_id, "window": window_s * 1e6, "kinds": list(kinds) if kinds else None})
+
+    def span_job_ids(self) -> list[str]:
+        """Jobs with step marks or raw spans, sorted."""
+        return self.query_df("""
+            SELECT job_id FROM job_steps WHERE job_id <> '' UNION SELECT job_id FROM spans WHERE job_id <> ''
+            ORDER BY 1""")["job_id"].tolist()
+
+    def job_progress(self) -> pd.DataFrame:
+        """Per job, from its step marks over its whole life: ranks, nodes (sorted list), world_size, steps
+        (last finished step + 1), last_step_us (end of the last finished step) and finished (every rank
+        sent its end mark)."""
+        return self.query_df("""
+            SELECT job_id, count(DISTINCT rank) AS ranks, list_sort(list(DISTINCT node)) AS nodes,
+                   max(world_size) AS world_size,
+                   coalesce(max(step) FILTER (WHERE kind = 'step' AND dur_us >= 0) + 1, 0) AS steps,
+                   max(start_us + dur_us) FILTER (WHERE kind = 'step' AND dur_us >= 0) AS last_step_us,
+                   count(DISTINCT rank) FILTER (WHERE kind = 'end') >= count(DISTINCT rank) AS finished
+            FROM job_steps WHERE job_id <> '' GROUP BY job_id ORDER BY job_id""")
+
+    def add_step_breakdowns(self, rows: pd.DataFrame) -> None:
+        """Append per-step efficiency rows (job_id, rank, step, category, us)."""
+        if len(rows):
+            table = rows[["job_id", "rank", "step", "category", "us"]].assign(ts=_utc_now())
+            self.run_write(lambda con: _insert_frame(con, "INSERT INTO step_breakdowns BY NAME SELECT * FROM {view}",
+                                                     table))
+
+    def step_breakdown_totals(self, job_id: str) -> pd.DataFrame:
+        """The job's per-step efficiency summed per category: category, us, steps (distinct), ranks."""
+        return self.query_df("""
+            SELECT category, sum(us) AS us, count(DISTINCT step) AS steps, count(DISTINCT rank) AS ranks
+            FROM step_breakdowns WHERE job_id = $job GROUP BY category ORDER BY category""", {"job": job_id})
+
+    # ---- breakdowns of submitted traces ----------------------------------------------------------------
+    def job_timelines(self, job_id: str) -> list[bytes]:
+        """The job's submitted rank timelines (serialized), by rank."""
+        df = self.query_df("SELECT timeline FROM job_timelines WHERE job_id = ? ORDER BY rank", [job_id])
+        return [bytes(blob) for blob in df["timeline"]]
+
+    def traced_jobs(self) -> list[dict[str, Any]]:
+        """Jobs with submitted traces: job_id, ranks, submitted_ms (the last submission)."""
+        return self._records("""SELECT job_id, count(*) AS ranks, epoch_ms(max(submitted_at)) AS submitted_ms
+                                FROM job_timelines GROUP BY job_id ORDER BY job_id""")
+
+    def save_submission(self, job_id: str, timelines: pd.DataFrame, rows: pd.DataFrame, doc_json: str,
+                        source: str) -> None:
+        """Store submitted rank timelines (job_id, rank, filename, timeline) and the job's new breakdown,
+        in one transaction."""
+        timelines = timelines.assign(submitted_at=_utc_now())
+
+        def write(con: duckdb.DuckDBPyConnection) -> None:
+            con.begin()
+            try:
+                _insert_frame(con, "INSERT OR REPLACE INTO job_timelines BY NAME SELECT * FROM {view}", timelines)
+                _replace_breakdown(con, job_id, source, rows, doc_json)
+                con.commit()
+            except BaseException:
+                con.rollback()
+                raise
+
+        self.run_write(write)
+
+    def save_breakdown(self, job_id: str, source: str, rows: pd.DataFrame, doc_json: str) -> None:
+        """Replace the job's breakdown from ``source``: its rows (rank, step, category, us) and document."""
+        self.run_write(lambda con: _replace_breakdown(con, job_id, source, rows, doc_json))
+
+    def breakdown_doc(self, job_id: str, source: str) -> str | None:
+        """The last breakdown document (JSON text) stored for the job from ``source``, or None."""
+        df = self.query_df("SELECT doc FROM breakdown_docs WHERE job_id = ? AND source = ?", [job_id, source])
+        return str(df["doc"].iloc[0]) if len(df) else None
+
+    def breakdown_rows(self, job_id: str, source: str | None = None) -> pd.DataFrame:
+        """The job's stored breakdown rows: source, rank, step, category, us, ordered."""
+        return self.query_df("""
+            SELECT source, rank, step, category, us FROM breakdowns WHERE job_id = $job AND ($source IS NULL OR
+            source = $source) ORDER BY source, rank, step NULLS FIRST, category""", {"job": job_id, "source": source})
+
+    # ---- alerts ----------------------------------------------------------------------------------------
+    def upsert_alerts(self, rows: pd.DataFrame) -> None:
+        """Insert or update alert rows (id, alertname, subject, status, starts_at, ends_at, updated_at, doc)."""
+        if not len(rows):
+            return
+        self.run_write(lambda con: _insert_frame(con, """
+            INSERT INTO alerts BY NAME SELECT * REPLACE (doc::JSON AS doc) FROM {view}
+            ON CONFLICT (id) DO UPDATE SET status = excluded.status, ends_at = excluded.ends_at,
+                updated_at = excluded.updated_at, doc = excluded.doc""", rows))
+
+    def firing_alerts(self) -> pd.DataFrame:
+        """Alerts persisted as firing: alertname, subject, updated_ms, doc (JSON text)."""
+        return self.query_df("""
+            SELECT alertname, subject, epoch_ms(updated_at) AS updated_ms, doc::VARCHAR AS doc FROM alerts
+            WHERE status = 'firing'""")
+
+    def alert_docs(self, include_resolved: bool) -> list[str]:
+        """Alert documents (JSON text): firing ones, newest first, then resolved ones with ``include_resolved``."""
+        return self.query_df("""
+            SELECT doc::VARCHAR AS doc FROM alerts WHERE status = 'firing' OR $all
+            ORDER BY status = 'firing' DESC, starts_at DESC""", {"all": bool(include_resolved)})["doc"].tolist()
+
+    def alert_starts(self, alertname: str) -> pd.DataFrame:
+        """Every ``alertname`` alert: node, gpu_index, starts_ms, peak_risk (from its document), oldest first."""
+        return self.query_df("""
+            SELECT doc->>'node' AS node, CAST(doc->>'gpu_index' AS INTEGER) AS gpu_index,
+                   epoch_ms(starts_at) AS starts_ms, CAST(doc->>'peak_risk' AS DOUBLE) AS peak_risk
+            FROM alerts WHERE alertname = $name ORDER BY starts_at""", {"name": alertname})
+
+    # ---- leases ----------------------------------------------------------------------------------------
+    def take_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew the lease ``name`` for ``ttl_s`` seconds; False while another holder's is unexpired.
+        One DuckDB file has one collector, so this always succeeds unless a caller in it holds the lease."""
+        now = int(time.time() * 1000)
+
+        def write(con: duckdb.DuckDBPyConnection) -> bool:
+            con.execute("""
+                INSERT INTO leases VALUES ($name, $holder, $expires) ON CONFLICT (name) DO UPDATE
+                SET holder = excluded.holder, expires_ms = excluded.expires_ms
+                WHERE leases.holder = excluded.holder OR leases.expires_ms < $now""",
+                        {"name": name, "holder": holder, "expires": now + int(ttl_s * 1000), "now": now})
+            return con.execute("SELECT holder FROM leases WHERE name = ?", [name]).fetchall()[0][0] == holder
+
+        return self.run_write(write)
+
+    def release_lease(self, name: str, holder: str) -> None:
+        """Give the lease up (a clean stop), so another collector takes over at once."""
+        self.run_write(lambda con: con.execute("DELETE FROM leases WHERE name = ? AND holder = ?", [name, holder])
+                       .fetchall())
+
 
 # ------------------------------------------------------------------------------ columnar conversion
-def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatch]) -> None:
-    """Insert a group of fresh batches: one Arrow table and one INSERT ... SELECT per target table."""
-    now = ms_to_datetime(int(time.time() * 1000))
-    tables = {
-        "gpu_samples": _gpu_samples_table(batches),
-        "host_samples": _host_samples_table(batches),
+def batch_tables(group: list[ColumnarBatch], now: dt.datetime) -> dict[str, pa.Table]:
+    """The rows a group of batches adds to each append-only table, as Arrow tables (both engines insert these)."""
+    batches = [b.message for b in group]
+    spans = _spans_table(batches, now)
+    return {
+        "gpu_samples": _gpu_samples_table(group),
+        "host_samples": _host_samples_table(group),
         "events": _events_table(batches),
-        "spans": _spans_table(batches, now),
+        "spans": spans,
+        "job_steps": spans.filter(pc.is_in(spans["kind"], pa.array(STEP_MARK_KINDS))).select(
+            ["job_id", "rank", "step", "kind", "start_us", "dur_us", "world_size", "node", "ts"]),
         "ingested": pa.table({
             "agent_id": [b.agent_id for b in batches], "sequence": pa.array([b.sequence for b in batches], pa.uint64()),
             "ingested_at": pa.array([now] * len(batches), pa.timestamp("ms")),
-            "fingerprint": [_fingerprint(b) for b in batches],
+            "fingerprint": [fingerprint(b) for b in group],
         }),
     }
+
+
+def _insert_group(con: duckdb.DuckDBPyConnection, group: list[ColumnarBatch],
+                  inventory: dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]) -> None:
+    """Insert a group of fresh batches (and the ``inventory`` entries to upsert): one Arrow table and one
+    INSERT ... SELECT per target table."""
+    now = ms_to_datetime(int(time.time() * 1000))
+    tables = batch_tables(group, now)
+    batches = [b.message for b in group]
     for name, table in tables.items():
         if table is not None and table.num_rows:
             _insert_arrow(con, f"INSERT INTO {name} BY NAME SELECT * FROM {{view}}", table)
@@ -556,7 +653,7 @@ def _insert_group(con: duckdb.DuckDBPyConnection, batches: list[pb.TelemetryBatc
         INSERT INTO gpus BY NAME SELECT * FROM {view} ON CONFLICT (node, "index") DO UPDATE SET
             uuid = excluded.uuid, name = excluded.name, pci_bus_id = excluded.pci_bus_id, serial = excluded.serial,
             memory_total_bytes = excluded.memory_total_bytes, architecture = excluded.architecture,
-            gpm_supported = excluded.gpm_supported, last_seen = excluded.last_seen""", _gpus_table(batches, now))
+            gpm_supported = excluded.gpm_supported, last_seen = excluded.last_seen""", _gpus_table(inventory, now))
     _insert_arrow(con, """
         INSERT INTO agents BY NAME SELECT * FROM {view} ON CONFLICT (agent_id) DO UPDATE SET
             node = excluded.node, last_sequence = greatest(agents.last_sequence, excluded.last_sequence),
@@ -573,29 +670,12 @@ def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> 
         con.unregister("_incoming")
 
 
-def _values_matrix(blocks: list[tuple[int, Any]], field_index: dict[str, int]) -> np.ndarray:
-    """Stack blocks of (rows, packed columns) into a (fields x rows) float matrix, NaN where not sent."""
-    total = sum(n for n, _ in blocks)
-    out = np.full((len(field_index), total), np.nan)
-    layouts: dict[tuple[str, ...], np.ndarray] = {}
-    start = 0
-    for n, columns in blocks:
-        names = tuple(c.field for c in columns)
-        rows = layouts.get(names)
-        if rows is None:
-            rows = layouts[names] = np.fromiter((field_index[f] for f in names), np.intp, len(names))
-        if names and n:
-            flat = np.fromiter(_chain(c.values for c in columns), np.float64, n * len(names))
-            out[rows, start:start + n] = flat.reshape(len(names), n)
-        start += n
-    return out
-
-
-def _value_arrays(matrix: np.ndarray, names: Sequence[str]) -> dict[str, pa.Array]:
-    """One nullable Arrow column per field: NaN (not sampled) becomes NULL, and so does ±inf (a broken reading:
-    no gauge or counter is infinite, and stored it would turn averages into ±inf and JSON into non-JSON)."""
-    missing = ~np.isfinite(matrix)
-    return {name: pa.array(matrix[i], mask=missing[i]) for i, name in enumerate(names)}
+def _value_arrays(matrices: list[np.ndarray], names: Sequence[str]) -> dict[str, pa.Array]:
+    """One nullable Arrow column per field from the batches' (rows x fields) matrices: NaN becomes NULL
+    (not sampled, or ±inf, which gpuwatch.columnar turned into NaN: no gauge or counter is infinite)."""
+    by_field = np.concatenate(matrices).T.copy() if matrices else np.empty((len(names), 0))
+    missing = np.isnan(by_field)
+    return {name: pa.array(by_field[i], mask=missing[i]) for i, name in enumerate(names)}
 
 
 def _node_column(nodes: list[str], counts: list[int]) -> pa.DictionaryArray:
@@ -612,8 +692,8 @@ def _per_row_ints(blocks: Sequence[Any], attr: str, counts: list[int], total: in
     return pa.array(values, mask=values < 0)
 
 
-def _gpu_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
-    blocks = [(b.node.node, s) for b in batches for s in b.samples]
+def _gpu_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
+    blocks = [(b.message.node.node, s) for b in batches for s in b.message.samples]
     samples = [s for _, s in blocks]
     counts = [len(s.ts_ms) for s in samples]
     total = sum(counts)
@@ -627,20 +707,19 @@ def _gpu_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
         "rank": _per_row_ints(samples, "rank", counts, total),
         "local_rank": _per_row_ints(samples, "local_rank", counts, total),
     }
-    matrix = _values_matrix([(n, s.columns) for s, n in zip(samples, counts)], _GPU_FIELD_INDEX)
-    columns.update(_value_arrays(matrix, fields.GPU_FIELD_NAMES))
+    columns.update(_value_arrays([b.gpu_values for b in batches], fields.GPU_FIELD_NAMES))
     return pa.table(columns)
 
 
-def _host_samples_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
-    counts = [len(b.host.ts_ms) for b in batches]
+def _host_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
+    counts = [len(b.message.host.ts_ms) for b in batches]
     total = sum(counts)
     columns = {
-        "node": _node_column([b.node.node for b in batches], counts),
-        "ts": pa.array(np.fromiter(_chain(b.host.ts_ms for b in batches), np.int64, total), pa.timestamp("ms")),
+        "node": _node_column([b.message.node.node for b in batches], counts),
+        "ts": pa.array(np.fromiter(_chain(b.message.host.ts_ms for b in batches), np.int64, total),
+                       pa.timestamp("ms")),
     }
-    matrix = _values_matrix([(n, b.host.columns) for b, n in zip(batches, counts)], _HOST_FIELD_INDEX)
-    columns.update(_value_arrays(matrix, fields.HOST_FIELD_NAMES))
+    columns.update(_value_arrays([b.host_values for b in batches], fields.HOST_FIELD_NAMES))
     return pa.table(columns)
 
 
@@ -669,9 +748,9 @@ def _spans_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Table
     return pa.table(columns)
 
 
-def _gpus_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Table:
-    """The newest inventory entry per (node, GPU index) of the group (one upsert per key per transaction)."""
-    latest = {(b.node.node, g.index): g for b in batches for g in b.gpus}
+def _gpus_table(inventory: dict[tuple[str, int], tuple[bytes, pb.GpuInfo]], now: dt.datetime) -> pa.Table:
+    """Inventory rows to upsert, one per (node, GPU index)."""
+    latest = {key: gpu for key, (_, gpu) in inventory.items()}
     table = {"node": [node for node, _ in latest], "index": pa.array([i for _, i in latest], pa.int32())}
     for name in _GPU_INFO_COLUMNS:
         table[name] = [getattr(g, name) for g in latest.values()]
@@ -701,22 +780,48 @@ def _stored_keys(con: duckdb.DuckDBPyConnection, keys: list[tuple[str, int]]) ->
     con.register("_probe", probe)
     try:
         rows = con.execute(
-            "SELECT i.agent_id, i.sequence, any_value(i.fingerprint) FROM ingested i JOIN _probe p USING (agent_id, sequence)"
+            "SELECT i.agent_id, i.sequence, any_value(i.fingerprint) FROM ingested i "
+            "JOIN _probe p USING (agent_id, sequence)"
             " GROUP BY ALL").fetchall()
     finally:
         con.unregister("_probe")
     return {(agent, int(seq)): fingerprint for agent, seq, fingerprint in rows}
 
 
-def _fingerprint(batch: pb.TelemetryBatch) -> str:
-    """Node, row and event counts and the first and last sample time: the same for a resend (or a rebuild of
-    the same data), different for another agent's batch under the same (agent id, sequence)."""
-    times = [t for s in batch.samples for t in (min(s.ts_ms, default=0), max(s.ts_ms, default=0))]
-    times += [min(batch.host.ts_ms, default=0), max(batch.host.ts_ms, default=0)]
-    times += [min((e.ts_ms for e in batch.events), default=0), min(batch.spans.start_us, default=0)]
-    rows = sum(len(s.ts_ms) for s in batch.samples)
-    return (f"{batch.node.node}|{rows}|{len(batch.host.ts_ms)}|{len(batch.events)}|{len(batch.spans.start_us)}|"
-            f"{min(times)}|{max(times)}")
+def _check_fields(names: Iterable[str]) -> None:
+    unknown = [c for c in names if c not in _GPU_FIELD_INDEX]
+    if unknown:
+        raise UserError(f"unknown GPU field(s) {', '.join(map(repr, unknown))}")
+
+
+def _insert_frame(con: duckdb.DuckDBPyConnection, sql: str, frame: pd.DataFrame | pa.Table) -> None:
+    con.register("_frame", frame)
+    try:
+        con.execute(sql.format(view="_frame"))
+    finally:
+        con.unregister("_frame")
+
+
+def _replace_breakdown(con: duckdb.DuckDBPyConnection, job_id: str, source: str, rows: pd.DataFrame,
+                       doc_json: str) -> None:
+    now = _utc_now()
+    con.execute("DELETE FROM breakdowns WHERE job_id = ? AND source = ?", [job_id, source])
+    _insert_frame(con, "INSERT INTO breakdowns BY NAME SELECT * FROM {view}",
+                  rows[["rank", "step", "category", "us"]].assign(job_id=job_id, source=source, computed_at=now))
+    con.execute("INSERT OR REPLACE INTO breakdown_docs VALUES (?, ?, ?, ?)", [job_id, source, doc_json, now])
+
+
+def _utc_now() -> dt.datetime:
+    return ms_to_datetime(int(time.time() * 1000))
+
+
+def _trim_spans(con: duckdb.DuckDBPyConnection, keep_s: float) -> int:
+    deleted = con.execute("""
+        DELETE FROM spans USING (SELECT job_id, max(start_us) AS newest FROM spans GROUP BY job_id) AS j
+        WHERE spans.job_id = j.job_id AND spans.start_us < j.newest - $keep""", {"keep": keep_s * 1e6}).fetchall()[0][0]
+    if deleted:
+        log.debug("trimmed %d spans older than %g s before their job's newest", deleted, keep_s)
+    return int(deleted)
 
 
 def _delete_before(con: duckdb.DuckDBPyConnection, cutoff: dt.datetime) -> dict[str, int]:
@@ -762,13 +867,6 @@ def _private(path: str) -> None:
             os.chmod(name, 0o600)
         except FileNotFoundError:
             pass
-
-
-def _resolve(future: Future, fn: Callable, *args: Any) -> None:
-    try:
-        future.set_result(fn(*args))
-    except Exception as exc:
-        future.set_exception(exc)
 
 
 def ms_to_datetime(ms: int) -> dt.datetime:

@@ -1,0 +1,776 @@
+"""The ClickHouse store, through clickhouse-connect: a ClickHouse server or cluster, or chdb in-process.
+
+``clickhouse://[user:password@]host:8123/db`` (``clickhouses://`` for HTTPS) talks to a server over HTTP;
+``chdb:///DIR`` runs the same engine inside the collector (clickhouse-connect's chdb interface), which is
+what CI uses. The schema is in ClickHouse idioms (docs/store-schema.md): MergeTree tables ordered by node,
+GPU and time, daily partitions, a TTL from ``retention_days``, LowCardinality strings, Gorilla/Delta/DoubleDelta
+codecs under ZSTD.
+
+Exactly once without transactions: every table ingest appends to is a ReplacingMergeTree whose sorting key
+is the row's natural identity (a GPU's sample at one time, a rank's span at one start), and every read runs
+with ``final = 1``, so a batch stored twice (a collector killed between inserting the rows and recording the
+batch, or a resend that reached another collector) is seen once. The ``ingested`` table, checked by the
+writer before it inserts, answers resends with a duplicate ack and keeps the second copy from being written
+at all in the ordinary case. Several collectors may share one database: the batches they store are
+deduplicated the same way, and the once-per-cluster work takes a lease (:meth:`ClickHouseStore.take_lease`).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import clickhouse_connect
+import pandas as pd
+import pyarrow as pa
+
+from gpuwatch import events as event_kinds
+from gpuwatch import fields
+from gpuwatch.collector.store.base import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, DEFAULT_SPAN_TRIM_INTERVAL_S
+from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
+from gpuwatch.collector.store.writer import GroupWriter
+from gpuwatch.columnar import ColumnarBatch
+from gpuwatch.errors import NotFound, UserError
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DATABASE = "gpuwatch"
+_TS = "DateTime64(3, 'UTC') CODEC(DoubleDelta, ZSTD(1))"
+_GAUGE = "Nullable(Float64) CODEC(Gorilla, ZSTD(1))"
+_COUNTER = "Nullable(Float64) CODEC(Delta, ZSTD(1))"  # counters only grow: deltas are small and repeat
+
+
+def _value_columns(names: Sequence[str]) -> str:
+    return ",\n    ".join(f"{name} {_COUNTER if fields.BY_NAME[name].kind == fields.Kind.COUNTER else _GAUGE}"
+                           for name in names)
+
+
+def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
+    """Per table: its columns and its engine clause ({engine} stands for the MergeTree variant)."""
+    ttl = f" TTL toDateTime(ts) + INTERVAL {int(ttl_days * 86400)} SECOND" if ttl_days else ""
+    ttl_ingested = ttl.replace("(ts)", "(ingested_at)")
+    return {
+        "gpu_samples": (f"""node LowCardinality(String), gpu_index Int32, ts {_TS},
+    job_id LowCardinality(Nullable(String)), rank Nullable(Int32), local_rank Nullable(Int32),
+    {_value_columns(fields.GPU_FIELD_NAMES)}""",
+                        f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, gpu_index, ts){ttl}"),
+        "host_samples": (f"""node LowCardinality(String), ts {_TS},
+    {_value_columns(fields.HOST_FIELD_NAMES)}""",
+                         f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, ts){ttl}"),
+        "events": (f"""node LowCardinality(String), gpu_index Int32, ts {_TS}, kind LowCardinality(String),
+    code Nullable(Int64), message String CODEC(ZSTD(3)), attrs String CODEC(ZSTD(3))""",
+                   f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, gpu_index, ts, kind, ifNull(code, 0), "
+                   f"message){ttl}"),
+        "spans": (f"""job_id LowCardinality(String), rank Int32, step Int64 CODEC(Delta, ZSTD(1)),
+    kind LowCardinality(String), name LowCardinality(String), start_us Float64 CODEC(Delta, ZSTD(1)),
+    dur_us Float64 CODEC(Gorilla, ZSTD(1)), process_group LowCardinality(String), seq Int64 CODEC(Delta, ZSTD(1)),
+    bytes Int64 CODEC(ZSTD(1)), world_size Int32, node LowCardinality(String), peer Int32, ts {_TS}""",
+                  f"Replacing{{engine}} PARTITION BY toDate(ts) "
+                  f"ORDER BY (job_id, rank, start_us, kind, name, seq){ttl}"),
+        "job_steps": (f"""job_id LowCardinality(String), rank Int32, step Int64 CODEC(Delta, ZSTD(1)),
+    kind LowCardinality(String), start_us Float64 CODEC(Delta, ZSTD(1)), dur_us Float64 CODEC(Gorilla, ZSTD(1)),
+    world_size Int32, node LowCardinality(String), ts {_TS}""",
+                      f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (job_id, rank, step, kind){ttl}"),
+        # fingerprint: what the batch held, in brief (writer.fingerprint): a resend matches, a cloned agent's not
+        "ingested": ("agent_id String, sequence UInt64, ingested_at DateTime64(3, 'UTC'), fingerprint Nullable(String)",
+                     f"Replacing{{engine}} ORDER BY (agent_id, sequence){ttl_ingested}"),
+        "gpus": ("""node LowCardinality(String), `index` Int32, uuid String, name LowCardinality(String),
+    pci_bus_id String, serial String, memory_total_bytes UInt64, architecture LowCardinality(String),
+    gpm_supported Bool, first_seen DateTime64(3, 'UTC'), last_seen DateTime64(3, 'UTC')""",
+                 "Replacing{engine}(last_seen) ORDER BY (node, `index`)"),
+        "agents": ("agent_id String, node LowCardinality(String), last_sequence UInt64, last_seen DateTime64(3, 'UTC')",
+                   "Replacing{engine}(last_sequence) ORDER BY agent_id"),
+        "alerts": ("""id String, alertname LowCardinality(String), subject String, status LowCardinality(String),
+    starts_at DateTime64(3, 'UTC'), ends_at Nullable(DateTime64(3, 'UTC')), updated_at DateTime64(3, 'UTC'),
+    doc String CODEC(ZSTD(3))""", "Replacing{engine}(updated_at) ORDER BY id"),
+        "step_breakdowns": (f"""job_id LowCardinality(String), rank Int32, step Nullable(Int64),
+    category LowCardinality(String), us Float64 CODEC(Gorilla, ZSTD(1)), ts {_TS}""",
+                            f"{{engine}} PARTITION BY toDate(ts) ORDER BY (job_id, rank, ts){ttl}"),
+        "job_timelines": ("""job_id String, rank Int32, filename String, timeline String CODEC(ZSTD(3)),
+    submitted_at DateTime64(3, 'UTC')""", "Replacing{engine}(submitted_at) ORDER BY (job_id, rank)"),
+        "breakdowns": ("""job_id String, source LowCardinality(String), rank Int32, step Nullable(Int64),
+    category LowCardinality(String), us Float64, computed_at DateTime64(3, 'UTC')""",
+                       "{engine} ORDER BY (job_id, source, rank)"),
+        "breakdown_docs": ("job_id String, source LowCardinality(String), doc String CODEC(ZSTD(3)), "
+                           "computed_at DateTime64(3, 'UTC')",
+                           "Replacing{engine}(computed_at) ORDER BY (job_id, source)"),
+        # inserted_ns is the server's clock at insert: claims are ordered as they were stored, whatever the
+        # clocks of the collectors that sent them
+        "leases": ("name String, holder String, term UInt64, claimed_ms Int64, expires_ms Int64, "
+                   "inserted_ns Int64 DEFAULT toUnixTimestamp64Nano(now64(9))",
+                   "{engine} ORDER BY (name, term, claimed_ms, holder) TTL toDateTime(intDiv(claimed_ms, 1000)) + "
+                   "INTERVAL 1 DAY"),
+    }
+
+
+# Columns added since a table was first created (run after the CREATEs on every open): table, column, type.
+MIGRATIONS: list[tuple[str, str, str]] = [
+    ("ingested", "fingerprint", "Nullable(String)"),
+]
+
+_ENGINE = re.compile(r"^(Replacing)?\{engine\}(?:\((\w+)\))?(.*)$", re.S)
+
+
+def create_statements(database: str, ttl_days: float | None, cluster: str | None = None) -> list[str]:
+    """Every CREATE statement of the schema: local MergeTree tables, or with ``cluster`` Replicated tables on
+    every node of the cluster (``<table>_local``) behind Distributed tables, sharded by node (samples,
+    events, inventory) or job (spans), so that one GPU's or one job's rows meet on one shard."""
+    on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
+    statements = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
+    for table, (columns, engine) in _ddl(ttl_days).items():
+        replacing, version, rest = _ENGINE.match(engine).groups()
+        kind = replacing or ""
+        if cluster is None:
+            statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n    {columns}\n) ENGINE = "
+                              f"{kind}MergeTree{f'({version})' if version else ''}{rest}")
+            continue
+        zk_path = f"'/clickhouse/tables/{{shard}}/{database}/{table}', '{{replica}}'"
+        statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table}_local{on_cluster} (\n    {columns}\n) "
+                          f"ENGINE = Replicated{kind}MergeTree({zk_path}{f', {version}' if version else ''}){rest}")
+        key = next((c for c in ("node", "job_id", "agent_id", "id", "name") if re.search(rf"\b{c} ", columns)), None)
+        key = "job_id" if table in ("spans", "job_steps", "step_breakdowns") else key
+        statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table}{on_cluster} AS {database}.{table}_local "
+                          f"ENGINE = Distributed({cluster}, {database}, {table}_local, cityHash64({key}))")
+    for table, column, kind in MIGRATIONS:
+        for target in ([f"{table}_local", table] if cluster else [table]):
+            statements.append(f"ALTER TABLE {database}.{target}{on_cluster} ADD COLUMN IF NOT EXISTS {column} {kind}")
+    return statements
+
+
+class ClickHouseStore(GroupWriter):
+    """A ClickHouse database (server, cluster or in-process chdb), written by one writer thread per collector."""
+
+    single_writer = False  # other collectors may store batches of the same agents
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        retention_days: float | None = None,
+        retention_interval_s: float = 3600.0,
+        max_group_batches: int = 2048,
+        max_queued_batches: int = 8192,
+        memory_limit: str = DEFAULT_MEMORY_LIMIT,
+        span_retention_s: float | None = DEFAULT_SPAN_RETENTION_S,
+        span_trim_interval_s: float = DEFAULT_SPAN_TRIM_INTERVAL_S,
+        clickhouse_cluster: str | None = None,
+    ) -> None:
+        self.path = url
+        self._connect_args, self.database = _connection(url)
+        self._settings = {"final": 1, "max_memory_usage": _bytes(memory_limit),
+                          # a cluster's Distributed inserts land before they are acknowledged
+                          **({"insert_distributed_sync": 1} if clickhouse_cluster else {})}
+        self._local = threading.local()
+        self._clients: list[Any] = []  # every thread's client, closed with the store (chdb: frees the engine)
+        self._clients_lock = threading.Lock()
+        self.cluster = clickhouse_cluster
+        try:
+            admin = clickhouse_connect.get_client(**self._connect_args)
+            for statement in create_statements(self.database, retention_days, clickhouse_cluster):
+                admin.command(statement)
+        except Exception as exc:  # connection refused, authentication, a chdb directory it cannot use
+            raise UserError(f"cannot open store {_redacted(url)}: {_first_line(exc)}") from None
+        self._writer_client = admin
+        last = self._query("SELECT agent_id, last_sequence FROM agents")
+        super().__init__(
+            {r.agent_id: int(r.last_sequence) for r in last.itertuples()},
+            retention_days=retention_days, span_retention_s=span_retention_s,
+            retention_interval_s=retention_interval_s, span_trim_interval_s=span_trim_interval_s,
+            max_group_batches=max_group_batches, max_queued_batches=max_queued_batches)
+
+    # ---- connections -----------------------------------------------------------------------------------
+    def _client(self) -> Any:
+        """A client per thread: clickhouse-connect clients keep per-query state and are not shared."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = clickhouse_connect.get_client(
+                **self._connect_args, database=self.database, settings=self._settings)
+            with self._clients_lock:
+                self._clients.append(client)
+        return client
+
+    def _query(self, sql: str, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        df = self._client().query_df(sql, parameters=params or {})
+        if df.columns.empty:  # an empty answer comes without columns; Arrow's keeps the schema
+            df = self._client().query_arrow(sql, parameters=params or {}).to_pandas()
+        return df
+
+    def _records(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        df = self._query(sql, params)
+        return df.astype(object).where(df.notna(), None).to_dict("records")
+
+    def _command(self, sql: str, params: dict[str, Any] | None = None) -> Any:
+        return self._client().command(sql, parameters=params or {})
+
+    def _insert(self, table: str, data: pa.Table | pd.DataFrame) -> None:
+        if not len(data):
+            return
+        client = self._client()
+        if isinstance(data, pd.DataFrame):
+            client.insert_df(f"{self.database}.{table}", data)
+        else:
+            client.insert_arrow(f"{self.database}.{table}", data)
+
+    def query_df(self, sql: str, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        """Run a read query (ClickHouse SQL, ``{name:Type}`` parameters) and return a DataFrame."""
+        return self._query(sql, params)
+
+    # ---- the writer's hooks ----------------------------------------------------------------------------
+    def _commit(self, batches: list[ColumnarBatch]) -> None:
+        """Insert the group's rows table by table, the ingested marks last: a crash part way leaves rows
+        that a resend writes again identically, which the ReplacingMergeTree keys (and final reads) fold."""
+        if not batches:
+            return
+        now = ms_to_datetime(int(time.time() * 1000))
+        tables = batch_tables(batches, now)
+        ingested = tables.pop("ingested")
+        for name, table in tables.items():
+            self._insert(name, _plain_strings(table))
+        messages = [b.message for b in batches]
+        self._insert("gpus", self._gpus_frame(messages, now))
+        self._insert("agents", _agents_frame(messages, now))
+        self._insert("ingested", ingested)
+
+    def _gpus_frame(self, batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.DataFrame:
+        latest = {(b.node.node, g.index): g for b in batches for g in b.gpus}
+        if not latest:
+            return pd.DataFrame()
+        known = self._query("SELECT node, `index`, first_seen FROM gpus WHERE has({nodes:Array(String)}, node)",
+                            {"nodes": sorted({n for n, _ in latest})})
+        first = {(r[0], int(r[1])): r[2] for r in known.itertuples(index=False)}
+        return pd.DataFrame([{
+            "node": node, "index": index, "uuid": g.uuid, "name": g.name, "pci_bus_id": g.pci_bus_id,
+            "serial": g.serial, "memory_total_bytes": g.memory_total_bytes, "architecture": g.architecture,
+            "gpm_supported": g.gpm_supported, "first_seen": first.get((node, index), now), "last_seen": now,
+        } for (node, index), g in latest.items()])
+
+    def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+        if not keys:
+            return {}
+        rows = self._query("""
+            SELECT agent_id, sequence, any(fingerprint) AS fingerprint FROM ingested
+            WHERE (agent_id, sequence) IN (SELECT tupleElement(k, 1), tupleElement(k, 2)
+                                           FROM (SELECT arrayJoin({keys:Array(Tuple(String, UInt64))}) AS k))
+            GROUP BY agent_id, sequence""", {"keys": [(a, int(s)) for a, s in keys]})
+        return {(r.agent_id, int(r.sequence)): None if pd.isna(r.fingerprint) else r.fingerprint
+                for r in rows.itertuples()}
+
+    def _housekeeping(self, retention: bool, trim: bool) -> None:
+        # retention is the tables' TTL; only the raw spans' window is trimmed here
+        if trim and self.span_retention_s:
+            self._trim(self.span_retention_s)
+
+    def _task_argument(self) -> Any:
+        return self._client()
+
+    def _close_engine(self) -> None:
+        self._writer_client.close()
+        with self._clients_lock:
+            for client in self._clients:
+                client.close()
+            self._clients.clear()
+
+    def _trim(self, keep_s: float) -> int:
+        """Delete each job's raw spans older than ``keep_s`` before its newest span; return how many."""
+        cutoffs = self._query("SELECT job_id, max(start_us) - {keep:Float64} AS cutoff FROM spans GROUP BY job_id",
+                              {"keep": keep_s * 1e6})
+        if cutoffs.empty:
+            return 0
+        where = ("start_us < transform(job_id, {jobs:Array(String)}, {cutoffs:Array(Float64)}, "
+                 "toFloat64(-inf))")
+        params = {"jobs": cutoffs["job_id"].astype(str).tolist(), "cutoffs": cutoffs["cutoff"].astype(float).tolist()}
+        old = int(self._query(f"SELECT count() AS n FROM spans WHERE {where}", params)["n"].iloc[0])
+        if old:
+            self._command(f"DELETE FROM {self._table_for_delete('spans')} WHERE {where}", params)
+        return old
+
+    def _table_for_delete(self, table: str) -> str:
+        """Where a DELETE goes: the table, or on a cluster its local tables on every node."""
+        return f"{table}_local ON CLUSTER {self.cluster}" if self.cluster else table
+
+    # ---- writes other than ingest ----------------------------------------------------------------------
+    def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
+        """Delete rows older than ``retention_days`` before ``now_ms`` at once (the TTL does it on merges)."""
+        if not self.retention_days:
+            return {}
+        cutoff = ms_to_datetime(self._retention_cutoff_ms(now_ms))
+
+        def delete(_: Any) -> dict[str, int]:
+            deleted = {}
+            for table, column in (("gpu_samples", "ts"), ("host_samples", "ts"), ("events", "ts"), ("spans", "ts"),
+                                  ("ingested", "ingested_at"), ("job_steps", "ts"), ("step_breakdowns", "ts")):
+                params = {"cutoff": cutoff}
+                where = f"{column} < {{cutoff:DateTime64(3)}}"
+                found = self._query(f"SELECT count() AS n FROM {table} WHERE {where}", params)
+                deleted[table] = int(found["n"].iloc[0])
+                if deleted[table]:
+                    self._command(f"DELETE FROM {self._table_for_delete(table)} WHERE {where}", params)
+            return deleted
+
+        return self.run_write(delete, timeout)
+
+    def trim_spans(self, timeout: float | None = None) -> int:
+        """Delete raw spans older than ``span_retention_s`` before their job's newest span."""
+        if not self.span_retention_s:
+            return 0
+        return self.run_write(lambda _: self._trim(self.span_retention_s), timeout)
+
+    # ---- telemetry reads -------------------------------------------------------------------------------
+    def nodes(self) -> list[dict[str, Any]]:
+        return self._records("""
+            WITH s AS (SELECT node, count() AS samples FROM gpu_samples GROUP BY node),
+                 g AS (SELECT node, count() AS gpus FROM gpus GROUP BY node)
+            SELECT a.node AS node, toInt64(coalesce(any(g.gpus), 0)) AS gpus,
+                   toInt64(coalesce(any(s.samples), 0)) AS samples,
+                   toInt64(toUnixTimestamp64Milli(max(a.last_seen))) AS last_seen_ms,
+                   argMax(a.agent_id, a.last_seen) AS agent_id,
+                   toInt64(argMax(a.last_sequence, a.last_seen)) AS last_sequence
+            FROM agents AS a LEFT JOIN g ON g.node = a.node LEFT JOIN s ON s.node = a.node
+            GROUP BY a.node ORDER BY a.node SETTINGS join_use_nulls = 1""")
+
+    def gpus(self, node: str | None = None) -> list[dict[str, Any]]:
+        return self._records("""
+            WITH s AS (SELECT node, gpu_index, count() AS samples,
+                              toInt64(toUnixTimestamp64Milli(max(ts))) AS last_sample_ms,
+                              argMax(job_id, ts) AS job_id, argMax(rank, ts) AS rank
+                       FROM gpu_samples WHERE isNull({node:Nullable(String)}) OR node = {node:Nullable(String)}
+                       GROUP BY node, gpu_index)
+            SELECT g.node AS node, g.`index` AS `index`, g.uuid AS uuid, g.name AS name, g.pci_bus_id AS pci_bus_id,
+                   g.serial AS serial, toInt64(g.memory_total_bytes) AS memory_total_bytes,
+                   g.architecture AS architecture,
+                   g.gpm_supported AS gpm_supported, toInt64(toUnixTimestamp64Milli(g.first_seen)) AS first_seen_ms,
+                   toInt64(toUnixTimestamp64Milli(g.last_seen)) AS last_seen_ms,
+                   toInt64(coalesce(s.samples, 0)) AS samples,
+                   s.last_sample_ms AS last_sample_ms, s.job_id AS job_id, s.rank AS rank
+            FROM gpus AS g LEFT JOIN s ON s.node = g.node AND s.gpu_index = g.`index`
+            WHERE isNull({node:Nullable(String)}) OR g.node = {node:Nullable(String)} ORDER BY g.node, g.`index`
+            SETTINGS join_use_nulls = 1""", {"node": node})
+
+    def latest(self, node: str | None = None, gpu_index: int | None = None) -> list[dict[str, Any]]:
+        values = ", ".join(f"argMaxIf({name}, ts, isNotNull({name})) AS {name}" for name in fields.GPU_FIELD_NAMES)
+        rows = self._records(f"""
+            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(max(ts))) AS ts_ms, {values} FROM gpu_samples
+            WHERE (isNull({{node:Nullable(String)}}) OR node = {{node:Nullable(String)}})
+              AND (isNull({{gpu:Nullable(Int32)}}) OR gpu_index = {{gpu:Nullable(Int32)}})
+            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"node": node, "gpu": gpu_index})
+        return rows
+
+    def series(self, node: str, gpu_index: int, field: str, since_ms: int | None = None,
+               until_ms: int | None = None, limit: int | None = None) -> pd.DataFrame:
+        _check_field(field)
+        df = self._query(f"""
+            SELECT toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, {field} AS value FROM gpu_samples
+            WHERE node = {{node:String}} AND gpu_index = {{gpu:Int32}} AND isNotNull({field})
+              AND ts >= fromUnixTimestamp64Milli({{since:Int64}}) AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
+            ORDER BY ts DESC LIMIT {{limit:UInt64}}""",
+            {"node": node, "gpu": gpu_index, "since": since_ms or 0, "until": until_ms or 2**62 // 1000,
+             "limit": limit or 2**62})
+        if df.empty:
+            self._check_gpu(node, gpu_index)
+        return df.iloc[::-1].reset_index(drop=True)
+
+    def _check_gpu(self, node: str, gpu_index: int | None = None) -> None:
+        known = self._records("""
+            SELECT gpu_index FROM (SELECT node, toNullable(`index`) AS gpu_index FROM gpus UNION ALL
+                                   SELECT DISTINCT node, toNullable(gpu_index) FROM gpu_samples UNION ALL
+                                   SELECT node, NULL FROM agents) WHERE node = {node:String}""", {"node": node})
+        if not known:
+            raise NotFound(f"unknown node {node!r}; `gpuwatch nodes` lists the known ones")
+        if gpu_index is not None and gpu_index not in {r["gpu_index"] for r in known}:
+            raise NotFound(f"node {node!r} has no GPU {gpu_index}; `gpuwatch gpus --node {node}` lists its GPUs")
+
+    def events(self, node: str | None = None, kind: str | None = None, since_ms: int | None = None,
+               limit: int | None = None) -> list[dict[str, Any]]:
+        rows = self._records("""
+            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, kind, code, message, attrs FROM events
+            WHERE (isNull({node:Nullable(String)}) OR node = {node:Nullable(String)})
+              AND (isNull({kind:Nullable(String)}) OR kind = {kind:Nullable(String)})
+              AND ts >= fromUnixTimestamp64Milli({since:Int64})
+            ORDER BY ts DESC LIMIT {limit:UInt64}""",
+            {"node": node, "kind": kind, "since": since_ms or 0, "limit": limit or 2**62})
+        if not rows:
+            if node is not None:
+                self._check_gpu(node)
+            if kind is not None and kind not in KNOWN_EVENT_KINDS and not self._records(
+                    "SELECT 1 FROM events WHERE kind = {kind:String} LIMIT 1", {"kind": kind}):
+                raise UserError(f"event kind {kind!r} is not one of the known kinds: "
+                                f"{', '.join(sorted(KNOWN_EVENT_KINDS))}")
+        for row in rows:
+            row["attrs"] = json.loads(row["attrs"]) if row["attrs"] else {}
+        return rows
+
+    def event_rows(self, kinds: Sequence[str], since_ms: int | None = None,
+                   until_ms: int | None = None) -> pd.DataFrame:
+        return self._query("""
+            SELECT node, gpu_index, ts, kind, code FROM events
+            WHERE has({kinds:Array(String)}, kind) AND ts > fromUnixTimestamp64Milli({since:Int64})
+              AND ts <= fromUnixTimestamp64Milli({until:Int64})""",
+            {"kinds": list(kinds), "since": since_ms if since_ms is not None else -1,
+             "until": until_ms if until_ms is not None else 2**62 // 1000})
+
+    def event_counts_by_node(self) -> dict[str, int]:
+        return {r["node"]: int(r["n"]) for r in self._records("SELECT node, count() AS n FROM events GROUP BY node")}
+
+    def first_failures(self, fatal_xids: Sequence[int]) -> pd.DataFrame:
+        return self._query(f"""
+            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(min(ts))) AS failed_ms FROM events
+            WHERE gpu_index >= 0 AND (kind = '{event_kinds.GPU_LOST}'
+                                      OR (kind = '{event_kinds.XID}' AND has({{fatal:Array(Int64)}}, code)))
+            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(int(c) for c in fatal_xids)})
+
+    def fatal_events(self, fatal_xids: Sequence[int], until_ms: int | None = None) -> pd.DataFrame:
+        return self._query(f"""
+            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, kind, ifNull(code, 0) AS code
+            FROM events WHERE gpu_index >= 0 AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
+              AND (kind = '{event_kinds.GPU_LOST}'
+                   OR (kind = '{event_kinds.XID}' AND has({{fatal:Array(Int64)}}, code)))
+            ORDER BY ts""", {"until": _until(until_ms), "fatal": sorted(int(c) for c in fatal_xids)})
+
+    def event_times(self, kind: str, until_ms: int | None = None) -> pd.DataFrame:
+        return self._query("""
+            SELECT node, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms FROM events
+            WHERE kind = {kind:String} AND ts <= fromUnixTimestamp64Milli({until:Int64})""",
+            {"kind": kind, "until": _until(until_ms)})
+
+    def counter_drops(self, field: str, gpus: Sequence[tuple[str, int]], since_ms: int,
+                      until_ms: int | None = None) -> pd.DataFrame:
+        _check_field(field)
+        return self._query(f"""
+            SELECT node, gpu_index, ts_ms FROM (
+                SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, {field} AS value,
+                       lagInFrame({field}) OVER (PARTITION BY node, gpu_index ORDER BY ts
+                                                 ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS before,
+                       row_number() OVER (PARTITION BY node, gpu_index ORDER BY ts) AS n
+                FROM gpu_samples WHERE has({{gpus:Array(String)}}, concat(toString(node), '/', toString(gpu_index)))
+                  AND ts >= fromUnixTimestamp64Milli({{since:Int64}})
+                  AND ts <= fromUnixTimestamp64Milli({{until:Int64}}))
+            WHERE n > 1 AND value < before""",
+            {"gpus": [f"{n}/{g}" for n, g in gpus], "since": since_ms, "until": _until(until_ms)})
+
+    def stopped_agents(self) -> pd.DataFrame:
+        return self._query(f"""
+            SELECT node, toInt64(toUnixTimestamp64Micro(max(ts))) AS stopped_us FROM events
+            WHERE kind IN ('{event_kinds.AGENT_START}', '{event_kinds.AGENT_STOP}') GROUP BY node
+            HAVING argMax(kind, ts) = '{event_kinds.AGENT_STOP}'""")
+
+    def gpu_samples(self, since_ms: int | None = None, until_ms: int | None = None,
+                    nodes: Sequence[str] | None = None, columns: Sequence[str] | None = None) -> pd.DataFrame:
+        for c in columns or ():
+            _check_field(c)
+        wanted = ", ".join(columns if columns is not None else fields.GPU_FIELD_NAMES)
+        return self._query(f"""
+            SELECT node, gpu_index, ts, job_id, rank, local_rank{', ' + wanted if wanted else ''} FROM gpu_samples
+            WHERE ts >= fromUnixTimestamp64Milli({{since:Int64}}) AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
+              AND (empty({{nodes:Array(String)}}) OR has({{nodes:Array(String)}}, node))
+            ORDER BY node, gpu_index, ts""",
+            {"since": since_ms or 0, "until": until_ms or 2**62 // 1000, "nodes": list(nodes or [])})
+
+    def gpu_minutes(self, since_ms: int, until_ms: int, *, last: Sequence[str], means: Sequence[str],
+                    mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
+        for c in [*last, *means, *mins, *maxs]:
+            _check_field(c)
+        values = ([f"argMaxIf({c}, ts, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
+                  + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
+        return self._query(f"""
+            SELECT node, gpu_index, toStartOfMinute(ts) AS minute, max(ts) AS ts, argMax(job_id, ts) AS job_id,
+                   argMax(rank, ts) AS rank{''.join(', ' + v for v in values)}
+            FROM gpu_samples AS g WHERE g.ts >= fromUnixTimestamp64Milli({{since:Int64}})
+              AND g.ts <= fromUnixTimestamp64Milli({{until:Int64}})
+            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""", {"since": since_ms, "until": until_ms})
+
+    def newest_sample_ms(self) -> int | None:
+        df = self._query("SELECT toInt64(toUnixTimestamp64Milli(max(ts))) AS t, count() AS n FROM gpu_samples")
+        return int(df["t"].iloc[0]) if int(df["n"].iloc[0]) else None
+
+    def xid_counts(self) -> list[dict[str, Any]]:
+        return self._records(f"""
+            SELECT node, gpu_index, code, count() AS n FROM events WHERE kind = '{event_kinds.XID}'
+            GROUP BY node, gpu_index, code ORDER BY node, gpu_index, code""")
+
+    def agent_health(self) -> list[dict[str, Any]]:
+        return self._records(f"""
+            WITH d AS (SELECT node, toInt64(greatest(sum(ifNull(code, 0)), max(ifNull(
+                              toInt64OrNull(JSONExtractString(attrs, 'dropped_total')), 0)))) AS dropped
+                       FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
+            SELECT a.node AS node, toInt64(coalesce(max(d.dropped), 0)) AS spool_dropped,
+                   toInt64(toUnixTimestamp64Milli(max(a.last_seen))) AS last_seen_ms
+            FROM agents AS a LEFT JOIN d ON d.node = a.node GROUP BY a.node ORDER BY a.node
+            SETTINGS join_use_nulls = 1""")
+
+    def columns(self, table: str) -> list[str]:
+        self.count(table)  # names an unknown table
+        return self._query("SELECT name FROM system.columns WHERE database = {db:String} AND table = {t:String} "
+                           "ORDER BY position", {"db": self.database, "t": table})["name"].tolist()
+
+    def count(self, table: str) -> int:
+        if table not in _ddl(None):
+            raise UserError(f"unknown table {table!r}")
+        return int(self._query(f"SELECT count() AS n FROM {table}")["n"].iloc[0])
+
+    # ---- jobs ------------------------------------------------------------------------------------------
+    def spans(self, job_id: str | None = None, since_us: float | None = None) -> pd.DataFrame:
+        return _spans_frame(self._query("""
+            SELECT * FROM spans WHERE (isNull({job:Nullable(String)}) OR job_id = {job:Nullable(String)})
+              AND (isNull({since:Nullable(Float64)}) OR start_us >= {since:Nullable(Float64)})
+            ORDER BY job_id, rank, start_us""", {"job": job_id, "since": since_us}))
+
+    def recent_spans(self, window_s: float, job_id: str | None = None,
+                     kinds: Sequence[str] | None = None) -> pd.DataFrame:
+        return _spans_frame(self._query("""
+            SELECT s.* FROM spans AS s INNER JOIN (
+                SELECT job_id, max(start_us) AS newest FROM spans
+                WHERE isNull({job:Nullable(String)}) OR job_id = {job:Nullable(String)} GROUP BY job_id) AS j
+              ON s.job_id = j.job_id
+            WHERE s.start_us + greatest(s.dur_us, 0) >= j.newest - {window:Float64}
+              AND (empty({kinds:Array(String)}) OR has({kinds:Array(String)}, s.kind))
+            ORDER BY s.job_id, s.rank, s.start_us""",
+            {"job": job_id, "window": window_s * 1e6, "kinds": list(kinds or [])}))
+
+    def span_job_ids(self) -> list[str]:
+        return self._query("""
+            SELECT DISTINCT job_id FROM (SELECT job_id FROM job_steps UNION ALL SELECT job_id FROM spans)
+            WHERE job_id <> '' ORDER BY job_id""")["job_id"].tolist()
+
+    def job_progress(self) -> pd.DataFrame:
+        df = self._query("""
+            SELECT job_id, toInt64(uniqExact(rank)) AS ranks, arraySort(groupUniqArray(node)) AS nodes,
+                   max(world_size) AS world_size,
+                   toInt64(if(countIf(kind = 'step' AND dur_us >= 0) > 0,
+                              maxIf(step, kind = 'step' AND dur_us >= 0) + 1, 0)) AS steps,
+                   if(countIf(kind = 'step' AND dur_us >= 0) > 0,
+                      maxIf(start_us + dur_us, kind = 'step' AND dur_us >= 0), NULL) AS last_step_us,
+                   uniqExactIf(rank, kind = 'end') >= uniqExact(rank) AS finished
+            FROM job_steps WHERE job_id <> '' GROUP BY job_id ORDER BY job_id""")
+        return df.assign(finished=df["finished"].astype(bool)) if len(df) else df
+
+    def add_step_breakdowns(self, rows: pd.DataFrame) -> None:
+        if len(rows):
+            table = rows[["job_id", "rank", "step", "category", "us"]].assign(ts=_utc_now())
+            self.run_write(lambda _: self._insert("step_breakdowns", table))
+
+    def step_breakdown_totals(self, job_id: str) -> pd.DataFrame:
+        return self._query("""
+            SELECT category, sum(us) AS us, toInt64(uniqExact(step)) AS steps, toInt64(uniqExact(rank)) AS ranks
+            FROM step_breakdowns WHERE job_id = {job:String} GROUP BY category ORDER BY category""", {"job": job_id})
+
+    def sample_jobs(self) -> list[dict[str, Any]]:
+        return self._records("""
+            SELECT job_id, arraySort(groupUniqArray(node)) AS nodes, toInt64(uniqExact(node, gpu_index)) AS gpus,
+                   toInt64(uniqExactIf(rank, rank >= 0)) AS ranks,
+                   toInt64(toUnixTimestamp64Milli(min(ts))) AS first_seen_ms,
+                   toInt64(toUnixTimestamp64Milli(max(ts))) AS last_seen_ms
+            FROM gpu_samples WHERE isNotNull(job_id) AND job_id <> '' GROUP BY job_id ORDER BY job_id""")
+
+    def jobs_seen(self) -> list[dict[str, Any]]:
+        return self._records("""
+            SELECT job_id, toInt64(uniqExactIf(node, isNotNull(node))) AS nodes,
+                   toInt64(uniqExactIf((node, gpu_index), isNotNull(gpu_index))) AS gpus,
+                   toInt64(uniqExactIf(rank, rank >= 0)) AS ranks, min(t) AS first_seen_ms, max(t) AS last_seen_ms
+            FROM (SELECT assumeNotNull(job_id) AS job_id, toNullable(toString(node)) AS node,
+                         toNullable(gpu_index) AS gpu_index, rank, toInt64(toUnixTimestamp64Milli(ts)) AS t
+                  FROM gpu_samples WHERE isNotNull(job_id)
+                  UNION ALL
+                  SELECT toString(job_id), nullIf(toString(node), ''), NULL, toNullable(rank), toInt64(start_us / 1000)
+                  FROM spans WHERE job_id <> '')
+            WHERE job_id <> '' GROUP BY job_id ORDER BY job_id""")
+
+    # ---- breakdowns of submitted traces ----------------------------------------------------------------
+    def job_timelines(self, job_id: str) -> list[bytes]:
+        df = self._client().query_arrow("SELECT timeline FROM job_timelines WHERE job_id = {job:String} ORDER BY rank",
+                                        parameters={"job": job_id})
+        return [bytes(v.as_py()) if isinstance(v.as_py(), bytes) else v.as_py().encode("latin-1")
+                for v in df.column("timeline")]
+
+    def traced_jobs(self) -> list[dict[str, Any]]:
+        return self._records("""
+            SELECT job_id, toInt64(count()) AS ranks, toInt64(toUnixTimestamp64Milli(max(submitted_at))) AS submitted_ms
+            FROM job_timelines GROUP BY job_id ORDER BY job_id""")
+
+    def save_submission(self, job_id: str, timelines: pd.DataFrame, rows: pd.DataFrame, doc_json: str,
+                        source: str) -> None:
+        table = pa.table({"job_id": timelines["job_id"].astype(str).tolist(),
+                          "rank": pa.array(timelines["rank"].astype(int).tolist(), pa.int32()),
+                          "filename": timelines["filename"].astype(str).tolist(),
+                          "timeline": pa.array(timelines["timeline"].tolist(), pa.binary()),
+                          "submitted_at": pa.array([_utc_now()] * len(timelines), pa.timestamp("ms"))})
+
+        def write(_: Any) -> None:  # the document last: it is what readers look for
+            self._insert("job_timelines", table)
+            self._replace_breakdown(job_id, source, rows, doc_json)
+
+        self.run_write(write)
+
+    def save_breakdown(self, job_id: str, source: str, rows: pd.DataFrame, doc_json: str) -> None:
+        self.run_write(lambda _: self._replace_breakdown(job_id, source, rows, doc_json))
+
+    def _replace_breakdown(self, job_id: str, source: str, rows: pd.DataFrame, doc_json: str) -> None:
+        now = _utc_now()
+        self._command(f"DELETE FROM {self._table_for_delete('breakdowns')} "
+                      "WHERE job_id = {job:String} AND source = {source:String}", {"job": job_id, "source": source})
+        frame = rows[["rank", "step", "category", "us"]].assign(job_id=job_id, source=source, computed_at=now)
+        self._insert("breakdowns", frame.astype({"rank": "int32"}))
+        self._insert("breakdown_docs", pd.DataFrame([{"job_id": job_id, "source": source, "doc": doc_json,
+                                                      "computed_at": now}]))
+
+    def breakdown_doc(self, job_id: str, source: str) -> str | None:
+        df = self._query("SELECT doc FROM breakdown_docs WHERE job_id = {job:String} AND source = {source:String}",
+                         {"job": job_id, "source": source})
+        return str(df["doc"].iloc[0]) if len(df) else None
+
+    def breakdown_rows(self, job_id: str, source: str | None = None) -> pd.DataFrame:
+        return self._query("""
+            SELECT source, rank, step, category, us FROM breakdowns WHERE job_id = {job:String}
+              AND (isNull({source:Nullable(String)}) OR source = {source:Nullable(String)})
+            ORDER BY source, rank, step NULLS FIRST, category""", {"job": job_id, "source": source})
+
+    # ---- alerts and leases -----------------------------------------------------------------------------
+    def upsert_alerts(self, rows: pd.DataFrame) -> None:
+        if len(rows):
+            self.run_write(lambda _: self._insert("alerts", rows))
+
+    def firing_alerts(self) -> pd.DataFrame:
+        return self._query("""SELECT alertname, subject, toInt64(toUnixTimestamp64Milli(updated_at)) AS updated_ms, doc
+                              FROM alerts WHERE status = 'firing'""")
+
+    def alert_docs(self, include_resolved: bool) -> list[str]:
+        return self._query("""
+            SELECT doc FROM alerts WHERE status = 'firing' OR {all:Bool}
+            ORDER BY status = 'firing' DESC, starts_at DESC""", {"all": bool(include_resolved)})["doc"].tolist()
+
+    def alert_starts(self, alertname: str) -> pd.DataFrame:
+        return self._query("""
+            SELECT JSONExtractString(doc, 'node') AS node, toInt32(JSONExtractInt(doc, 'gpu_index')) AS gpu_index,
+                   toInt64(toUnixTimestamp64Milli(starts_at)) AS starts_ms,
+                   JSONExtractFloat(doc, 'peak_risk') AS peak_risk
+            FROM alerts WHERE alertname = {name:String} ORDER BY starts_at""", {"name": alertname})
+
+    def take_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew the lease ``name`` for ``ttl_s`` seconds; False while another holder's is unexpired.
+
+        ClickHouse has no compare-and-set, so a lease is a sequence of terms: whoever sees the current term
+        expired claims the next one, and of several claims of one term the one the server stored first wins
+        (``inserted_ns``, the server's clock, not the claimant's: a claim stored later can never win, so a
+        contender that re-reads after its own claim and sees itself first is the one winner everybody
+        else will see too); the holder renews by claiming its term again."""
+        now = int(time.time() * 1000)
+        term, winner, expires = self._lease_state(name)
+        if winner == holder or expires < now:
+            next_term = term if winner == holder and expires >= now else term + 1
+            self.run_write(lambda _: self._insert("leases", pd.DataFrame([{
+                "name": name, "holder": holder, "term": next_term, "claimed_ms": now,
+                "expires_ms": now + int(ttl_s * 1000)}])))
+            term, winner, _ = self._lease_state(name)
+        return winner == holder
+
+    def _lease_state(self, name: str) -> tuple[int, str | None, int]:
+        """The lease's current term, its winner (the claim stored first) and when it expires (the winner's
+        latest claim's expiry: renewals extend it, a release sets it to 0)."""
+        df = self._query("""
+            SELECT term, argMin(holder, (inserted_ns, holder)) AS winner,
+                   groupArray((holder, inserted_ns, expires_ms)) AS claims
+            FROM leases WHERE name = {name:String}
+              AND term = (SELECT max(term) FROM leases WHERE name = {name:String})
+            GROUP BY term""", {"name": name})
+        if df.empty:
+            return 0, None, 0
+        winner = str(df["winner"].iloc[0])
+        expires = max((c for c in df["claims"].iloc[0] if c[0] == winner), key=lambda c: c[1])[2]
+        return int(df["term"].iloc[0]), winner, int(expires)
+
+    def release_lease(self, name: str, holder: str) -> None:
+        term, winner, _ = self._lease_state(name)
+        if winner == holder:  # expire our term now: the next contender claims the next term at once
+            self.run_write(lambda _: self._insert("leases", pd.DataFrame([{
+                "name": name, "holder": holder, "term": term, "claimed_ms": int(time.time() * 1000),
+                "expires_ms": 0}])))
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _connection(url: str) -> tuple[dict[str, Any], str]:
+    """clickhouse-connect arguments and the database for a --store URL."""
+    if url.startswith("chdb://"):
+        path = url.removeprefix("chdb://")
+        if not path or path == "/":
+            raise UserError(f"--store {url}: give a directory, chdb:///DIR")
+        return {"dsn": f"chdb://{path}"}, DEFAULT_DATABASE
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise UserError(f"--store {_redacted(url)}: no host; expected clickhouse://[user:password@]host:8123/db")
+    database = parts.path.strip("/") or DEFAULT_DATABASE
+    if not database.replace("_", "").isalnum():
+        raise UserError(f"--store {_redacted(url)}: database name {database!r} must be letters, digits and _")
+    https = parts.scheme == "clickhouses"
+    args: dict[str, Any] = {"host": parts.hostname, "port": parts.port or (8443 if https else 8123),
+                            "interface": "https" if https else "http"}
+    if parts.username:
+        args["username"] = parts.username
+    if parts.password:
+        args["password"] = parts.password
+    return args, database
+
+
+def _redacted(url: str) -> str:
+    from gpuwatch.collector.store import redacted
+
+    return redacted(url)
+
+
+def _bytes(limit: str) -> int:
+    """'1GB', '512MiB', '2G' or a byte count as bytes (DuckDB's spelling of a memory limit)."""
+    text = limit.strip().upper().replace("IB", "B")
+    for suffix, scale in (("TB", 2**40), ("GB", 2**30), ("MB", 2**20), ("KB", 2**10), ("T", 2**40), ("G", 2**30),
+                          ("M", 2**20), ("K", 2**10), ("B", 1)):
+        if text.endswith(suffix) and text[:-len(suffix)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[:-len(suffix)]) * scale)
+    if text.isdigit():
+        return int(text)
+    raise UserError(f"memory limit {limit!r}: expected a size such as 1GB or 512MB")
+
+
+def _plain_strings(table: pa.Table) -> pa.Table:
+    """Dictionary-encoded columns decoded (clickhouse-connect inserts plain Arrow strings into LowCardinality)."""
+    return pa.table({name: col.cast(col.type.value_type) if pa.types.is_dictionary(col.type) else col
+                     for name, col in zip(table.column_names, table.columns)})
+
+
+def _agents_frame(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.DataFrame:
+    last: dict[str, tuple[str, int]] = {}
+    for b in batches:
+        node, seq = last.get(b.agent_id, (b.node.node, 0))
+        last[b.agent_id] = (b.node.node, max(seq, b.sequence))
+    return pd.DataFrame([{"agent_id": agent, "node": node, "last_sequence": seq, "last_seen": now}
+                         for agent, (node, seq) in last.items()])
+
+
+def _spans_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """Span rows typed as the DuckDB store returns them (plain object strings)."""
+    for column in ("job_id", "kind", "name", "process_group", "node"):
+        if column in df.columns:
+            df[column] = df[column].astype(object)
+    return df
+
+
+def _until(until_ms: int | None) -> int:
+    """An upper time bound for a query: ``until_ms``, or the far future."""
+    return until_ms if until_ms is not None else 2**62 // 1000
+
+
+def _check_field(name: str) -> None:
+    if name not in fields.GPU_FIELD_NAMES:
+        raise UserError(f"unknown GPU field {name!r}; fields are listed in gpuwatch.fields")
+
+
+def _utc_now() -> dt.datetime:
+    return ms_to_datetime(int(time.time() * 1000))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
