@@ -7,6 +7,7 @@ says what works and what does not, so the answer does not come from reading logs
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -61,6 +62,7 @@ class NodeCheck:
 def check_node(cfg: AgentConfig, collector_timeout_s: float = 2.0) -> NodeCheck:
     """Run every check; never raises for a failing one (it becomes a failed item)."""
     items = [_check_directory("spool", cfg.spool_dir) if cfg.collector else None,
+             _check_spool_health(cfg.spool_dir) if cfg.collector else None,
              _check_directory("recording", cfg.record) if cfg.record else None,
              _check_directory("probe socket directory", Path(cfg.probe_socket).parent) if cfg.probe_socket else None]
     nvml, gpus = _check_gpus(cfg)
@@ -138,6 +140,30 @@ def _check_directory(what: str, path: Path) -> CheckItem:
     if not os.access(parent, os.W_OK):
         return CheckItem(what, False, f"{path} does not exist and {parent} is not writable")
     return CheckItem(what, True, f"{path} can be created (in {parent})")
+
+
+def _check_spool_health(spool_dir: Path) -> CheckItem | None:
+    """What the spool's state says: a refused agent id (two agents share it), drops and set-aside batches."""
+    if not Path(spool_dir).is_dir():
+        return None  # the directory check says what is wrong with it
+    try:
+        state = json.loads((Path(spool_dir) / "state.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return CheckItem("agent identity", False, f"{spool_dir}/state.json is unreadable ({exc}): move it away; "
+                                                  "the agent id is then taken from the spooled batches")
+    conflict = state.get("identity_conflict")
+    if conflict:
+        return CheckItem("agent identity", False,
+                         f"the collector refuses agent id {state.get('agent_id')}: another running agent uses it "
+                         f"(this spool or VM image was copied). Stop this agent, run `gpuwatch agent --new-agent-id "
+                         f"--spool {spool_dir}` (its unsent batches are kept) and start it again. Collector said: "
+                         f"{conflict}")
+    rejected = len(list((Path(spool_dir) / "rejected").glob("*.pb")))
+    return CheckItem("agent identity", True,
+                     f"agent id {state.get('agent_id')}; {state.get('dropped_batches_total', 0)} batches dropped "
+                     f"(spool full) and {rejected} set aside in {spool_dir}/rejected so far")
 
 
 def format_check(report: NodeCheck) -> str:

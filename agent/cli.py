@@ -59,6 +59,9 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="diagnose the node (NVML, supported fields, collector, spool) and exit 0 if all is well")
     parser.add_argument("--json", action="store_true", help="with --check: print the report as JSON")
+    parser.add_argument("--new-agent-id", action="store_true",
+                        help="give the spool a new agent id (it was copied from another agent's: a cloned VM "
+                             "image or spool), renumber its unsent batches under it, and exit")
 
 
 def load_settings(args: argparse.Namespace) -> config.Config:
@@ -135,10 +138,22 @@ def run(command: str, args: argparse.Namespace) -> int:
     cfg = config_from_args(args, settings)
     if args.check:
         return _check(cfg, args.json)
+    if args.new_agent_id:
+        return _new_agent_id(cfg)
     agent = Agent(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())
     agent.run(ticks=args.ticks)
+    return 0
+
+
+def _new_agent_id(cfg: AgentConfig) -> int:
+    from gpuwatch.agent.spool import Spool
+
+    spool = Spool(cfg.spool_dir, cfg.spool_max_bytes)
+    old = spool.agent_id
+    new = spool.renew_identity()
+    print(f"spool {cfg.spool_dir}: agent id {old} -> {new}; {len(spool.pending())} unsent batches renumbered")
     return 0
 
 

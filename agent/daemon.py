@@ -30,7 +30,7 @@ from gpuwatch.agent.probe_socket import ProbeListener
 from gpuwatch.agent.simdegrade import Degradation, FaultSpec
 from gpuwatch.agent.simfleet import SimClock, SimulatedFleet
 from gpuwatch.agent.simjob import SimJob
-from gpuwatch.agent.spool import Spool
+from gpuwatch.agent.spool import Spool, SpoolFull
 from gpuwatch.agent.uplink import ChannelSecurity, Uplink
 from gpuwatch.agent.xid import XidWatcher
 from gpuwatch.batches import MAX_BATCH_BYTES, BatchBuilder
@@ -190,6 +190,8 @@ class Agent:
         while not self._stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
             if self.uplink.wait_drained(min(remaining, DRAIN_POLL_S)):
                 return True
+            if self.uplink.stats.fenced:  # another agent holds this id: waiting longer changes nothing
+                break
         return not self.spool.pending()
 
     def _install_fleet(self) -> bool:
@@ -284,9 +286,12 @@ class Agent:
         if dropped and dropped.batches:
             if self.metrics is not None:
                 self.metrics.observe_dropped(dropped.batches)
+            # The running totals travel too: if this batch is dropped in turn, the next report covers it.
             builder.add_event(ev.SPOOL_DROPPED, self._now_ms(), code=dropped.batches,
-                              message=f"spool over its size bound: {dropped.batches} oldest batches dropped",
-                              attrs={"bytes": str(dropped.bytes)})
+                              message=f"spool full (size bound or disk): {dropped.batches} batches dropped, "
+                                      f"{dropped.total_batches} in total",
+                              attrs={"bytes": str(dropped.bytes), "dropped_total": str(dropped.total_batches),
+                                     "dropped_bytes_total": str(dropped.total_bytes)})
         self._move_events(builder)
         spans = self.probe.drain() if self.probe else pb.SpanTable()
         # The agent names the node: a probe's own hostname may differ from --node and would not join its telemetry.
@@ -300,14 +305,22 @@ class Agent:
         for chunk in chunks or [None]:  # the first batch takes the rows and events, later ones only spans
             if chunk is not None:
                 builder.add_spans(chunk)
-            self._write(builder.build(self.spool.next_sequence() if self.spool else next(self._local_sequence)))
+            try:
+                sequence = self.spool.next_sequence() if self.spool else next(self._local_sequence)
+            except SpoolFull:  # counted as dropped by the spool; sampling goes on
+                builder.build(0)
+                continue
+            self._write(builder.build(sequence))
         return max(1, len(chunks))
 
     def _write(self, batch: pb.TelemetryBatch) -> None:
         if self.recorder is not None:
             self.recorder.add(batch)
         if self.spool is not None:
-            self.spool.append(batch.sequence, batch.SerializeToString())
+            try:
+                self.spool.append(batch.sequence, batch.SerializeToString())
+            except SpoolFull:  # counted as dropped by the spool; sampling goes on
+                return
             self.uplink.notify()
 
 

@@ -1,36 +1,80 @@
 """Durable spool: every batch is on disk (fsynced) before it is sent and deleted only when acknowledged.
 
-Layout of the spool directory:
-  state.json            agent_id, next sequence number, dropped batches not yet reported
-  batches/<seq>.pb      one serialized TelemetryBatch per file, named by its zero-padded sequence
-  rejected/<seq>.pb     batches the collector refused (kept for a human; never retried)
+Layout of the spool directory (0700; files 0600: telemetry names jobs and hosts):
+  state.json            agent_id, next sequence number, running totals of dropped batches (durable)
+  batches/<seq>.pb      one record per file: ``GWS1``, payload length and CRC32C (big-endian u32 each), then
+                        the serialized TelemetryBatch, named by its zero-padded sequence
+  rejected/<seq>.pb     batches the collector refused and records that failed their checksum, each with a
+                        ``.reason.txt`` (kept for a human; never retried)
 
 The sequence number is persisted before a batch file is written, so sequences are never reused across
-restarts. When the batches exceed ``max_bytes`` the oldest are dropped; the count is persisted and handed
-back by :meth:`Spool.take_dropped` so the agent reports it in a later batch.
+restarts. When the batches exceed ``max_bytes``, or the disk is full, the oldest are dropped: the running
+totals are persisted and :meth:`Spool.take_dropped` hands them to the agent, which sends them in its next
+batch (totals, not increments, so a report lost with a dropped batch is made good by the next one). A lost
+or moved-away ``state.json`` is rebuilt from the batches still spooled (their agent id and sequences), so
+they stay sendable and acknowledgeable.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import struct
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+import google_crc32c
+from google.protobuf.message import DecodeError
 
 from gpuwatch.errors import UserError
+from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 _SUFFIX = ".pb"
+_MAGIC = b"GWS1"
+_HEADER = struct.Struct(">4sII")  # magic, payload length, CRC32C of the payload
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Dropped:
+    """Batches (and their bytes) the spool dropped: since the last report, and in total since it was created."""
+
     batches: int
     bytes: int
+    total_batches: int = 0
+    total_bytes: int = 0
 
+
+class SpoolFull(OSError):
+    """The disk has no room for a batch even after every older batch was dropped; this one is dropped too."""
+
+
+def encode_record(payload: bytes) -> bytes:
+    """One spool record: header (magic, length, CRC32C) and payload."""
+    return _HEADER.pack(_MAGIC, len(payload), google_crc32c.value(payload)) + payload
+
+
+def decode_record(data: bytes) -> bytes:
+    """The payload of one spool record; ValueError naming what is wrong with a damaged one."""
+    if not data:
+        raise ValueError("empty file (the disk was full or the agent stopped while writing it)")
+    if len(data) < _HEADER.size or data[:4] != _MAGIC:
+        raise ValueError(f"not a spool record ({len(data)} bytes without the {_MAGIC.decode()} header)")
+    _, length, crc = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size:]
+    if len(payload) != length:
+        raise ValueError(f"truncated: {len(payload)} of {length} payload bytes")
+    if google_crc32c.value(payload) != crc:
+        raise ValueError("CRC32C checksum mismatch (the file was damaged after it was written)")
+    return payload
 
 class Spool:
     """Thread-safe: the sampler thread appends, the uplink thread reads, acknowledges and quarantines."""
@@ -41,49 +85,105 @@ class Spool:
         self._batches = self.dir / "batches"
         self._rejected = self.dir / "rejected"
         self._state_path = self.dir / "state.json"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered when a full disk interrupts a state write
+        self._disk_full = False  # warn once per episode, not once per batch
         try:
-            self._batches.mkdir(parents=True, exist_ok=True)
-            self._rejected.mkdir(exist_ok=True)
+            for d in (self.dir, self._batches, self._rejected):
+                d.mkdir(mode=0o700, parents=True, exist_ok=True)
+                os.chmod(d, 0o700)
         except OSError as exc:
             raise UserError(f"spool directory {self.dir}: cannot create it ({exc.strerror})") from exc
-        # sequence -> size, in sequence order (appends are in order; the dict keeps insertion order)
+        # sequence -> payload size, in sequence order (appends are in order; the dict keeps insertion order)
         self._sizes: dict[int, int] = {}
         for path in sorted(self._batches.glob("*" + _SUFFIX)):
             try:
-                self._sizes[int(path.stem)] = path.stat().st_size
+                self._sizes[int(path.stem)] = max(0, path.stat().st_size - _HEADER.size)
             except ValueError:
                 log.warning("spool: ignoring stray file %s", path)
         for tmp in self._batches.glob("*.tmp"):  # a write interrupted by a crash: never acknowledged, never sent
             tmp.unlink(missing_ok=True)
         state = self._load_state()
-        self.agent_id: str = state.get("agent_id") or uuid.uuid4().hex
-        self._next_sequence = max(int(state.get("next_sequence", 1)), max(self._sizes, default=0) + 1)
-        self._dropped = Dropped(int(state.get("dropped_batches", 0)), int(state.get("dropped_bytes", 0)))
-        self._save_state()
+        self.agent_id: str = state.get("agent_id") or self._agent_id_from_batches() or uuid.uuid4().hex
+        newest = max([*self._sizes, *self.rejected()], default=0)
+        self._next_sequence = max(int(state.get("next_sequence", 1)), newest + 1)
+        total = Dropped(0, 0, int(state.get("dropped_batches_total", 0)), int(state.get("dropped_bytes_total", 0)))
+        # state written by an older agent holds only the unreported drops
+        unreported = Dropped(int(state.get("dropped_batches", 0)), int(state.get("dropped_bytes", 0)))
+        self._dropped = Dropped(unreported.batches, unreported.bytes, max(total.total_batches, unreported.batches),
+                                max(total.total_bytes, unreported.bytes))
+        self.identity_conflict: str = state.get("identity_conflict", "")
+        try:
+            self._make_room(self._save_state)
+        except SpoolFull:  # a full disk at start: batches are dropped (and counted) until it has room again
+            pass
 
     # --- writing -----------------------------------------------------------------------------------
     def next_sequence(self) -> int:
-        """Reserve the next sequence number (persisted before it is used)."""
+        """Reserve the next sequence number (persisted before it is used); SpoolFull when even that cannot be
+        written (the batch is then counted as dropped)."""
         with self._lock:
             seq = self._next_sequence
             self._next_sequence += 1
-            self._save_state()
+            try:
+                self._make_room(self._save_state)
+            except SpoolFull:
+                self._count_dropped(1, 0)
+                raise
             return seq
 
     def append(self, sequence: int, data: bytes) -> None:
-        """Write one serialized batch durably, then enforce the size bound (oldest dropped first)."""
-        path = self._path(sequence)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self._batches)
+        """Write one serialized batch durably, then enforce the size bound (oldest dropped first).
+
+        On a full disk the oldest batches are dropped (counted) until this one fits; if none is left to drop,
+        this one is dropped and counted instead, and SpoolFull is raised. Sampling goes on either way."""
+        record = encode_record(data)
+        try:
+            self._make_room(lambda: self._write_record(sequence, record), sequence)
+        except SpoolFull:
+            with self._lock:
+                self._count_dropped(1, len(data))
+                self._try_save_state()
+            raise
         with self._lock:
             self._sizes[sequence] = len(data)
             self._enforce_bound(keep=sequence)
+        if self._disk_full:
+            self._disk_full = False
+            log.warning("spool %s: the disk has room again; spooling normally", self.dir)
+
+    def _write_record(self, sequence: int, record: bytes) -> None:
+        path = self._path(sequence)
+        tmp = path.with_suffix(".tmp")
+        try:
+            write_durably(tmp, record)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self._batches)
+
+    def _make_room(self, write: Callable[[], T], keep: int | None = None) -> T:
+        """Run ``write``; while it fails for a full disk, drop the oldest spooled batch and try again."""
+        while True:
+            try:
+                return write()
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL:
+                    raise
+                with self._lock:
+                    oldest = next((s for s in self._sizes if s != keep), None)
+                    if oldest is None:
+                        self._warn_disk_full("nothing left to drop: this batch is dropped")
+                        raise SpoolFull(exc.errno, f"spool {self.dir}: disk full") from exc
+                    size = self._sizes.pop(oldest)
+                    self._path(oldest).unlink(missing_ok=True)
+                    self._count_dropped(1, size)
+                    self._warn_disk_full("dropping the oldest batches")
+
+    def _warn_disk_full(self, action: str) -> None:
+        if not self._disk_full:
+            self._disk_full = True
+            log.warning("spool %s: the disk is full (%s); sampling goes on, drops are counted", self.dir, action)
 
     def _enforce_bound(self, keep: int) -> None:
         total = sum(self._sizes.values())
@@ -99,15 +199,20 @@ class Spool:
         if dropped_batches:
             log.warning("spool over %d bytes: dropped the %d oldest batches (%d bytes)",
                         self.max_bytes, dropped_batches, dropped_bytes)
-            self._dropped = Dropped(self._dropped.batches + dropped_batches, self._dropped.bytes + dropped_bytes)
-            self._save_state()
+            self._count_dropped(dropped_batches, dropped_bytes)
+            self._try_save_state()
+
+    def _count_dropped(self, batches: int, size: int) -> None:
+        d = self._dropped
+        self._dropped = Dropped(d.batches + batches, d.bytes + size, d.total_batches + batches, d.total_bytes + size)
 
     def take_dropped(self) -> Dropped:
-        """Dropped batches not yet reported; resets the count (persisted)."""
+        """Drops since the last call (batches, bytes) with the running totals; resets the former (persisted)."""
         with self._lock:
-            dropped, self._dropped = self._dropped, Dropped(0, 0)
+            dropped = self._dropped
+            self._dropped = Dropped(0, 0, dropped.total_batches, dropped.total_bytes)
             if dropped.batches:
-                self._save_state()
+                self._try_save_state()
             return dropped
 
     # --- draining ----------------------------------------------------------------------------------
@@ -126,10 +231,17 @@ class Spool:
             return sum(self._sizes.values())
 
     def read(self, sequence: int) -> bytes | None:
-        """The batch's bytes, or None when it was acknowledged or dropped meanwhile."""
+        """The batch's bytes, or None when it was acknowledged or dropped meanwhile, or is damaged (then it is
+        moved to rejected/ with what is wrong)."""
         try:
-            return self._path(sequence).read_bytes()
+            data = self._path(sequence).read_bytes()
         except FileNotFoundError:
+            return None
+        try:
+            return decode_record(data)
+        except ValueError as exc:
+            path = self.quarantine(sequence, f"spool record {sequence} is damaged: {exc}")
+            log.error("spool record %d is damaged (%s); moved to %s", sequence, exc, path)
             return None
 
     def ack(self, sequence: int) -> None:
@@ -138,7 +250,7 @@ class Spool:
         self._path(sequence).unlink(missing_ok=True)
 
     def quarantine(self, sequence: int, reason: str) -> Path:
-        """Move a refused batch to rejected/ with the reason next to it; it is never sent again."""
+        """Move a refused or damaged batch to rejected/ with the reason next to it; it is never sent again."""
         target = self._rejected / self._path(sequence).name
         with self._lock:
             self._sizes.pop(sequence, None)
@@ -146,11 +258,50 @@ class Spool:
                 os.replace(self._path(sequence), target)
             except FileNotFoundError:
                 pass
-        target.with_suffix(".reason.txt").write_text(reason + "\n")
+        try:
+            write_durably(target.with_suffix(".reason.txt"), (reason + "\n").encode())
+        except OSError as exc:
+            log.error("spool: cannot write the reason for %s (%s): %s", target, exc.strerror, reason)
         return target
 
     def rejected(self) -> list[int]:
-        return sorted(int(p.stem) for p in self._rejected.glob("*" + _SUFFIX))
+        return sorted(int(p.stem) for p in self._rejected.glob("*" + _SUFFIX) if p.stem.isdigit())
+
+    # --- identity ----------------------------------------------------------------------------------
+    def record_identity_conflict(self, message: str) -> None:
+        """The collector says another running agent uses this agent id; kept for `gpuwatch agent --check`."""
+        with self._lock:
+            if message != self.identity_conflict:
+                self.identity_conflict = message
+                self._try_save_state()
+
+    def renew_identity(self) -> str:
+        """Give this spool a new agent id (it was copied from another agent's): every unsent batch is rewritten
+        under the new id with fresh sequences, so none is lost or taken for the other agent's. Returns the id."""
+        with self._lock:
+            self.agent_id = uuid.uuid4().hex
+            self.identity_conflict = ""
+            old = list(self._sizes)
+            self._sizes.clear()
+            self._next_sequence = 1
+            self._save_state()
+            for seq in old:
+                path = self._path(seq)
+                try:
+                    batch = pb.TelemetryBatch.FromString(decode_record(path.read_bytes()))
+                except (OSError, ValueError, DecodeError) as exc:
+                    self._sizes[seq] = 0  # quarantine() below takes it out again
+                    self.quarantine(seq, f"spool record {seq} is damaged: {exc}")
+                    continue
+                batch.agent_id, batch.sequence = self.agent_id, self._next_sequence
+                self._next_sequence += 1
+                self._save_state()
+                data = batch.SerializeToString()
+                self._write_record(batch.sequence, encode_record(data))
+                self._sizes[batch.sequence] = len(data)
+                if batch.sequence != seq:
+                    path.unlink(missing_ok=True)
+            return self.agent_id
 
     # --- state -------------------------------------------------------------------------------------
     def _path(self, sequence: int) -> Path:
@@ -163,18 +314,55 @@ class Spool:
             return {}
         except (OSError, ValueError) as exc:
             raise UserError(f"spool state {self._state_path}: unreadable ({exc}); move it away to start afresh "
-                            "(a new agent id will be used)") from exc
+                            "(the agent id is taken from the batches still spooled, else a new one is made)") from exc
+
+    def _agent_id_from_batches(self) -> str | None:
+        """The agent id of the newest readable spooled batch: a lost state.json must not orphan its batches."""
+        for seq in reversed(self._sizes):
+            try:
+                batch = pb.TelemetryBatch.FromString(decode_record(self._path(seq).read_bytes()))
+            except (OSError, ValueError, DecodeError):
+                continue
+            if batch.agent_id:
+                log.warning("spool %s: no state.json; the agent id %s is taken from spooled batch %d",
+                            self.dir, batch.agent_id, seq)
+                return batch.agent_id
+        return None
 
     def _save_state(self) -> None:
+        d = self._dropped
         state = {"agent_id": self.agent_id, "next_sequence": self._next_sequence,
-                 "dropped_batches": self._dropped.batches, "dropped_bytes": self._dropped.bytes}
+                 "dropped_batches": d.batches, "dropped_bytes": d.bytes,
+                 "dropped_batches_total": d.total_batches, "dropped_bytes_total": d.total_bytes,
+                 **({"identity_conflict": self.identity_conflict} if self.identity_conflict else {})}
         tmp = self._state_path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._state_path)
+        try:
+            write_durably(tmp, json.dumps(state).encode())
+            os.replace(tmp, self._state_path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(self.dir)
+
+    def _try_save_state(self) -> None:
+        """Persist the drop counts if the disk allows; they stay in memory and go out with the next batch."""
+        try:
+            self._save_state()
+        except OSError as exc:
+            if exc.errno not in _DISK_FULL:
+                raise
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new private file (0600) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -4,15 +4,20 @@ One long-lived bidi ``Ingest.Stream`` carries the spooled bytes as they are (no 
 ``window`` batches unacknowledged. When the collector is away the uplink reconnects with capped, jittered
 exponential backoff and resends everything not yet acknowledged (the collector deduplicates by agent id and
 sequence); given several collectors (``a:7700,b:7700``, sharing one store) it moves on to the next one.
-When the collector refuses the stream with INVALID_ARGUMENT or FAILED_PRECONDITION, the batches that were in
-flight are retried one by one with ``Ingest.Push`` to find the refused one, which is moved to
-``<spool>/rejected/`` so it can never block the rest.
+When the collector refuses the stream with INVALID_ARGUMENT or FAILED_PRECONDITION (final: the batch will
+never be stored), the batches that were in flight are retried one by one with ``Ingest.Push`` to find the
+refused one, which is moved to ``<spool>/rejected/`` and counted so it can never block the rest.
+
+Every call carries this process's instance token. ALREADY_EXISTS means another running agent uses the same
+agent id (a copied spool or VM image): nothing is sent or dropped, the spool records the conflict for
+``gpuwatch agent --check``, and the uplink keeps retrying slowly in case the other agent goes away.
 """
 from __future__ import annotations
 
 import logging
 import random
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +25,7 @@ import grpc
 
 from gpuwatch import security
 from gpuwatch.agent.spool import Spool
-from gpuwatch.batches import MAX_BATCH_BYTES
+from gpuwatch.batches import INSTANCE_METADATA, MAX_BATCH_BYTES
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,7 @@ class UplinkStats:
     rejected: int = 0
     reconnects: int = 0
     last_error: str = ""
+    fenced: str = ""  # the collector's ALREADY_EXISTS message while another agent holds this agent id
 
 
 @dataclass
@@ -108,6 +114,7 @@ class Uplink:
         self._thread: threading.Thread | None = None
         self._call = None
         self._attempt = 0
+        self._metadata = ((INSTANCE_METADATA, uuid.uuid4().hex),)
 
     @property
     def address(self) -> str:
@@ -169,6 +176,10 @@ class Uplink:
                 if self._stopping.is_set():
                     break
                 error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    self._fenced(exc.details())
+                    self._stopping.wait(self.backoff_max_s)
+                    continue
                 if exc.code() in _REFUSED and stream.in_flight:
                     try:
                         if self._isolate_refused(stream.in_flight):
@@ -184,7 +195,7 @@ class Uplink:
                 self._fail_over()
 
     def _stream(self, stream: _Stream) -> None:
-        self._call = self._stream_call(self._requests(stream))
+        self._call = self._stream_call(self._requests(stream), metadata=self._metadata)
         try:
             for ack in self._call:
                 self._acknowledged(ack, stream)
@@ -214,9 +225,14 @@ class Uplink:
             yield data
 
     def _acknowledged(self, ack: pb.BatchAck, stream: _Stream) -> None:
-        if ack.agent_id and ack.agent_id != self.spool.agent_id:
-            log.warning("ack for another agent (%s, sequence %d) ignored", ack.agent_id, ack.sequence)
+        # Acks come in the order batches were sent; a spooled batch may carry an older agent id than the
+        # spool's (state.json was lost), so the sequence in flight is what identifies it.
+        if ack.sequence not in stream.in_flight:
+            log.warning("ack for a batch not in flight (%s, sequence %d) ignored", ack.agent_id, ack.sequence)
             return
+        if self.stats.fenced:
+            self.stats.fenced = ""
+            self.spool.record_identity_conflict("")
         self.spool.ack(ack.sequence)
         self.stats.acked += 1
         self.stats.duplicates += int(ack.duplicate)
@@ -237,7 +253,7 @@ class Uplink:
             if data is None:
                 continue
             try:
-                ack = self._push_call(data, timeout=30.0)
+                ack = self._push_call(data, timeout=30.0, metadata=self._metadata)
             except grpc.RpcError as exc:
                 if exc.code() not in _REFUSED:
                     raise
@@ -252,6 +268,14 @@ class Uplink:
         with self._cond:
             self._cond.notify_all()
         return refused
+
+    def _fenced(self, details: str) -> None:
+        if not self.stats.fenced:
+            log.error("collector %s refuses this agent: %s", self.address, details)
+        self.stats.fenced = self.stats.last_error = details
+        self.spool.record_identity_conflict(details)
+        with self._cond:
+            self._cond.notify_all()
 
     def _back_off(self, error: str) -> None:
         delay = min(self.backoff_max_s, self.backoff_initial_s * 2 ** self._attempt)

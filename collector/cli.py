@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch import config
+from gpuwatch.batches import TimeWindow
 from gpuwatch.collector import jobs, scoring
 from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
@@ -58,6 +59,8 @@ def start_collector(cfg: config.Config) -> CollectorServer:
     try:
         return serve(cfg.listen, cfg.store or cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
                      max_in_flight=cfg.max_in_flight, stream_idle_s=cfg.stream_idle_timeout,
+                     max_ingest_streams=cfg.max_ingest_streams,
+                     time_window=TimeWindow(cfg.max_sample_age_days, cfg.max_sample_ahead_days),
                      memory_limit=cfg.memory_limit, span_retention_s=cfg.span_retention or None,
                      clickhouse_cluster=cfg.clickhouse_cluster,
                      services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import re
 import sys
 import time
@@ -175,13 +176,28 @@ def run(command: str, args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         raise UserError(f"collector at {args.collector}: {exc.details()} ({exc.code().name})") from None
     if args.json:
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        sys.stdout.write(json_text(rows) + "\n")
     elif not rows:
         print(spec.empty, file=sys.stderr)
     else:
         sys.stdout.write(format_table([spec.table_row(row) for row in rows], spec.table_columns))
     return 0
+
+
+def json_text(rows: Any) -> str:
+    """Standard JSON for ``rows``: a non-finite number (from a store written before ingest refused them) is
+    null, never the ``Infinity``/``NaN`` tokens that strict parsers reject."""
+    return json.dumps(_finite(rows), indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def format_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:

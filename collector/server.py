@@ -5,14 +5,19 @@ a thread: one process holds thousands of agents, and idle or slow ones cost noth
 the raw bytes of each batch and decodes them itself (gpuwatch.columnar), so a malformed, oversized or
 wrong-version batch is answered with a precise status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 FAILED_PRECONDITION) and a log line naming the agent and peer, while every other client keeps being served.
+A batch that validated but that the store cannot keep gets a final INVALID_ARGUMENT (the agent sets it aside
+instead of resending it forever), a store failure such as a full disk UNAVAILABLE (the agent resends), a
+batch of a second agent under the same agent id ALREADY_EXISTS (never UNKNOWN): :func:`store_failure`.
 A batch is acknowledged only after the store's writer thread committed it (the event loop awaits the
 store's future, never blocks on it); resends are recognised by (agent_id, sequence) in the store.
 
 Bounds, so no client can starve the others: each stream has at most ``stream_window`` batches between
 received and acknowledged (beyond that the server stops reading it and HTTP/2 flow control holds the
-sender), the whole collector at most ``max_in_flight`` (fair, first come first served), a stream that sends
-nothing for ``stream_idle_timeout_s`` is closed (the agent reconnects when it has data), keepalive pings
-find dead peers, and connections without calls are closed after ``CONNECTION_IDLE_S``.
+sender), the whole collector at most ``max_in_flight`` (fair, first come first served), at most
+``max_ingest_streams`` streams are open at once (gpuwatch.collector.ingest_admission, which also fences
+agent ids: one live agent instance per id), a stream that sends nothing for ``stream_idle_s`` is closed (the
+agent reconnects when it has data), keepalive pings find dead peers (and a ping flood is refused), and
+connections without calls are closed after ``CONNECTION_IDLE_S``.
 
 Query methods are plain functions ``handler(request, store) -> response`` looked up by method name, run on
 their own thread pool (``max_workers``) so they are answered while ingest is saturated; other features
@@ -28,21 +33,25 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+import duckdb
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from gpuwatch import security
-from gpuwatch.batches import MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError
+from gpuwatch.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.failed import failed_gpus
+from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_INGEST_STREAMS, DEFAULT_STREAM_IDLE_S, StreamAdmission,
+                                                 StreamRefused, fencing_advice)
 from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
 from gpuwatch.columnar import ColumnarBatch, decode
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -55,9 +64,10 @@ _HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
 DEFAULT_QUERY_WORKERS = 16
 DEFAULT_STREAM_WINDOW = 64  # batches per stream between received and acked (agents keep 32 in flight)
 DEFAULT_MAX_IN_FLIGHT = 4096  # batches received and not yet committed, all streams together
-DEFAULT_STREAM_IDLE_S = 300.0  # agents send every batch_interval (5 s by default)
 CONNECTION_IDLE_S = 600.0  # a connection without calls (a query client that went quiet) is closed
 STREAMS_PER_CONNECTION = 100  # an agent needs one; a client opening more is refused further streams
+#: Initial metadata of an Ingest stream the collector admitted (a refused one ends with a status instead).
+ADMITTED_METADATA = (("gpuwatch-stream", "admitted"),)
 
 QueryHandler = Callable[[Message, Store], Message]
 
@@ -82,13 +92,14 @@ class BatchRejected(Exception):
         self.agent = agent
 
 
-def decode_batch(raw: bytes) -> ColumnarBatch:
-    """Parse and validate one batch's bytes; raise :class:`BatchRejected` with the status to answer."""
+def decode_batch(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
+    """Parse and validate one batch's bytes (bounds, and times within ``window`` when given); raise
+    :class:`BatchRejected` with the status to answer."""
     if len(raw) > MAX_BATCH_BYTES:
         raise BatchRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
     try:
-        return decode(raw)
+        return decode(raw, window)
     except DecodeError as exc:
         raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{len(raw)} bytes are not a gpuwatch.v1.TelemetryBatch ({exc})") from None
@@ -98,6 +109,21 @@ def decode_batch(raw: bytes) -> ColumnarBatch:
                 else grpc.StatusCode.INVALID_ARGUMENT)
         raise BatchRejected(code, f"batch {header.sequence} of agent {header.agent_id or '?'}: {exc}",
                             header.agent_id) from None
+
+
+def store_failure(exc: BaseException, batch: ColumnarBatch) -> BatchRejected:
+    """The status for a batch the store did not take: ALREADY_EXISTS for a cloned agent id, INVALID_ARGUMENT
+    for a batch that validated but holds something the store cannot keep (final: the agent sets it aside
+    instead of resending it forever), UNAVAILABLE for a store failure such as a full disk (the agent resends)."""
+    where = f"batch {batch.sequence} of agent {batch.agent_id}"
+    if isinstance(exc, AgentIdConflict):
+        return BatchRejected(grpc.StatusCode.ALREADY_EXISTS, f"{where}: {fencing_advice(batch.agent_id)}",
+                             batch.agent_id)
+    if isinstance(exc, (ValueError, OverflowError, TypeError, duckdb.ConversionException,
+                        duckdb.OutOfRangeException, duckdb.InvalidInputException, duckdb.ConstraintException)):
+        return BatchRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{where} cannot be stored: {exc}", batch.agent_id)
+    return BatchRejected(grpc.StatusCode.UNAVAILABLE, f"the collector could not store {where}: {exc}; resend later",
+                         batch.agent_id)
 
 
 class StreamIdle(Exception):
@@ -135,17 +161,25 @@ class IngestService:
     """Stores every well-formed batch once and acknowledges it only after the store committed it.
 
     Runs on the server's event loop; every wait is an ``await`` (the store's commit future, a full window),
-    so one slow agent never holds up another.
+    so one slow agent never holds up another. Streams are admitted by ``admission`` (a bound on open streams,
+    the idle limit, one live agent instance per agent id); batch times outside ``window`` are refused.
     """
 
     def __init__(self, store: Store, *, stream_window: int = DEFAULT_STREAM_WINDOW,
-                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, stream_idle_s: float = DEFAULT_STREAM_IDLE_S) -> None:
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+                 max_ingest_streams: int = DEFAULT_MAX_INGEST_STREAMS, window: TimeWindow | None = None) -> None:
         self.store = store
         self.stream_window = stream_window
-        self.stream_idle_s = stream_idle_s
-        self.open_streams = 0
+        self.admission = StreamAdmission(max_ingest_streams, stream_idle_s)
+        self.window = window
+        self.rejected_by_agent: Counter[str] = Counter()
         self._max_in_flight = max_in_flight
         self._in_flight: asyncio.Semaphore | None = None  # made on the event loop
+
+    @property
+    def open_streams(self) -> int:
+        """Ingest streams being served now."""
+        return self.admission.open_count()
 
     def handler(self) -> grpc.GenericRpcHandler:
         ack = pb.BatchAck.SerializeToString
@@ -157,47 +191,62 @@ class IngestService:
 
     async def push(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.BatchAck:
         try:
-            commit = await self._submit(decode_batch(raw))
-        except (BatchRejected, StoreClosed) as exc:
+            batch = decode_batch(raw, self.window)
+            self.admission.check_push(batch.agent_id, _instance(context), context.peer())
+            commit = await self._submit(batch)
+        except (BatchRejected, StoreClosed, StreamRefused) as exc:
             await self._abort(exc, context)
-        return await self._acked(commit, context)
+        return await self._acked(batch, commit, context)
 
     async def stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.BatchAck]:
         """Read batches on a task of their own so up to ``stream_window`` are in flight; yield their acks in
         order as they commit. A refused batch ends the stream after the acks of the batches before it."""
-        window = asyncio.Semaphore(self.stream_window)
-        pending: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._read(requests, window, pending))
-        self.open_streams += 1
         try:
-            while (item := await pending.get()) is not _DONE:
-                if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
-                    await self._abort(item, context)
-                yield await self._acked(item, context)
-                window.release()
-        except asyncio.CancelledError:
-            log.debug("ingest stream from %s cancelled (client gone or server stopping)", context.peer())
-            raise
+            handle = self.admission.open_stream()
+        except StreamRefused as exc:
+            await self._abort(exc, context)
+        idle = False
+        try:
+            await context.send_initial_metadata(ADMITTED_METADATA)  # tells the client the stream is served
+            window = asyncio.Semaphore(self.stream_window)
+            pending: asyncio.Queue = asyncio.Queue()
+            sender = (handle, _instance(context), context.peer())
+            reader = asyncio.create_task(self._read(requests, window, pending, sender))
+            try:
+                while (item := await pending.get()) is not _DONE:
+                    if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
+                        idle = isinstance(item, StreamIdle)
+                        await self._abort(item, context)
+                    yield await self._acked(*item, context)
+                    window.release()
+            except asyncio.CancelledError:
+                log.debug("ingest stream from %s cancelled (client gone or server stopping)", context.peer())
+                raise
+            finally:
+                reader.cancel()
         finally:
-            self.open_streams -= 1
-            reader.cancel()
+            self.admission.close_stream(handle, idle)
 
-    async def _read(self, requests: AsyncIterator[bytes], window: asyncio.Semaphore, pending: asyncio.Queue) -> None:
+    async def _read(self, requests: AsyncIterator[bytes], window: asyncio.Semaphore, pending: asyncio.Queue,
+                    sender: tuple[int, str, str]) -> None:
         incoming = requests.__aiter__()
+        idle_s = self.admission.idle_timeout_s
         try:
             while True:
                 await window.acquire()
                 try:
-                    raw = await asyncio.wait_for(incoming.__anext__(), self.stream_idle_s)
+                    raw = await asyncio.wait_for(incoming.__anext__(), idle_s)
                 except StopAsyncIteration:
                     return
                 except asyncio.TimeoutError:
-                    pending.put_nowait(StreamIdle(f"no batch for {self.stream_idle_s:g} s; reconnect to send"))
+                    pending.put_nowait(StreamIdle(f"no batch for {idle_s:g} s; reconnect to send"))
                     return
                 try:
-                    pending.put_nowait(await self._submit(decode_batch(raw)))
-                except (BatchRejected, StoreClosed) as exc:
+                    batch = decode_batch(raw, self.window)
+                    self.admission.claim(sender[0], batch.agent_id, sender[1], sender[2])
+                    pending.put_nowait((batch, await self._submit(batch)))
+                except (BatchRejected, StoreClosed, StreamRefused) as exc:
                     pending.put_nowait(exc)
                     return
         except (grpc.RpcError, grpc.aio.AioRpcError, ConnectionError):  # the client went away
@@ -217,23 +266,37 @@ class IngestService:
             raise
         return _awaitable_commit(stored, self._in_flight)
 
-    async def _acked(self, commit: asyncio.Future, context: grpc.aio.ServicerContext) -> pb.BatchAck:
+    async def _acked(self, batch: ColumnarBatch, commit: asyncio.Future, context: grpc.aio.ServicerContext
+                     ) -> pb.BatchAck:
         try:
             return _ack(await commit)
         except Exception as exc:
-            log.error("store failed for a batch from %s: %s", context.peer(), exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the collector could not store the batch: {exc}")
+            await self._abort(store_failure(exc, batch), context)
 
     async def _abort(self, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
         if isinstance(exc, BatchRejected):
-            self.store.counters.reject()
-            log.warning("rejected a batch from agent %s (peer %s): %s", exc.agent or "?", context.peer(), exc.message)
+            if exc.code != grpc.StatusCode.UNAVAILABLE:  # refused for good: counted, per agent too
+                self.store.counters.reject()
+                agent = exc.agent or "?"
+                self.rejected_by_agent[agent] += 1
+                exc.message += f" ({self.rejected_by_agent[agent]} refused from this agent so far)"
+                log.warning("rejected a batch from agent %s (peer %s): %s", agent, context.peer(), exc.message)
+            else:
+                log.error("store failed for a batch from %s: %s", context.peer(), exc.message)
             await context.abort(exc.code, exc.message)
+        elif isinstance(exc, StreamRefused):
+            log.warning("refused an Ingest call from %s: %s", context.peer(), exc.message)
+            await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
         elif isinstance(exc, StreamIdle):
             log.info("closing an idle ingest stream from %s: %s", context.peer(), exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"idle stream closed: {exc}")
         else:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
+
+
+def _instance(context: grpc.aio.ServicerContext) -> str:
+    """The agent process's instance token (empty for clients that send none: they are not fenced)."""
+    return dict(context.invocation_metadata() or ()).get(INSTANCE_METADATA, "")
 
 
 # ------------------------------------------------------------------------------------- query side
@@ -391,6 +454,9 @@ def _server_options() -> list[tuple[str, Any]]:
         # ... and let agents do the same: they ping every 60 s (gpuwatch.agent.uplink)
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+        # ... but no more often than that: a client pinging faster (a ping flood) is disconnected
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
+        ("grpc.http2.max_ping_strikes", 2),
         ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
     ]
 
@@ -415,6 +481,8 @@ def serve(
     stream_window: int = DEFAULT_STREAM_WINDOW,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+    max_ingest_streams: int = DEFAULT_MAX_INGEST_STREAMS,
+    time_window: TimeWindow | None = None,
     query_handlers: Mapping[str, QueryHandler] | None = None,
     services: Sequence[Service] = (),
     tls_cert: str | None = None,
@@ -429,7 +497,9 @@ def serve(
     TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with ``token`` every call
     needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is refused unless
     ``insecure``. ``max_workers`` threads answer Query calls; ingest runs on the event loop, bounded by
-    ``stream_window``, ``max_in_flight`` and ``stream_idle_s`` (see the module docstring).
+    ``stream_window``, ``max_in_flight``, ``max_ingest_streams`` and ``stream_idle_s`` (see the module
+    docstring). Batch times outside ``time_window`` (around the collector's clock; the collector command
+    always sets one) are refused.
     Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
     Raises UserError when the store is locked by another process or the address cannot be bound.
     """
@@ -448,7 +518,8 @@ def serve(
             started.append(service)
         handlers.update(query_handlers or {})
         ingest = IngestService(store, stream_window=stream_window, max_in_flight=max_in_flight,
-                               stream_idle_s=stream_idle_s)
+                               stream_idle_s=stream_idle_s, max_ingest_streams=max_ingest_streams,
+                               window=time_window)
         query_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="query")
         loop = _EventLoopThread()
         server, port = loop.run(_start_grpc(

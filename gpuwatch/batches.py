@@ -6,9 +6,11 @@ definition of a well-formed batch.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from gpuwatch import fields
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -18,6 +20,19 @@ SCHEMA_VERSION = pb.SCHEMA_VERSION_1
 MAX_BATCH_BYTES = 16 * 1024 * 1024
 
 NAN = math.nan
+
+#: gRPC metadata key of an agent's Ingest calls: a random token per agent process, so the collector can tell
+#: a restarted agent (one instance at a time) from two running agents sharing one agent id.
+INSTANCE_METADATA = "gpuwatch-instance"
+
+# Bounds every stored value must fit. The store keeps GPU indexes and ranks as 32-bit and sequences and memory
+# sizes as signed 64-bit integers (as queries read them), and timestamps as calendar times (years 1-9999): a
+# batch outside them would pass the wire format and then fail in the store, so it is refused at the door.
+MAX_SEQUENCE = MAX_INT64 = 2**63 - 1
+MAX_GPU_INDEX = 2**31 - 1
+# Times a calendar can hold, whatever the window: 1970-01-01 to 9999-12-31 (ms).
+EARLIEST_MS, LATEST_MS = 0, 253_402_300_799_999
+DAY_MS = 86_400_000
 
 
 class BatchError(ValueError):
@@ -160,16 +175,39 @@ _SPAN_COLUMNS = ("job_id", "rank", "step", "kind", "name", "start_us", "dur_us",
                  "process_group", "seq", "bytes", "world_size", "node", "peer")
 
 
-def validate(batch: pb.TelemetryBatch) -> None:
-    """Raise :class:`BatchError` naming the first thing wrong with ``batch``; return None if well-formed."""
-    validate_envelope(batch)
+@dataclass(frozen=True)
+class TimeWindow:
+    """Sample and event times a collector accepts: from ``past_days`` before its clock to ``future_days`` after.
+
+    Wide by default (the collector command's settings): replayed recordings and simulated fleets carry old or
+    accelerated times; what matters is that a wrong clock cannot store times far from everything else.
+    """
+
+    past_days: float = 3650.0
+    future_days: float = 30.0
+
+    def bounds_ms(self, now_ms: int | None = None) -> tuple[int, int]:
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        return (max(EARLIEST_MS, now_ms - int(self.past_days * DAY_MS)),
+                min(LATEST_MS, now_ms + int(self.future_days * DAY_MS)))
+
+
+def validate(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms: int | None = None) -> None:
+    """Raise :class:`BatchError` naming the first thing wrong with ``batch``; return None if well-formed.
+
+    Well-formed means storable: every index, sequence and time is within what the store keeps (times from
+    1970 to 9999), and, given a ``window``, times lie within it around ``now_ms`` (default: this clock).
+    """
+    validate_envelope(batch, window, now_ms)
     for s in batch.samples:
         _check_columns(f"samples for GPU {s.gpu_index}", s.columns, len(s.ts_ms), _GPU_FIELD_SET)
     _check_columns("host samples", batch.host.columns, len(batch.host.ts_ms), _HOST_FIELD_SET)
 
 
-def validate_envelope(batch: pb.TelemetryBatch) -> None:
-    """Everything :func:`validate` checks except the sample columns (field names, value counts).
+def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms: int | None = None
+                      ) -> None:
+    """Everything :func:`validate` checks except the sample columns (field names, value counts): the bounds
+    of indexes, sequences and times included.
 
     Split out for the collector, which checks the columns while it copies them out of the batch's bytes
     (gpuwatch.columnar); it reads only attributes that the collector's view of a batch shares.
@@ -178,14 +216,23 @@ def validate_envelope(batch: pb.TelemetryBatch) -> None:
         raise BatchError(f"schema_version {batch.schema_version} is not supported (this collector reads {SCHEMA_VERSION})")
     if not batch.agent_id:
         raise BatchError("agent_id is empty")
-    if batch.sequence < 1:
-        raise BatchError("sequence must be >= 1")
+    if not 1 <= batch.sequence <= MAX_SEQUENCE:
+        raise BatchError(f"sequence {batch.sequence} is out of range (1..{MAX_SEQUENCE})")
     if not batch.node.node:
         raise BatchError("node.node (the node name) is empty")
+    earliest, latest = window.bounds_ms(now_ms) if window is not None else (EARLIEST_MS, LATEST_MS)
+    for g in batch.gpus:
+        if g.index > MAX_GPU_INDEX:
+            raise BatchError(f"gpus: GPU index {g.index} is out of range (0..{MAX_GPU_INDEX})")
+        if g.memory_total_bytes > MAX_INT64:
+            raise BatchError(f"gpus: GPU {g.index} memory_total_bytes {g.memory_total_bytes} is out of range "
+                             f"(0..{MAX_INT64})")
     known_gpus = {g.index for g in batch.gpus}
     seen: set[int] = set()
     for s in batch.samples:
         where = f"samples for GPU {s.gpu_index}"
+        if s.gpu_index > MAX_GPU_INDEX:
+            raise BatchError(f"{where}: GPU index is out of range (0..{MAX_GPU_INDEX})")
         if known_gpus and s.gpu_index not in known_gpus:
             raise BatchError(f"{where}: GPU index not in the batch's gpus inventory")
         if s.gpu_index in seen:
@@ -195,14 +242,55 @@ def validate_envelope(batch: pb.TelemetryBatch) -> None:
         for name, col in (("job_id", s.job_id), ("rank", s.rank), ("local_rank", s.local_rank)):
             if len(col) not in (0, n):
                 raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
+    _check_sample_times(batch, earliest, latest)
     for e in batch.events:
         if not e.kind:
             raise BatchError("an event has an empty kind")
+        if e.gpu_index < -1:
+            raise BatchError(f"event {e.kind!r}: gpu_index {e.gpu_index} is neither a GPU nor -1 (node-wide)")
+    _check_times("events", [e.ts_ms for e in batch.events], earliest, latest)
     lengths = {name: len(getattr(batch.spans, name)) for name in _SPAN_COLUMNS}
     n_spans = lengths["start_us"]
     bad = [name for name, n in lengths.items() if n not in (0, n_spans)]
     if bad:
         raise BatchError(f"spans: columns {', '.join(bad)} do not have {n_spans} entries like start_us")
+    if n_spans:
+        import numpy as np  # here, not at the top: the agent builds batches and never loads numpy for it
+
+        start_us = np.asarray(batch.spans.start_us, dtype=np.float64)
+        dur_us = np.asarray(batch.spans.dur_us, dtype=np.float64)
+        if not (np.isfinite(start_us).all() and np.isfinite(dur_us).all()):
+            raise BatchError("spans: start_us and dur_us must be finite numbers")
+        _check_times("spans", [int(start_us.min() // 1000), int(start_us.max() // 1000)], earliest, latest)
+
+
+def _check_sample_times(batch: pb.TelemetryBatch, earliest: int, latest: int) -> None:
+    """Every sample time in bounds: one vectorised pass over all of them, per block only to name a culprit."""
+    blocks = [(f"samples for GPU {s.gpu_index}", s.ts_ms) for s in batch.samples]
+    blocks.append(("host samples", batch.host.ts_ms))
+    total = sum(len(ts) for _, ts in blocks)
+    if not total:
+        return
+    import numpy as np  # here, not at the top: the agent builds batches and never loads numpy for it
+
+    every = np.fromiter(itertools.chain.from_iterable(ts for _, ts in blocks), np.int64, total)
+    if every.min() < earliest or every.max() > latest:
+        for where, ts in blocks:
+            _check_times(where, ts, earliest, latest)
+
+
+def _check_times(where: str, ts_ms: Sequence[int], earliest: int, latest: int) -> None:
+    if not len(ts_ms):
+        return
+    low, high = min(ts_ms), max(ts_ms)
+    bad = low if low < earliest else high if high > latest else None
+    if bad is not None:
+        raise BatchError(f"{where}: timestamp {bad} ms is outside the accepted times "
+                         f"{_iso(earliest)} .. {_iso(latest)}")
+
+
+def _iso(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms // 1000))
 
 
 def _check_columns(where: str, columns, n: int, allowed: frozenset[str]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuwatch import fields
-from gpuwatch.batches import BatchError, validate, validate_envelope
+from gpuwatch.batches import BatchError, TimeWindow, validate, validate_envelope
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -31,7 +31,8 @@ class ColumnarBatch:
     """A validated batch: ``message`` for everything but the values, which are in the two matrices.
 
     ``gpu_values`` has one row per GPU sample (the samples' ``ts_ms`` in order) and one column per
-    gpuwatch.fields GPU field; ``host_values`` likewise for host samples. NaN: not sent.
+    gpuwatch.fields GPU field; ``host_values`` likewise for host samples. NaN: not sent, or not a finite
+    number (±inf is not a reading: it is stored as missing, so queries and ``--json`` never print it).
     """
 
     message: view.TelemetryBatchView | pb.TelemetryBatch
@@ -124,29 +125,35 @@ def _fill(out: np.ndarray, row: int, columns: Sequence[bytes], n: int, layouts: 
     return True
 
 
-def decode(raw: bytes) -> ColumnarBatch:
-    """Parse and check one batch's bytes. Raises google.protobuf DecodeError (not a TelemetryBatch) or
-    BatchError (breaks the contract of gpuwatch.batches.validate)."""
+def _finite(values: np.ndarray) -> np.ndarray:
+    """``values`` with ±inf replaced by NaN (in place, one pass over the whole matrix)."""
+    values[np.isinf(values)] = np.nan
+    return values
+
+
+def decode(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
+    """Parse and check one batch's bytes (times within ``window`` when given). Raises google.protobuf
+    DecodeError (not a TelemetryBatch) or BatchError (breaks the contract of gpuwatch.batches.validate)."""
     batch = view.TelemetryBatchView.FromString(raw)
-    validate_envelope(batch)
+    validate_envelope(batch, window)
     samples = batch.samples
     counts = [len(s.ts_ms) for s in samples]
     gpu_values = np.full((sum(counts), len(_GPU_FIELDS)), np.nan)
     row = 0
     for s, n in zip(samples, counts):
         if not _fill(gpu_values, row, s.columns, n, _GPU_LAYOUTS, f"samples for GPU {s.gpu_index}"):
-            return from_message(pb.TelemetryBatch.FromString(raw))
+            return from_message(pb.TelemetryBatch.FromString(raw), window)
         row += n
     host_values = np.full((len(batch.host.ts_ms), len(_HOST_FIELDS)), np.nan)
     if not _fill(host_values, 0, batch.host.columns, len(batch.host.ts_ms), _HOST_LAYOUTS, "host samples"):
-        return from_message(pb.TelemetryBatch.FromString(raw))
-    return ColumnarBatch(batch, gpu_values, host_values)
+        return from_message(pb.TelemetryBatch.FromString(raw), window)
+    return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values))
 
 
-def from_message(batch: pb.TelemetryBatch) -> ColumnarBatch:
+def from_message(batch: pb.TelemetryBatch, window: TimeWindow | None = None) -> ColumnarBatch:
     """Check a batch message and copy its values column by column (tools and tests that hold messages,
     and batches whose columns are not in the canonical encoding)."""
-    validate(batch)
+    validate(batch, window)
     counts = [len(s.ts_ms) for s in batch.samples]
     gpu_values = np.full((sum(counts), len(_GPU_FIELDS)), np.nan)
     gpu_index = {name: i for i, name in enumerate(_GPU_FIELDS)}
@@ -159,4 +166,4 @@ def from_message(batch: pb.TelemetryBatch) -> ColumnarBatch:
     host_index = {name: i for i, name in enumerate(_HOST_FIELDS)}
     for c in batch.host.columns:
         host_values[:, host_index[c.field]] = c.values
-    return ColumnarBatch(batch, gpu_values, host_values)
+    return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values))

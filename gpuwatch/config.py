@@ -162,6 +162,10 @@ COLLECTOR_OPTIONS: tuple[Option, ...] = (
            "collector stops reading streams until the store catches up", positive),
     Option("stream_idle_timeout", float, 300.0, "seconds an agent stream may send nothing before it is closed",
            positive),
+    Option("max_ingest_streams", int, 20_000, "agent streams served at once; more are refused (RESOURCE_EXHAUSTED) "
+           "and retry later", positive),
+    Option("max_sample_age_days", float, 3650.0, "refuse batches with times further back than this", positive),
+    Option("max_sample_ahead_days", float, 30.0, "refuse batches with times further ahead than this", positive),
     Option("metrics_listen", str, None, "Prometheus /metrics listen address HOST:PORT", address),
     Option("metrics_interval", float, 5.0, "seconds between /metrics renders (a scrape gets the last one)",
            positive),

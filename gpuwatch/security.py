@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import hmac
 import ipaddress
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +19,8 @@ import grpc
 
 from gpuwatch.config import split_address
 from gpuwatch.errors import UserError
+
+log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 AUTH_HEADER = "authorization"
@@ -86,17 +89,27 @@ def token_matches(header: str | None, token: str) -> bool:
     return header is not None and hmac.compare_digest(header.encode(), expected)
 
 
-def _abort_unauthenticated(_request: Any, context: grpc.ServicerContext) -> None:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+def _refusal_reason(header: str | None) -> str:
+    return "no bearer token" if header is None else "wrong bearer token"
 
 
-async def _abort_unauthenticated_async(_request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
-
-
-def _denied(handler: grpc.RpcMethodHandler, abort: Callable[..., Any] = _abort_unauthenticated
+def _denied(handler: grpc.RpcMethodHandler, method: str, why: str, asynchronous: bool = False
             ) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED without running it."""
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED without running it (and logs who
+    was turned away, so a misconfigured agent shows in the collector's log, not only in its own). On an
+    asyncio server the refusal runs on the event loop and must be a coroutine (a plain function's abort would
+    wait on the loop it blocks)."""
+
+    def abort(_request: Any, context: grpc.ServicerContext) -> None:
+        log.warning("refused %s from %s: %s", method, context.peer(), why)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+
+    async def abort_async(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        log.warning("refused %s from %s: %s", method, context.peer(), why)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+
+    if asynchronous:
+        abort = abort_async  # type: ignore[assignment]
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort)
     if handler.request_streaming:
@@ -123,7 +136,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         header = dict(details.invocation_metadata or ()).get(AUTH_HEADER)
         if handler is None or token_matches(header, self._token):
             return handler
-        return _denied(handler)
+        return _denied(handler, details.method, _refusal_reason(header))
 
 
 class AsyncBearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -143,9 +156,7 @@ class AsyncBearerTokenInterceptor(grpc.aio.ServerInterceptor):
         header = dict(details.invocation_metadata or ()).get(AUTH_HEADER)
         if handler is None or token_matches(header, self._token):
             return handler
-        # the refusal runs on the event loop: it must be a coroutine (a plain function's abort would wait
-        # on the loop it blocks)
-        return _denied(handler, _abort_unauthenticated_async)
+        return _denied(handler, details.method, _refusal_reason(header), asynchronous=True)
 
 
 # ---- attaching the token (client side) ----------------------------------------------------------------

@@ -2,6 +2,8 @@
 process, test batches and simulated telemetry. Fixtures live in conftest.py."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import pty
@@ -350,3 +352,31 @@ def write_spans(store: Any, rows: list[tuple], seq: int, agent: str = "agent-spa
     columns = list(zip(*rows))
     builder.add_spans(pb.SpanTable(**{name: list(values) for name, values in zip(SPAN_FIELDS, columns)}))
     store.write(builder.build(seq))
+
+
+# ------------------------------------------------------------------------------------ full disks
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str = "4m"):
+    """A real, small tmpfs mounted at ``path`` for filling up and freeing (needs root: skipped elsewhere)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({mounted.stderr.strip()}); needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_disk(directory: Path) -> Path:
+    """Write zeros into ``directory``/filler until its filesystem is full; return the filler (delete it to free)."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return filler

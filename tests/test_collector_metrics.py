@@ -47,7 +47,7 @@ def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(
     now = int(time.time() * 1000)
     for seq in (1, 2):
         collector.store.write(make_batch(seq, t0_ms=now - 60_000))
-    collector.store.write(make_batch(2))  # a duplicate
+    collector.store.write(make_batch(2, t0_ms=now - 60_000))  # a duplicate (a resend: the same content)
     gpu, events = degrading_node(now - 28 * HOUR_MS, hours=28, fault_after_h=29)
     for batch in sim_batches(gpu, events):
         collector.store.write(batch)

@@ -5,7 +5,7 @@ from gpuwatch import fields
 from gpuwatch.collector.store.duckdb import DDL, ms_to_datetime
 from gpuwatch.collector.store import open_store
 from gpuwatch.collector.store.base import TABLES
-from gpuwatch.errors import UserError
+from gpuwatch.errors import AgentIdConflict, UserError
 from helpers import ROWS_PER_BATCH, T0_MS, TICKS, make_batch, store_url, STORE_KINDS
 
 
@@ -102,6 +102,33 @@ def test_reopened_store_keeps_rows_and_dedup_state(kind, tmp_path):
         second.close()
 
 
+def test_a_cloned_agent_ids_batch_is_a_conflict_not_a_duplicate(store):
+    store.write(make_batch(1, agent="cloned"))
+    assert store.write(make_batch(1, agent="cloned")).duplicate  # a resend: the same content
+    with pytest.raises(AgentIdConflict):
+        store.write(make_batch(1, agent="cloned", node="node-2"))  # another agent's batch under that id
+    assert store.count("gpu_samples") == ROWS_PER_BATCH and store.count("ingested") == 1
+
+
+def test_an_ingested_table_from_before_fingerprints_is_migrated(tmp_path):
+    import duckdb
+
+    path = str(tmp_path / "old.duckdb")
+    store = open_store(path)
+    store.write(make_batch(1, agent="old-agent"))
+    store.close()
+    con = duckdb.connect(path)
+    con.execute("ALTER TABLE ingested DROP COLUMN fingerprint")  # as stores written before fingerprints are
+    con.close()
+    store = open_store(path)
+    try:
+        assert "fingerprint" in store.columns("ingested")
+        # a batch stored before there were fingerprints: its resend is still a duplicate, never a conflict
+        assert store.write(make_batch(1, agent="old-agent")).duplicate
+    finally:
+        store.close()
+
+
 def test_spans_are_stored_columnar(store):
     from gpuwatch.v1 import telemetry_pb2 as pb
     batch = make_batch(1)
@@ -114,9 +141,13 @@ def test_spans_are_stored_columnar(store):
 
 
 def test_a_batch_that_cannot_be_stored_fails_alone_not_its_group(store):
-    bad = make_batch(1, agent="agent-bad", node="node-bad")
-    bad.samples[0].gpu_index = 2**31  # passes validation (no inventory check without gpus) but overflows INTEGER
-    del bad.gpus[:]
+    from gpuwatch.columnar import ColumnarBatch, from_message
+
+    message = make_batch(1, agent="agent-bad", node="node-bad")
+    checked = from_message(message)
+    message.samples[0].gpu_index = 2**31  # overflows INTEGER; the server's checks refuse it, the store must
+    del message.gpus[:]                   # cope all the same: past the checks, as if they missed a case
+    bad = ColumnarBatch(message, checked.gpu_values, checked.host_values)
     futures = [store.submit(make_batch(1)), store.submit(bad), store.submit(make_batch(2))]
     assert not futures[0].result(30).duplicate and not futures[2].result(30).duplicate
     with pytest.raises(Exception):

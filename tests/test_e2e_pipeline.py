@@ -14,6 +14,7 @@ import pytest
 from gpuwatch import events as ev
 from gpuwatch.agent.daemon import Agent, AgentConfig
 from gpuwatch.agent.simfleet import SimulatedFleet
+from gpuwatch.agent.spool import decode_record
 from gpuwatch.collector.client import connect
 from gpuwatch.collector.query_cli import parse_time_ms
 from gpuwatch.v1 import query_pb2 as q
@@ -70,7 +71,8 @@ def test_agent_restarted_with_a_full_spool_drains_it_in_order_once(kind, tmp_pat
     finally:
         first.kill()
         first.wait(30)
-    spooled = [pb.TelemetryBatch.FromString(p.read_bytes()) for p in sorted((spool / "batches").glob("*.pb"))]
+    spooled = [pb.TelemetryBatch.FromString(decode_record(p.read_bytes()))
+               for p in sorted((spool / "batches").glob("*.pb"))]
     spooled_rows = sum(len(s.ts_ms) for b in spooled for s in b.samples if s.gpu_index == 0)
     collector = CollectorProcess(store_url(kind, tmp_path), port).start()
     try:

@@ -20,6 +20,9 @@ from gpuwatch.errors import UserError
 
 US_PER_HOUR = 3.6e9
 SPEC = "efficiency v1"
+# Longest span of one job's activity the engine reads: far beyond any run, far below the int64 nanoseconds
+# it partitions in (a broken exporter's timestamps would otherwise overflow them).
+MAX_SPAN_US = 365 * 24 * US_PER_HOUR
 
 
 def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_step: float | None = None,
@@ -31,7 +34,9 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
     With `keep_segments`, the classified segments and the analysed timelines are kept in the private keys
     `_partitions` and `_timelines` (for rendering timelines); drop them before serialising."""
     _check_one_job(timelines)
-    timelines, window = select_steps(sorted(timelines, key=lambda tl: tl.rank), steps)
+    ordered = sorted(timelines, key=lambda tl: tl.rank)
+    _check_times(ordered)
+    timelines, window = select_steps(ordered, steps)
     origin = math.floor(min(float(tl.start_us.min()) for tl in timelines))
     matching = match_collectives(timelines)
     parts = [partition(tl, wait, origin, keep_segments=keep_segments)
@@ -62,6 +67,17 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
     if keep_segments:
         doc["_partitions"], doc["_timelines"] = parts, timelines
     return doc
+
+
+def _check_times(timelines: list[RankTimeline]) -> None:
+    starts = [float(tl.start_us.min()) for tl in timelines]
+    ends = [float(np.max(tl.end_us)) for tl in timelines]
+    if not all(map(math.isfinite, starts + ends)):
+        raise UserError(f"{timelines[0].source}: activity times are not finite numbers")
+    span = max(ends) - min(starts)
+    if span > MAX_SPAN_US:
+        raise UserError(f"{timelines[0].source}: activity spans {span / US_PER_HOUR / 24:.0f} days; "
+                        "the timestamps are not microseconds of one run")
 
 
 def _coverage(timelines: list[RankTimeline], matched: int) -> dict:

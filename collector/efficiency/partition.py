@@ -72,7 +72,7 @@ def partition(tl: RankTimeline, wait_us: np.ndarray, origin_us: float, *, keep_s
     order = np.argsort(points, kind="stable")  # starts sort before ends at a tie: touching work merges
     pos, delta, layer = points[order], delta[order], layer[order]
 
-    active = np.empty((_N_LAYERS, len(pos) - 1), dtype=bool)
+    active = np.empty((_N_LAYERS, max(len(pos) - 1, 0)), dtype=bool)  # no points: all work had zero length
     for k in range(_N_LAYERS):
         active[k] = np.cumsum(np.where(layer == k, delta, 0))[:-1] > 0
     length = np.diff(pos)
@@ -166,6 +166,8 @@ def _step_slices(cuts, cut_steps, seg_start, length, category, w_start, w_end) -
 
 def _merged_segments(seg_start, length, category):
     """Runs of equal category (for timelines drawn per category)."""
+    if not len(seg_start):
+        return seg_start, seg_start, category
     change = np.concatenate([[True], category[1:] != category[:-1]])
     starts = seg_start[change]
     ends = np.concatenate([starts[1:], [seg_start[-1] + length[-1]]])

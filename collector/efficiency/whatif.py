@@ -67,6 +67,10 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> dict | None:
     no_delay = _step_times(node_step, *_simulate(graph, graph.transfer, zero))
     ideal_steps = _step_times(node_step, *_simulate(graph, ideal, zero))
     t_actual, t_ideal = float(no_delay.mean()), float(ideal_steps.mean())
+    if not (t_ideal > 0 and t_actual > 0 and (actual_steps > 0).all()):
+        return None  # steps of zero length (a trace of zero-length work): no time to compare against
+    if replay.shape != actual_steps.shape:
+        return None  # a live window cut a step to nothing in the trace or in the replay: no step-by-step check
 
     def slowdown_with(actual_mask: np.ndarray) -> float:
         durations = np.where(actual_mask, graph.transfer, ideal)

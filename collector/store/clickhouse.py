@@ -78,7 +78,8 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
     kind LowCardinality(String), start_us Float64 CODEC(Delta, ZSTD(1)), dur_us Float64 CODEC(Gorilla, ZSTD(1)),
     world_size Int32, node LowCardinality(String), ts {_TS}""",
                       f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (job_id, rank, step, kind){ttl}"),
-        "ingested": ("agent_id String, sequence UInt64, ingested_at DateTime64(3, 'UTC')",
+        # fingerprint: what the batch held, in brief (writer.fingerprint): a resend matches, a cloned agent's not
+        "ingested": ("agent_id String, sequence UInt64, ingested_at DateTime64(3, 'UTC'), fingerprint Nullable(String)",
                      f"Replacing{{engine}} ORDER BY (agent_id, sequence){ttl_ingested}"),
         "gpus": ("""node LowCardinality(String), `index` Int32, uuid String, name LowCardinality(String),
     pci_bus_id String, serial String, memory_total_bytes UInt64, architecture LowCardinality(String),
@@ -109,6 +110,11 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
     }
 
 
+# Columns added since a table was first created (run after the CREATEs on every open): table, column, type.
+MIGRATIONS: list[tuple[str, str, str]] = [
+    ("ingested", "fingerprint", "Nullable(String)"),
+]
+
 _ENGINE = re.compile(r"^(Replacing)?\{engine\}(?:\((\w+)\))?(.*)$", re.S)
 
 
@@ -132,6 +138,9 @@ def create_statements(database: str, ttl_days: float | None, cluster: str | None
         key = "job_id" if table in ("spans", "job_steps", "step_breakdowns") else key
         statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table}{on_cluster} AS {database}.{table}_local "
                           f"ENGINE = Distributed({cluster}, {database}, {table}_local, cityHash64({key}))")
+    for table, column, kind in MIGRATIONS:
+        for target in ([f"{table}_local", table] if cluster else [table]):
+            statements.append(f"ALTER TABLE {database}.{target}{on_cluster} ADD COLUMN IF NOT EXISTS {column} {kind}")
     return statements
 
 
@@ -242,15 +251,16 @@ class ClickHouseStore(GroupWriter):
             "gpm_supported": g.gpm_supported, "first_seen": first.get((node, index), now), "last_seen": now,
         } for (node, index), g in latest.items()])
 
-    def _stored_keys(self, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
+    def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
         if not keys:
-            return set()
+            return {}
         rows = self._query("""
-            SELECT agent_id, sequence FROM ingested
+            SELECT agent_id, sequence, any(fingerprint) AS fingerprint FROM ingested
             WHERE (agent_id, sequence) IN (SELECT tupleElement(k, 1), tupleElement(k, 2)
-                                           FROM (SELECT arrayJoin({keys:Array(Tuple(String, UInt64))}) AS k))""",
-                           {"keys": [(a, int(s)) for a, s in keys]})
-        return {(r.agent_id, int(r.sequence)) for r in rows.itertuples()}
+                                           FROM (SELECT arrayJoin({keys:Array(Tuple(String, UInt64))}) AS k))
+            GROUP BY agent_id, sequence""", {"keys": [(a, int(s)) for a, s in keys]})
+        return {(r.agent_id, int(r.sequence)): None if pd.isna(r.fingerprint) else r.fingerprint
+                for r in rows.itertuples()}
 
     def _housekeeping(self, retention: bool, trim: bool) -> None:
         # retention is the tables' TTL; only the raw spans' window is trimmed here
@@ -486,8 +496,9 @@ class ClickHouseStore(GroupWriter):
 
     def agent_health(self) -> list[dict[str, Any]]:
         return self._records(f"""
-            WITH d AS (SELECT node, toInt64(sum(code)) AS dropped FROM events
-                       WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
+            WITH d AS (SELECT node, toInt64(greatest(sum(ifNull(code, 0)), max(ifNull(
+                              toInt64OrNull(JSONExtractString(attrs, 'dropped_total')), 0)))) AS dropped
+                       FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
             SELECT a.node AS node, toInt64(coalesce(max(d.dropped), 0)) AS spool_dropped,
                    toInt64(toUnixTimestamp64Milli(max(a.last_seen))) AS last_seen_ms
             FROM agents AS a LEFT JOIN d ON d.node = a.node GROUP BY a.node ORDER BY a.node

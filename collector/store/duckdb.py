@@ -13,6 +13,8 @@ import datetime as dt
 import itertools
 import json
 import logging
+import os
+import shutil
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -28,7 +30,8 @@ from gpuwatch import events as event_kinds
 from gpuwatch import fields
 from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
                                            DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS)
-from gpuwatch.collector.store.writer import GroupWriter, IngestCounters, StoreClosed, WriteResult  # noqa: F401
+from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
+                                             fingerprint)
 from gpuwatch.columnar import ColumnarBatch
 from gpuwatch.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -65,7 +68,7 @@ DDL: list[str] = [
     agent_id VARCHAR PRIMARY KEY, node VARCHAR NOT NULL, last_sequence UBIGINT NOT NULL,
     last_seen TIMESTAMP NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS ingested (
-    agent_id VARCHAR NOT NULL, sequence UBIGINT NOT NULL, ingested_at TIMESTAMP NOT NULL)""",
+    agent_id VARCHAR NOT NULL, sequence UBIGINT NOT NULL, ingested_at TIMESTAMP NOT NULL, fingerprint VARCHAR)""",
     """CREATE TABLE IF NOT EXISTS spans (
     job_id VARCHAR, rank INTEGER, step BIGINT, kind VARCHAR, name VARCHAR, start_us DOUBLE, dur_us DOUBLE,
     process_group VARCHAR, seq BIGINT, bytes BIGINT, world_size INTEGER, node VARCHAR, peer INTEGER,
@@ -97,6 +100,11 @@ DDL: list[str] = [
     name VARCHAR PRIMARY KEY, holder VARCHAR NOT NULL, expires_ms BIGINT NOT NULL)""",
 ]
 
+# Run after DDL on every open: columns added since a table was first created.
+MIGRATIONS: list[str] = [
+    # What a batch held, in brief (_fingerprint): a resend matches it, a cloned agent's batch does not.
+    "ALTER TABLE ingested ADD COLUMN IF NOT EXISTS fingerprint VARCHAR",
+]
 
 # Seconds after which an unchanged inventory entry is written again (its gpus.last_seen refreshed).
 INVENTORY_REFRESH_S = 60.0
@@ -140,8 +148,10 @@ class DuckDBStore(GroupWriter):
             raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
         except duckdb.Error as exc:  # an invalid memory_limit: DuckDB names the setting
             raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
-        for statement in DDL:
+        for statement in [*DDL, *MIGRATIONS]:
             self._con.execute(statement)
+        if path != ":memory:":
+            _private(path)
         self.path = path
         self._cursor_lock = threading.Lock()
         # (node, GPU index) -> (the inventory entry as last written, monotonic time written): unchanged entries
@@ -190,7 +200,7 @@ class DuckDBStore(GroupWriter):
             _insert_group(self._con, batches, inventory)
             self._con.commit()
         except BaseException:
-            self._con.rollback()
+            _rollback_keeping_cause(self._con)
             raise
         written = time.monotonic()
         self._inventory.update({key: (entry, written) for key, (entry, _) in inventory.items()})
@@ -207,9 +217,11 @@ class DuckDBStore(GroupWriter):
                 out[key] = (entry, gpu)
         return out
 
-
-    def _stored_keys(self, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
+    def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
         return _stored_keys(self._con, keys)
+
+    def _failure_hint(self, exc: BaseException) -> str:
+        return _space_hint(self.path, exc)
 
     # ------------------------------------------------------------------------------------------ reads
     def query_df(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
@@ -371,8 +383,9 @@ class DuckDBStore(GroupWriter):
     def agent_health(self) -> list[dict[str, Any]]:
         """Per node: batches its agent dropped from a full spool (``spool_dropped`` events) and last batch (ms)."""
         return self._records(f"""
-            WITH d AS (SELECT node, sum(code)::BIGINT AS dropped FROM events
-                       WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
+            WITH d AS (SELECT node, greatest(sum(code), max(TRY_CAST(attrs->>'dropped_total' AS BIGINT)))::BIGINT
+                              AS dropped
+                       FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
             SELECT a.node, coalesce(max(d.dropped), 0)::BIGINT AS spool_dropped,
                    epoch_ms(max(a.last_seen)) AS last_seen_ms
             FROM agents a LEFT JOIN d USING (node) GROUP BY a.node ORDER BY a.node""")
@@ -621,6 +634,7 @@ def batch_tables(group: list[ColumnarBatch], now: dt.datetime) -> dict[str, pa.T
         "ingested": pa.table({
             "agent_id": [b.agent_id for b in batches], "sequence": pa.array([b.sequence for b in batches], pa.uint64()),
             "ingested_at": pa.array([now] * len(batches), pa.timestamp("ms")),
+            "fingerprint": [fingerprint(b) for b in group],
         }),
     }
 
@@ -657,7 +671,8 @@ def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> 
 
 
 def _value_arrays(matrices: list[np.ndarray], names: Sequence[str]) -> dict[str, pa.Array]:
-    """One nullable Arrow column per field from the batches' (rows x fields) matrices: NaN becomes NULL."""
+    """One nullable Arrow column per field from the batches' (rows x fields) matrices: NaN becomes NULL
+    (not sampled, or ±inf, which gpuwatch.columnar turned into NaN: no gauge or counter is infinite)."""
     by_field = np.concatenate(matrices).T.copy() if matrices else np.empty((len(names), 0))
     missing = np.isnan(by_field)
     return {name: pa.array(by_field[i], mask=missing[i]) for i, name in enumerate(names)}
@@ -757,19 +772,20 @@ def _agents_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Tabl
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def _stored_keys(con: duckdb.DuckDBPyConnection, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
-    """The (agent_id, sequence) pairs among ``keys`` that the ingested table already holds."""
+def _stored_keys(con: duckdb.DuckDBPyConnection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+    """The (agent_id, sequence) pairs among ``keys`` that the ingested table already holds, with fingerprints."""
     if not keys:
-        return set()
+        return {}
     probe = pa.table({"agent_id": [k[0] for k in keys], "sequence": pa.array([k[1] for k in keys], pa.uint64())})
     con.register("_probe", probe)
     try:
         rows = con.execute(
-            "SELECT DISTINCT i.agent_id, i.sequence FROM ingested i JOIN _probe p USING (agent_id, sequence)"
-        ).fetchall()
+            "SELECT i.agent_id, i.sequence, any_value(i.fingerprint) FROM ingested i "
+            "JOIN _probe p USING (agent_id, sequence)"
+            " GROUP BY ALL").fetchall()
     finally:
         con.unregister("_probe")
-    return {(agent, int(seq)) for agent, seq in rows}
+    return {(agent, int(seq)): fingerprint for agent, seq, fingerprint in rows}
 
 
 def _check_fields(names: Iterable[str]) -> None:
@@ -816,10 +832,41 @@ def _delete_before(con: duckdb.DuckDBPyConnection, cutoff: dt.datetime) -> dict[
             deleted[table] = int(con.execute(f"DELETE FROM {table} WHERE {column} < ?", [cutoff]).fetchone()[0])
         con.commit()
     except BaseException:
-        con.rollback()
+        _rollback_keeping_cause(con)
         raise
     log.info("retention before %s deleted %s", cutoff.isoformat(), deleted)
     return deleted
+
+
+def _rollback_keeping_cause(con: duckdb.DuckDBPyConnection) -> None:
+    """Roll back after a failed write; a failure that already ended the transaction (a full disk does) makes
+    the rollback fail too, and that second error must not hide the first, which names the cause."""
+    try:
+        con.rollback()
+    except duckdb.Error as exc:
+        log.debug("rollback after a failed write: %s", _first_line(exc))
+
+
+def _space_hint(path: str, exc: BaseException) -> str:
+    """" (the disk ... is full ...)" when the store's disk has no room left, else ""."""
+    if path == ":memory:":
+        return ""
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return ""
+    if "No space left" in str(exc) or free < 16 * 2**20:
+        return f" (the disk holding {path} is full: {free} bytes free; free space there and the agents resend)"
+    return ""
+
+
+def _private(path: str) -> None:
+    """Telemetry and alert history are for the collector's user only (0600), whatever the umask."""
+    for name in (path, path + ".wal"):
+        try:
+            os.chmod(name, 0o600)
+        except FileNotFoundError:
+            pass
 
 
 def ms_to_datetime(ms: int) -> dt.datetime:

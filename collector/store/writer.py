@@ -22,11 +22,12 @@ from typing import Any
 from gpuwatch.collector.exporter import LatencyHistogram
 from gpuwatch.collector.store.base import StoreClosed, WriteResult
 from gpuwatch.columnar import ColumnarBatch, from_message
+from gpuwatch.errors import AgentIdConflict
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupWriter", "IngestCounters", "StoreClosed", "WriteResult"]
+__all__ = ["GroupWriter", "IngestCounters", "StoreClosed", "WriteResult", "fingerprint"]
 
 
 @dataclass
@@ -88,8 +89,10 @@ class IngestCounters:
 
 class GroupWriter:
     """The writer thread and its queue. An engine implements ``_commit`` (store a group of fresh batches
-    atomically, or idempotently), ``_stored_keys`` (which (agent, sequence) pairs are stored), ``_housekeeping``,
-    ``_task_argument`` (what :meth:`run_write` functions get) and ``_close_engine``."""
+    atomically, or idempotently, with each batch's :func:`fingerprint` in its ``ingested`` row),
+    ``_stored_keys`` (which (agent, sequence) pairs are stored, with their fingerprints), ``_housekeeping``,
+    ``_task_argument`` (what :meth:`run_write` functions get) and ``_close_engine``; ``_failure_hint`` may add
+    the likely cause of a failed write (a full disk) to its log line."""
 
     #: Whether only sequences at or below the agent's last one seen here can be stored already. True for a
     #: store with one collector; False where other collectors write to the same store (ClickHouse).
@@ -114,8 +117,12 @@ class GroupWriter:
     def _commit(self, batches: list[ColumnarBatch]) -> None:
         raise NotImplementedError
 
-    def _stored_keys(self, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
+    def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+        """The pairs among ``keys`` already stored, each with its fingerprint (None: stored before there was one)."""
         raise NotImplementedError
+
+    def _failure_hint(self, exc: BaseException) -> str:
+        return ""
 
     def _housekeeping(self, retention: bool, trim: bool) -> None:
         raise NotImplementedError
@@ -227,31 +234,56 @@ class GroupWriter:
                 for p in group:
                     self._write_group([p])
                 return
-            log.error("batch %d of agent %s cannot be stored: %s", group[0].batch.sequence, group[0].batch.agent_id,
-                      exc)
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log.error("batch %d of agent %s cannot be stored: %s%s", group[0].batch.sequence,
+                      group[0].batch.agent_id, first_line, self._failure_hint(exc))
             _settle(group[0].future, exception=exc)
             return
-        self.counters.committed([p.batch.message for p in fresh], len(group) - len(fresh),
-                                time.perf_counter() - started)
+        duplicates = sum(isinstance(r, WriteResult) and r.duplicate for r in results)
+        self.counters.committed([p.batch.message for p in fresh], duplicates, time.perf_counter() - started)
         for p in fresh:
             self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
         for p, result in zip(group, results):
-            _settle(p.future, result)
+            if isinstance(result, AgentIdConflict):
+                _settle(p.future, exception=result)
+            else:
+                _settle(p.future, result)
 
-    def _deduplicate(self, group: list[_Pending]) -> tuple[list[WriteResult], list[_Pending]]:
-        """Mark batches stored before, or earlier in the same group, as duplicates; return the rest to write."""
+    def _deduplicate(self, group: list[_Pending]) -> tuple[list[WriteResult | AgentIdConflict], list[_Pending]]:
+        """Mark batches stored before, or earlier in the same group, as duplicates; return the rest to write.
+
+        A stored (agent, sequence) whose fingerprint differs from the batch's is not a resend but another
+        agent's batch under the same id (a copied spool or VM image): it gets :class:`AgentIdConflict`, so the
+        server refuses it instead of acknowledging data it did not store."""
         maybe_stored = [p for p in group if not self.single_writer
                         or p.batch.sequence <= self._last_sequence.get(p.batch.agent_id, 0)]
         stored = self._stored_keys([(p.batch.agent_id, p.batch.sequence) for p in maybe_stored])
-        results, fresh = [], []
+        results: list[WriteResult | AgentIdConflict] = []
+        fresh = []
         for p in group:
             key = (p.batch.agent_id, p.batch.sequence)
             duplicate = key in stored
-            stored.add(key)
+            mark = fingerprint(p.batch)
+            if duplicate and stored[key] is not None and mark != stored[key]:
+                results.append(AgentIdConflict(*key))
+                continue
+            stored.setdefault(key, mark)
             results.append(WriteResult(key[0], key[1], duplicate))
             if not duplicate:
                 fresh.append(p)
         return results, fresh
+
+
+def fingerprint(batch: ColumnarBatch) -> str:
+    """Node, row and event counts and the first and last sample time: the same for a resend (or a rebuild of
+    the same data), different for another agent's batch under the same (agent id, sequence)."""
+    message = batch.message
+    times = [t for s in message.samples for t in (min(s.ts_ms, default=0), max(s.ts_ms, default=0))]
+    times += [min(message.host.ts_ms, default=0), max(message.host.ts_ms, default=0)]
+    times += [min((e.ts_ms for e in message.events), default=0), min(message.spans.start_us, default=0)]
+    rows = sum(len(s.ts_ms) for s in message.samples)
+    return (f"{message.node.node}|{rows}|{len(message.host.ts_ms)}|{len(message.events)}|"
+            f"{len(message.spans.start_us)}|{min(times)}|{max(times)}")
 
 
 def _resolve(future: Future, fn: Callable, *args: Any) -> None:

@@ -221,7 +221,12 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
     stream = TraceEventStream(path, progress=progress, only=_WANTED, count=_LAUNCH_FLOWS)
     got = _Collected()
     for events in stream:
-        got.add(events)
+        try:
+            got.add(events)
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
+            # Checked here, not per event in the hot loop: a broken exporter's event, named in one line.
+            raise UserError(f"{path}: malformed trace event (missing or mistyped field: "
+                            f"{type(exc).__name__} {exc})") from None
     if not got.gpu_ts:
         raise UserError(f"{path}: no GPU activity in the trace (no kernel, memcpy or memset events of any "
                         f"Kineto spelling: {', '.join(sorted(_GPU_CATS))})")

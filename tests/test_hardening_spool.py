@@ -1,0 +1,158 @@
+"""The spool under damage (issue 10, points 4-6, 8, 10, 11): drop totals that survive their own batches,
+a really full disk, a lost state.json, damaged records, private files."""
+import json
+import os
+import stat
+
+import pytest
+
+from gpuwatch.agent.spool import Spool, SpoolFull, encode_record
+from gpuwatch.agent.uplink import Uplink
+from gpuwatch.batches import BatchBuilder
+from gpuwatch.v1 import telemetry_pb2 as pb
+from helpers import T0_MS, fill_disk, small_filesystem
+
+
+def _batch(spool: Spool, seq: int, agent: str | None = None, payload: int = 0) -> bytes:
+    builder = BatchBuilder(pb.NodeIdentity(node="n1"), agent or spool.agent_id, [pb.GpuInfo(index=0)])
+    builder.add_gpu_row(0, T0_MS + 1000 * seq, {"gpu_power_watts": float(seq)})
+    if payload:
+        builder.add_event("agent_start", T0_MS, message="x" * payload)
+    return builder.build(seq).SerializeToString()
+
+
+def _spool(spool: Spool, n: int, payload: int = 0) -> list[int]:
+    seqs = []
+    for _ in range(n):
+        seq = spool.next_sequence()
+        spool.append(seq, _batch(spool, seq, payload=payload))
+        seqs.append(seq)
+    return seqs
+
+
+# ---- point 4: drop counts are durable running totals ----------------------------------------------
+def test_drop_totals_survive_reports_restarts_and_their_own_batches(tmp_path):
+    spool = Spool(tmp_path, max_bytes=3000)
+    _spool(spool, 10, payload=900)
+    first = spool.take_dropped()
+    assert first.batches == first.total_batches > 0
+    _spool(spool, 10, payload=900)  # the batch that carried the first report is dropped too
+    again = Spool(tmp_path, max_bytes=3000)  # and the agent restarts before it reports the rest
+    second = again.take_dropped()
+    assert second.total_batches == first.batches + second.batches == 20 - len(again.pending())
+    assert json.loads((tmp_path / "state.json").read_text())["dropped_batches_total"] == second.total_batches
+
+
+# ---- point 5: a full disk degrades, never crashes -------------------------------------------------
+def test_a_full_disk_drops_oldest_counts_and_recovers(tmp_path):
+    with small_filesystem(tmp_path / "disk", "1m") as disk:
+        spool = Spool(disk / "spool")  # the default 256 MiB bound is far above this disk
+        _spool(spool, 3, payload=20_000)
+        filler = fill_disk(disk)
+        stored = []
+        for _ in range(6):  # the disk stays full: each new batch takes the place of the oldest
+            try:
+                stored += _spool(spool, 1, payload=20_000)
+            except SpoolFull:
+                pass
+        assert spool.take_dropped().total_batches >= 6 - len(stored)
+        assert len(spool.pending()) <= 3
+        filler.unlink()  # space returns
+        assert len(_spool(spool, 3, payload=20_000)) == 3 and len(spool.pending()) >= 3
+        assert Spool(disk / "spool").agent_id == spool.agent_id  # and a restart reads its state back
+
+
+def test_an_agent_starts_on_a_full_disk(tmp_path):
+    with small_filesystem(tmp_path / "disk", "1m") as disk:
+        Spool(disk / "spool")
+        fill_disk(disk)
+        spool = Spool(disk / "spool")  # no crash at start
+        with pytest.raises(SpoolFull):
+            _spool(spool, 1)
+        assert spool.take_dropped().total_batches == 1
+
+
+# ---- point 6: a moved-away state.json ---------------------------------------------------------------
+def test_a_lost_state_takes_the_agent_id_and_sequences_from_the_spooled_batches(tmp_path, sink):
+    server, address = sink
+    spool = Spool(tmp_path)
+    _spool(spool, 40)  # more than the uplink's window of 32
+    (tmp_path / "state.json").rename(tmp_path / "state.json.bad")
+    again = Spool(tmp_path)
+    assert again.agent_id == spool.agent_id
+    assert json.loads((tmp_path / "state.json").read_text())["next_sequence"] == 41
+    uplink = Uplink(again, address, window=32)
+    uplink.start()
+    try:
+        _spool(again, 5)
+        uplink.notify()
+        assert uplink.wait_drained(30)
+    finally:
+        uplink.stop()
+    assert server.store.sequences(spool.agent_id) == list(range(1, 46))
+
+
+def test_acks_for_spooled_batches_of_an_older_agent_id_still_drain_the_spool(tmp_path, sink):
+    server, address = sink
+    spool = Spool(tmp_path)
+    for _ in range(40):
+        seq = spool.next_sequence()
+        spool.append(seq, _batch(spool, seq, agent="older-id"))
+    uplink = Uplink(spool, address, window=32)
+    uplink.start()
+    try:
+        assert uplink.wait_drained(30)
+    finally:
+        uplink.stop()
+    assert server.store.sequences("older-id") == list(range(1, 41))
+
+
+# ---- point 8: checksums ----------------------------------------------------------------------------
+@pytest.mark.parametrize("damage, reason", [
+    (lambda data: data[:-7], "truncated"),
+    (lambda data: data[:20] + bytes([data[20] ^ 1]) + data[21:], "checksum"),
+    (lambda data: b"", "empty file"),
+    (lambda data: data[12:], "not a spool record"),
+])
+def test_damaged_records_go_to_rejected_with_a_reason_and_are_never_sent(tmp_path, damage, reason):
+    spool = Spool(tmp_path)
+    _spool(spool, 3)
+    path = tmp_path / "batches" / f"{2:020d}.pb"
+    path.write_bytes(damage(path.read_bytes()))
+    assert spool.read(1) is not None and spool.read(2) is None and spool.read(3) is not None
+    assert spool.pending() == [1, 3] and spool.rejected() == [2]
+    assert reason in (tmp_path / "rejected" / f"{2:020d}.reason.txt").read_text()
+
+
+def test_a_record_is_its_payload_behind_a_crc32c_header():
+    record = encode_record(b"123456789")
+    assert record[:4] == b"GWS1" and int.from_bytes(record[4:8], "big") == 9
+    assert int.from_bytes(record[8:12], "big") == 0xE3069283  # the CRC32C check value of "123456789"
+
+
+# ---- point 11: private files --------------------------------------------------------------------------
+def test_spool_files_are_private_whatever_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        spool = Spool(tmp_path / "spool")
+        _spool(spool, 2)
+        spool.quarantine(1, "refused")
+    finally:
+        os.umask(old)
+    root = tmp_path / "spool"
+    for d in (root, root / "batches", root / "rejected"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    for f in (root / "state.json", *root.glob("*/*.pb"), *root.glob("rejected/*.txt")):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_the_store_file_is_private_whatever_the_umask(tmp_path):
+    from gpuwatch.collector.store.duckdb import DuckDBStore
+
+    old = os.umask(0o022)
+    try:
+        store = DuckDBStore(str(tmp_path / "c.duckdb"))
+        store.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "c.duckdb").stat().st_mode) == 0o600
