@@ -5,8 +5,9 @@ on all of them, but failure scoring, the jobs monitor and the alerts they raise 
 alert would be delivered once per collector. :class:`ClusterLease` is a collector service that takes the
 lease ``name`` for ``ttl_s`` seconds and renews it every third of that; the periodic services run their
 rounds only while it is held. When the holder dies its lease lapses after at most ``ttl_s``, and another
-collector, trying every ``ttl_s / 3``, takes it over: with ``ttl_s`` equal to the shortest round interval
-that is within two intervals. On taking it over, ``on_acquire`` callbacks run first (the alert hub reloads
+collector, trying every ``ttl_s / 3``, takes it over once it has been lapsed for ``ttl_s / 3`` (a grace
+for a renewal still being stored): with ``ttl_s`` equal to the shortest round interval that is within two
+intervals. On taking it over, ``on_acquire`` callbacks run first (the alert hub reloads
 the alerts the previous holder left firing, so nothing fires again for the same event).
 """
 from __future__ import annotations

@@ -53,8 +53,6 @@ def _skops_io() -> Any:
     each array library that happens to be installed (torch: +3 s and +400 MB on a node that has it). A
     model file holds numpy arrays only, so those libraries are hidden for the import; the walk skips a
     module that fails to import."""
-    if "skops.io" in sys.modules:
-        return sys.modules["skops.io"]
     hidden = _HideModules(("torch", "cupy", "jax", "dask")) if "torch" not in sys.modules else None
     if hidden:
         sys.meta_path.insert(0, hidden)

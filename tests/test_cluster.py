@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -149,5 +150,19 @@ def test_a_lease_claim_stored_after_the_winners_never_wins_whatever_its_clock(tm
         store.run_write(lambda _: store._insert("leases", late_claim))
         assert not store.take_lease("work", "b", 30)
         assert store.take_lease("work", "a", 30)
+    finally:
+        store.close()
+
+
+def test_a_lapsed_lease_is_claimed_by_another_collector_only_after_a_grace(tmp_path):
+    """A holder that read its lease as valid just before it lapsed may still be storing its renewal: another
+    collector waits a third of the ttl past the lapse before it claims, so there are never two holders."""
+    store = open_store(f"chdb://{tmp_path / 'lease'}")
+    try:
+        assert store.take_lease("work", "a", 0.3)
+        poll(lambda: store._lease_state("work")[2] < time.time() * 1000, 10, "the lease to lapse")
+        assert not store.take_lease("work", "b", 600)  # lapsed, but within the grace of a ttl of 600 s
+        assert store.take_lease("work", "a", 0.3)  # the holder renews its own lapsed lease at once
+        poll(lambda: store.take_lease("work", "b", 0.3), 10, "the other collector taking the lease after the grace")
     finally:
         store.close()

@@ -198,7 +198,10 @@ def test_loading_a_model_leaves_array_libraries_unimported():
     import subprocess
     import sys
 
-    code = ("import sys; from gpuwatch.models.model import load_model; m = load_model(None); "
-            "print('torch' in sys.modules, 'threshold' in m)")
+    code = ("import sys, threading; from gpuwatch.models.model import load_model\n"
+            "models = []\n"  # several collectors in one process load at once (each in its own thread)
+            "threads = [threading.Thread(target=lambda: models.append(load_model(None))) for _ in range(3)]\n"
+            "[t.start() for t in threads]; [t.join() for t in threads]\n"
+            "print('torch' in sys.modules, sum('threshold' in m for m in models))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True"]
+    assert out.split() == ["False", "3"]

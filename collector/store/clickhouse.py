@@ -658,10 +658,16 @@ class ClickHouseStore(GroupWriter):
         expired claims the next one, and of several claims of one term the one the server stored first wins
         (``inserted_ns``, the server's clock, not the claimant's: a claim stored later can never win, so a
         contender that re-reads after its own claim and sees itself first is the one winner everybody
-        else will see too); the holder renews by claiming its term again."""
+        else will see too); the holder renews by claiming its term again.
+
+        Another collector claims a lapsed term only ``ttl_s / 3`` after it lapsed: a holder that read its term
+        as valid just before it lapsed may still be storing its renewal, and without that grace both would
+        hold the lease until the holder's next renewal (takeover stays within ``ttl_s * 5 / 3``, plus one
+        try interval). The holder's own lapsed term it claims anew at once."""
         now = int(time.time() * 1000)
         term, winner, expires = self._lease_state(name)
-        if winner == holder or expires < now:
+        lapsed_for_others = expires + int(ttl_s * 1000 / 3) < now
+        if winner == holder or lapsed_for_others:
             next_term = term if winner == holder and expires >= now else term + 1
             self.run_write(lambda _: self._insert("leases", pd.DataFrame([{
                 "name": name, "holder": holder, "term": next_term, "claimed_ms": now,
