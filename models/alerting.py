@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from gpuwatch.models.calibration import BudgetCalibrator
+from gpuwatch.models.faults import COALESCE_S
 from gpuwatch.models.policy import AlertPolicy
 
 #: A GPU without rows for this many steps (drained, off the bus, not recorded) starts a new series.
@@ -50,6 +51,7 @@ def replay(rows: pd.DataFrame, risk: np.ndarray, faults: pd.DataFrame, *, policy
     restart = np.r_[True, (g[1:] != g[:-1]) | (np.diff(ts) > ALERT_GAP_STEPS * step_s * 1000)]
     failed_before = _fault_between(g, ts, restart, fault_ms)
     restart |= failed_before
+    r = np.where(_just_failed(g, ts, fault_ms), -np.inf, r)
     active = policy.active_mask(ts, r, restart, th)
     alerts = _episodes(rows.iloc[order], ts, r, active, restart, failed_before, fault_ms, g, step_s * 1000)
     out_active = np.empty(len(rows), bool)
@@ -85,6 +87,21 @@ def _faults_by_gpu(faults: pd.DataFrame) -> dict[str, np.ndarray]:
         return {}
     key = faults["node"].astype(str) + "/" + faults["gpu_index"].astype(str)
     return {k: np.sort(v.to_numpy(np.int64)) for k, v in faults["start_ms"].groupby(key)}
+
+
+def _just_failed(g: np.ndarray, ts: np.ndarray, fault_ms: dict[str, np.ndarray]) -> np.ndarray:
+    """Rows (sorted by GPU, time) less than a fault episode's coalescing time after a fault of their GPU: the
+    GPU has failed (live, its alert turns "failed"); its score then describes that fault, and a new "about
+    to fail" alert would be a false one."""
+    out = np.zeros(len(g), bool)
+    bounds = np.flatnonzero(np.r_[True, g[1:] != g[:-1], True]) if len(g) else np.zeros(1, np.int64)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        f = fault_ms.get(g[a])
+        if f is None:
+            continue
+        k = np.searchsorted(f, ts[a:b], side="left") - 1  # the last fault strictly before each row
+        out[a:b] = (k >= 0) & (ts[a:b] - f[np.maximum(k, 0)] <= COALESCE_S * 1000)
+    return out
 
 
 def _fault_between(g: np.ndarray, ts: np.ndarray, restart: np.ndarray, fault_ms: dict[str, np.ndarray]) -> np.ndarray:

@@ -5,7 +5,8 @@ between fleets, whose typical counter levels, noise and temperatures differ (doc
 
 - each GPU against **its own trailing baseline**: counter growth over the last 1 h and 6 h (log scale,
   reset-aware: a drop is a driver reload, the new value is all growth) and the same growth against the
-  GPU's own pace over the 18 h before them;
+  GPU's own pace over the 18 h before them, and the last hour against the hour before it (a degradation
+  keeps rising where a benign burst levels off);
 - each GPU against **its peers** at the same step: the fleet percentile of its growth (rank, so a fleet
   whose every GPU logs CRC noise does not look sick), its growth against its node's median, temperature
   and clock against the node median, power and utilisation against its job's median;
@@ -83,7 +84,7 @@ RARE_COUNTERS = ("dbe", "remap", "nvlink_replay")
 def feature_names() -> list[str]:
     """Model input columns, in order."""
     names = [f"{c}_{k}" for c in RARE_COUNTERS for k in ("log1h", "log6h")]
-    names += [f"{c}_{k}" for c in COUNTERS for k in ("vs_self", "trend")]
+    names += [f"{c}_{k}" for c in COUNTERS for k in ("vs_self", "trend", "accel")]
     names += [f"{c}_{k}" for c in PEER_COUNTERS for k in ("rank1h", "rank6h", "vs_node")]
     names += [f"{r}_{k}" for r in REASONS for k in ("share1h", "share6h", "vs_self")]
     names += [*FLAGS, "pcie_width_ratio", "pcie_gen_ratio", "pcie_replay_over_limit"]
@@ -179,14 +180,20 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
     present[cells] = True
     present = present.reshape(n_gpu, n_bin)
     per_hour = 3600 // step_s
+    xid_at = _xid_bins(events, uniques, lo, n_bin, origin, step)
+    floor = _life_start(xid_at, n_gpu, n_bin)
+
+    def win(x: np.ndarray, w: int) -> np.ndarray:
+        return _window_sum(x, w, floor)
     cols: dict[str, np.ndarray] = {}
     for short, sources in COUNTERS.items():
         inc = sum(dense_growth(c) for c in sources)
-        d1, d6, d24 = (_window_sum(inc, w * per_hour) for w in (1, 6, 24))
+        d1, d2, d6, d24 = (win(inc, w * per_hour) for w in (1, 2, 6, 24))
         base = np.log1p(np.maximum(d24 - d6, 0.0) / _BASELINE_H)
         cols[f"{short}_log1h"], cols[f"{short}_log6h"] = np.log1p(d1), np.log1p(d6)
         cols[f"{short}_vs_self"] = np.log1p(d1) - base
         cols[f"{short}_trend"] = np.log1p(d6 / 6) - base
+        cols[f"{short}_accel"] = np.log1p(d1) - np.log1p(d2 - d1)  # still rising, not a burst that levelled off
         if short in PEER_COUNTERS:
             cols[f"_{short}_d1h"], cols[f"_{short}_d6h"] = d1, d6
     reasons = samples[REASON_COLUMN].to_numpy(dtype=float)
@@ -194,12 +201,12 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
     for short, bits in REASONS.items():
         hit = np.where(np.isnan(reasons), np.nan, (np.nan_to_num(reasons).astype(np.int64) & bits) > 0)
         hits = np.bincount(flat, weights=np.nan_to_num(hit), minlength=n_gpu * n_bin).reshape(n_gpu, n_bin)
-        share = {w: _ratio(_window_sum(hits, w * per_hour), _window_sum(np.nan_to_num(seen), w * per_hour))
+        share = {w: _ratio(win(hits, w * per_hour), win(np.nan_to_num(seen), w * per_hour))
                  for w in (1, 6, 24)}
         cols[f"{short}_share1h"], cols[f"{short}_share6h"] = share[1], share[6]
         counted = np.nan_to_num(seen)
-        before = _ratio(_window_sum(hits, 24 * per_hour) - _window_sum(hits, 6 * per_hour),
-                        _window_sum(counted, 24 * per_hour) - _window_sum(counted, 6 * per_hour))
+        before = _ratio(win(hits, 24 * per_hour) - win(hits, 6 * per_hour),
+                        win(counted, 24 * per_hour) - win(counted, 6 * per_hour))
         cols[f"{short}_vs_self"] = share[6] - before
     for short, column in FLAGS.items():
         cols[short] = _ffill(dense_last(column))
@@ -211,16 +218,16 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
                                       / pcie_replay_limit_per_min(mins["pcie_gen"], mins["pcie_width"]))
     means = {k: dense_reduce(c, "mean") for k, c in MEANS.items()}
     for short in ("temp", "mem_temp"):
-        m1, m6, m24 = (_window_mean(means[short], w * per_hour) for w in (1, 6, 24))
+        m1, m6, m24 = (_window_mean(means[short], w * per_hour, floor) for w in (1, 6, 24))
         cols[f"{short}_trend"] = m1 - m6
         if short == "temp":
-            n6 = _window_sum((~np.isnan(means[short])).astype(float), 6 * per_hour)
-            n24 = _window_sum((~np.isnan(means[short])).astype(float), 24 * per_hour)
+            n6 = win((~np.isnan(means[short])).astype(float), 6 * per_hour)
+            n24 = win((~np.isnan(means[short])).astype(float), 24 * per_hour)
             cols["temp_vs_self"] = m1 - _ratio(m24 * n24 - np.nan_to_num(m6) * n6, n24 - n6)
     cols["temp"], cols["mem_temp"], cols["util"], cols["sm_clock"] = (means[k] for k in ("temp", "mem_temp", "util",
                                                                                           "sm_clock"))
     cols["power_ratio"] = _ratio(means["power"], means["power_limit"])
-    cols.update(_event_features(events, uniques, lo, n_bin, origin, step, per_hour))
+    cols.update(_event_features(xid_at, n_gpu, n_bin, per_hour, floor))
     gi, bi = np.nonzero(present) if anchor is None else (np.arange(n_gpu), np.full(n_gpu, n_bin - 1))
     node_gpu = uniques.to_series().str.split("\x00", expand=True) if n_gpu else pd.DataFrame(columns=[0, 1])
     out = pd.DataFrame({"node": node_gpu[0].to_numpy()[gi], "gpu_index": node_gpu[1].astype(int).to_numpy()[gi],
@@ -249,11 +256,13 @@ def _cumsum0(x: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros((x.shape[0], 1)), np.cumsum(x, axis=1)], axis=1)
 
 
-def _window_sum(inc: np.ndarray, w: int) -> np.ndarray:
+def _window_sum(inc: np.ndarray, w: int, floor: np.ndarray | None = None) -> np.ndarray:
+    """Sum over the last ``w`` bins of each GPU, not reaching back before ``floor`` (its life's first bin)."""
     cs = _cumsum0(inc)
     n = inc.shape[1]
     idx = np.arange(1, n + 1)
-    return cs[:, idx] - cs[:, np.maximum(idx - w, 0)]
+    start = np.maximum(idx - w, 0)[None, :] if floor is None else np.maximum(idx - w, floor)
+    return cs[:, idx] - np.take_along_axis(cs, np.broadcast_to(start, inc.shape), axis=1)
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -262,23 +271,43 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(b > 0, a / b, np.nan)
 
 
-def _window_mean(x: np.ndarray, w: int) -> np.ndarray:
-    return _ratio(_window_sum(np.nan_to_num(x), w), _window_sum((~np.isnan(x)).astype(float), w))
+def _window_mean(x: np.ndarray, w: int, floor: np.ndarray | None = None) -> np.ndarray:
+    return _ratio(_window_sum(np.nan_to_num(x), w, floor), _window_sum((~np.isnan(x)).astype(float), w, floor))
 
 
 def _ffill(x: np.ndarray) -> np.ndarray:
     return pd.DataFrame(x).ffill(axis=1).to_numpy()
 
 
-def _event_features(events: pd.DataFrame, uniques: pd.Index, lo: int, n_bin: int, origin: int, step: int,
-                    per_hour: int) -> dict[str, np.ndarray]:
-    n_gpu = len(uniques)
-    xid = events[events["kind"] == "xid"]
-    key = xid["node"].astype(str) + "\x00" + xid["gpu_index"].astype(str)
+def _xid_bins(events: pd.DataFrame, uniques: pd.Index, lo: int, n_bin: int, origin: int, step: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(GPU, bin, XID code, is-an-XID) of each XID and GPU-lost event of the GPUs and bins at hand."""
+    ev = events[events["kind"].isin(["xid", "gpu_lost"])]
+    key = ev["node"].astype(str) + "\x00" + ev["gpu_index"].astype(str)
     g = uniques.get_indexer(key)
-    b = -((origin - ts_ms(xid["ts"])) // step) - lo
+    b = -((origin - ts_ms(ev["ts"])) // step) - lo
     ok = (g >= 0) & (b >= 0) & (b < n_bin)
-    g, b, code = g[ok], b[ok], xid["code"].to_numpy()[ok]
+    return g[ok], b[ok], ev["code"].to_numpy()[ok], (ev["kind"] == "xid").to_numpy()[ok]
+
+
+def _life_start(xid_at: tuple[np.ndarray, ...], n_gpu: int, n_bin: int) -> np.ndarray:
+    """Per GPU and bin, the first bin of the GPU's current life: the bin after its last fault (a fatal XID or
+    GPU lost) before this bin, else 0.
+
+    A fault ends the GPU's life as the model sees it: it is drained, reset or repaired, and the errors
+    before it describe the fault, not the GPU that comes back. Windows that reached across it made a
+    repaired GPU look as if it were still failing for a day."""
+    g, b, code, is_xid = xid_at
+    fatal = ~is_xid | np.isin(code, list(FATAL_XIDS))
+    marks = np.full((n_gpu, n_bin), np.nan)
+    marks[g[fatal], b[fatal]] = b[fatal] + 1.0
+    shifted = np.concatenate([np.full((n_gpu, 1), np.nan), marks[:, :-1]], axis=1)  # faults before the bin
+    return np.nan_to_num(_ffill(shifted), nan=0.0).astype(np.int64)
+
+
+def _event_features(xid_at: tuple[np.ndarray, ...], n_gpu: int, n_bin: int, per_hour: int, floor: np.ndarray
+                    ) -> dict[str, np.ndarray]:
+    g, b, code, is_xid = (a[xid_at[3]] for a in xid_at)
     out = {}
     for name, group, windows in (("precursor", PRECURSOR_XIDS, (1, 6, 24)), ("app", APPLICATION_XIDS, (1, 24)),
                                  ("fatal", FATAL_XIDS, (1, 24))):
@@ -286,11 +315,12 @@ def _event_features(events: pd.DataFrame, uniques: pd.Index, lo: int, n_bin: int
         sel = np.isin(code, list(group))
         np.add.at(hits, (g[sel], b[sel]), 1.0)
         for w in windows:
-            out[f"xid_{name}_{w}h"] = _window_sum(hits, w * per_hour)
+            out[f"xid_{name}_{w}h"] = _window_sum(hits, w * per_hour, floor)
     last = np.full((n_gpu, n_bin), np.nan)
     sel = np.isin(code, list(PRECURSOR_XIDS))
     last[g[sel], b[sel]] = b[sel]
     last = _ffill(last)
+    last = np.where(last < floor, np.nan, last)  # a precursor before the GPU's last fault belongs to that fault
     since_h = (np.arange(n_bin)[None, :] - last) / per_hour
     out["hours_since_precursor_xid"] = np.minimum(np.nan_to_num(since_h, nan=_CAP_H), _CAP_H)
     return out

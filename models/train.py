@@ -37,16 +37,26 @@ from gpuwatch.progress import Progress
 
 MAX_POSITIVE_WEIGHT = 50.0
 AMBIGUOUS_BEFORE_FAULT_S = 24 * 3600
+#: The classifier is fitted on "a fault within this long" (or the horizon, if longer): a 1-h horizon at a
+#: 10-min step leaves about six positive rows per fault, too few to learn a precursor's shape from; the
+#: hours before give the rising part of it. Calibration and thresholds still use the horizon's own labels.
+FIT_HORIZON_S = 3 * 3600
 #: Fewer fault episodes than this in the train block (or none in validation) cannot be learned from.
 MIN_TRAIN_FAULTS = 3
+
+
+def fit_labels(rows: pd.DataFrame, horizon_s: float, warning_s: float) -> np.ndarray:
+    """1 where a fault of the GPU starts in (t + warning, t + max(horizon, FIT_HORIZON_S)], else 0."""
+    until = rows["next_fault_ms"].to_numpy() - rows["t_ms"].to_numpy()
+    return ((until > warning_s * 1000) & (until <= max(horizon_s, FIT_HORIZON_S) * 1000)).astype(np.int8)
 
 
 def _usable(rows: pd.DataFrame, block: tuple[int, int], horizon_s: float) -> pd.DataFrame:
     """Uncensored rows of a block, without the ambiguous negatives of a GPU already on its way to a fault.
 
-    Rows between one horizon and ``AMBIGUOUS_BEFORE_FAULT_S`` before a fault are labelled negative, yet the
-    GPU is degrading then; fitting on them teaches the model to ignore the signs it should raise. They are
-    left out of fitting and calibration only; evaluation scores every row.
+    Rows between ``horizon_s`` (the fit horizon when fitting) and ``AMBIGUOUS_BEFORE_FAULT_S`` before a fault
+    are labelled negative, yet the GPU is degrading then; fitting on them teaches the model to ignore the
+    signs it should raise. They are left out of fitting and calibration only; evaluation scores every row.
     """
     until = rows["next_fault_ms"].to_numpy() - rows["t_ms"].to_numpy()
     ambiguous = (until > horizon_s * 1000) & (until <= AMBIGUOUS_BEFORE_FAULT_S * 1000)
@@ -83,7 +93,9 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
     splits = [time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s) for ds in sets]
     for ds, split in zip(sets, splits):
         _check_faults(ds, split)
-    train = pd.concat([_usable(ds.rows, sp.train, ds.horizon_s) for ds, sp in zip(sets, splits)], ignore_index=True)
+    train = pd.concat([_usable(ds.rows, sp.train, max(ds.horizon_s, FIT_HORIZON_S)).assign(
+        fit_label=lambda r, ds=ds: fit_labels(r, ds.horizon_s, ds.warning_s)) for ds, sp in zip(sets, splits)],
+        ignore_index=True)
     val = pd.concat([_usable(ds.rows, sp.validation, ds.horizon_s) for ds, sp in zip(sets, splits)],
                     ignore_index=True)
     for block, rows in (("train", train), ("validation", val)):
@@ -93,7 +105,7 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
     names, dropped = informative_features(train, feature_names())
     with Progress("train", total=len(STAGES), unit="stages", quiet=quiet) as progress:
         started = time.monotonic()
-        y = train["label"].to_numpy()
+        y = train["fit_label"].to_numpy()
         pos_weight = min(MAX_POSITIVE_WEIGHT, (y == 0).sum() / max(y.sum(), 1))
         clf = HistGradientBoostingClassifier(max_iter=200, learning_rate=0.08, max_leaf_nodes=15,
                                              min_samples_leaf=40, l2_regularization=1.0,
@@ -139,7 +151,7 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
 
 def _reference(train: pd.DataFrame, names: list[str]) -> dict:
     """Healthy-fleet median and spread per feature (for top_signals)."""
-    healthy = train.loc[train["label"] == 0, names]
+    healthy = train.loc[train["fit_label"] == 0, names]
     median = healthy.median().fillna(0.0)
     q = healthy.quantile([0.05, 0.95])
     spread = (q.loc[0.95] - q.loc[0.05]).fillna(0.0)

@@ -115,3 +115,20 @@ def test_alert_stays_firing_through_degradation_and_ends_at_the_fault():
     assert a["start_ms"] == t[11] and a["end_ms"] == t[40] - 1000 and a["peak_risk"] == pytest.approx(0.7)
     open_ended = replay(rows.iloc[:30], risk[:30], NO_FAULTS, policy=AlertPolicy(0.5), step_s=STEP_S)
     assert np.isnan(open_ended.alerts.iloc[0]["end_ms"])  # still firing when the data ends
+
+
+def test_scores_just_after_a_fault_neither_alert_nor_raise_the_bar():
+    """The rounds right after a fault score the fault itself (its XIDs, the precursor in the windows): the GPU
+    has failed, so no new "about to fail" alert, and the calibrator does not count them as false alarms."""
+    rows = fleet_scores(n_gpus=32, days=8)
+    fault_ms = T0 + 3 * 86_400_000
+    gpu0 = (rows["node"] == "n0") & (rows["gpu_index"] == 0)
+    rows.loc[gpu0 & rows["t_ms"].between(fault_ms - 2 * HOUR, fault_ms + HOUR - 1), "risk"] = 0.99
+    fault = pd.DataFrame({"node": ["n0"], "gpu_index": [0], "start_ms": [fault_ms - 1]})
+    told = replay(rows, rows["risk"].to_numpy(), fault, policy=AlertPolicy(0.5), step_s=STEP_S, budget=5.0)
+    untold = replay(rows, rows["risk"].to_numpy(), NO_FAULTS, policy=AlertPolicy(0.5), step_s=STEP_S, budget=5.0)
+    mine = told.alerts[(told.alerts["node"] == "n0") & (told.alerts["gpu_index"] == 0)
+                       & told.alerts["start_ms"].between(fault_ms - 3 * HOUR, fault_ms + 2 * HOUR)]
+    assert len(mine) == 1 and mine["end_ms"].iloc[0] == fault_ms - 1  # one alert, ended by the fault
+    at = rows["t_ms"].to_numpy() == T0 + 6 * 86_400_000
+    assert told.threshold[at][0] < untold.threshold[at][0]

@@ -60,3 +60,28 @@ def test_assess_scores_every_gpu_live_with_the_default_model(tmp_path):
     assert len(out) == 8 and (out["t_ms"] == at).all()
     assert out["risk"].between(0, 1).all() and set(out["state"]) <= {"ok", "warn", "fail"}
     assert all(isinstance(s, list) for s in out["signals"])
+
+
+def test_windows_do_not_reach_back_across_a_fault():
+    """A GPU that failed and came back (reset, repaired) is judged on its new life, not the errors of its fault."""
+    minutes = 8 * 60
+    sbe = np.where(np.arange(minutes) < 180, np.arange(minutes) * 5.0, 0.0)  # rising errors, then the fault
+    s = minute_samples("n1", 0, minutes, gpu_ecc_sbe_volatile_total=sbe)
+    ev = event_rows(("n1", 0, T0 + 170 * MIN, "xid", 92), ("n1", 0, T0 + 181 * MIN, "xid", 48))
+    f = features(s, ev).set_index("t_ms")
+    before, after = f.loc[T0 + 180 * MIN], f.loc[T0 + 300 * MIN]
+    assert before["sbe_log6h"] > 5 and before["xid_precursor_6h"] == 1
+    assert after["sbe_log6h"] == 0 and after["xid_precursor_6h"] == 0 and after["xid_fatal_24h"] == 0
+    assert after["hours_since_precursor_xid"] == 168.0  # the precursor belonged to the fault
+    no_fault = features(s, ev.iloc[:1]).set_index("t_ms").loc[T0 + 300 * MIN]
+    assert no_fault["xid_precursor_6h"] == 1  # without the fault the window reaches back as before
+
+
+def test_accel_tells_a_rising_rate_from_one_that_levelled_off():
+    minutes = 4 * 60
+    rising = np.cumsum(np.arange(minutes) / 10.0)
+    flat = np.arange(minutes) * 10.0
+    f = features(pd.concat([minute_samples("n1", 0, minutes, gpu_pcie_replay_total=rising),
+                            minute_samples("n1", 1, minutes, gpu_pcie_replay_total=flat)]), event_rows())
+    last = f[f["t_ms"] == f["t_ms"].max()].set_index("gpu_index")
+    assert last.loc[0, "pcie_replay_accel"] > 0.3 > abs(last.loc[1, "pcie_replay_accel"])

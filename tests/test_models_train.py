@@ -16,7 +16,7 @@ from gpuwatch.models.failsim import FleetConfig, simulate_fleet
 from gpuwatch.models.features import feature_names
 from gpuwatch.models.labels import label, time_split
 from gpuwatch.models.model import default_model_path, load_model, save_model, score, top_signals
-from gpuwatch.models.train import train_model
+from gpuwatch.models.train import FIT_HORIZON_S, fit_labels, train_model
 from gpuwatch.recording import SCHEMAS
 from helpers import run_on_terminal
 
@@ -52,6 +52,17 @@ def test_labels_positive_within_horizon_and_censored_around_faults():
     after = out[(out["t_ms"] >= 5 * 3_600_000) & (out["t_ms"] <= 5 * 3_600_000 + 60_000 + 3_600_000)]
     assert after["censored"].all() and after["label"].eq(0).all()
     assert out.loc[out["t_ms"] + 3_600_000 > 10 * 3_600_000, "censored"].all()  # horizon past the data end
+
+
+def test_fit_labels_cover_the_hours_before_a_fault_and_evaluation_labels_keep_the_horizon():
+    feats = pd.DataFrame({"node": "n", "gpu_index": 0, "t_ms": np.arange(0, 10 * 3_600_000, 600_000)})
+    ep = pd.DataFrame({"node": ["n"], "gpu_index": [0], "start_ms": [5 * 3_600_000],
+                       "end_ms": [5 * 3_600_000 + 60_000]})
+    out = label(feats, ep, horizon_s=3600, warning_s=300, data_end_ms=10 * 3_600_000)
+    fit = fit_labels(out, 3600, 300)
+    assert fit.sum() == FIT_HORIZON_S // 600 and out["label"].sum() == 6  # 18 rows to fit on, 6 to judge by
+    assert (fit >= out["label"].to_numpy()).all()
+    assert fit_labels(out, 24 * 3600, 300).sum() == 5 * 6  # a longer horizon than the fit's is kept
 
 
 def test_split_blocks_cannot_leak(trained):
