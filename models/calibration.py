@@ -11,9 +11,9 @@ How (a peaks-over-threshold estimate, in logit space):
 
 1. Take every GPU's scores in a trailing window (default 14 days) — only observations strictly before the
    decision time. Scores of a GPU in the two days before one of its faults (fault evidence already seen) are
-   left out: those alarms would have been true ones. So are its scores from the fault until a feature
-   history later: those rows describe the fault itself (its XIDs, the precursor still in the windows), not
-   a healthy GPU, and a failed GPU's alert ends at the fault.
+   left out: those alarms would have been true ones. So are its scores in the fault episode's hour after
+   it: those rows describe the fault itself (its XIDs, the precursor in the windows), and the alert policy
+   opens no alert on a GPU that has just failed (models/alerting.py).
 2. Decluster: the rows above a high base level (the 99.5th percentile) form runs per GPU, split where the GPU
    stayed below for the policy's keep-firing time; each run's peak is one would-be alert episode.
 3. The threshold lets ``budget x GPU-days / 1000`` peaks through. Where the window holds enough peaks
@@ -30,7 +30,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from gpuwatch.models.features import HISTORY_S
+from gpuwatch.models.faults import COALESCE_S
 
 DEFAULT_FALSE_ALARM_BUDGET = 1.0  # per 1,000 GPU-days
 WINDOW_S = 14 * 86400.0
@@ -38,8 +38,8 @@ MIN_GPU_DAYS = 20.0
 REFRESH_S = 3600.0
 #: Rows a GPU's own fault makes "true": the alerts before it were right, whatever they cost.
 FAULT_LOOKBACK_S = 48 * 3600.0
-#: Rows after a fault whose feature windows still hold it (features.HISTORY_S): the fault, not a false alarm.
-FAULT_AFTERMATH_S = float(HISTORY_S)
+#: Rows after a fault that belong to its episode (faults.COALESCE_S): the fault, not a false alarm.
+FAULT_AFTERMATH_S = float(COALESCE_S)
 BASE_QUANTILE = 0.995
 TAIL_PEAKS = 12
 _EPS = 1e-9
