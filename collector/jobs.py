@@ -25,12 +25,12 @@ import pandas as pd
 
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, JobFinding
 from gpuwatch.collector.breakdowns import breakdown_rows
-from gpuwatch.collector.efficiency.engine import analyze
+from gpuwatch.efficiency.engine import analyze
 from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
 from gpuwatch.collector.periodic import PeriodicService
-from gpuwatch.collector.query_cli import iso_utc
+from gpuwatch.core.times import iso_utc
 from gpuwatch.collector.store.base import STEP_MARK_KINDS, Store
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from gpuwatch.models.failsim import LLAMA3_FAULTS_PER_GPU_HOUR
+from gpuwatch.models.faults import LLAMA3_FAULTS_PER_GPU_HOUR
 
 #: Recalls `gpuwatch advise` always tabulates (failure-prediction.md §5).
 DEFAULT_RECALLS = (0.0, 0.5, 0.8, 0.9)

@@ -12,11 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from gpuwatch import xids
-from gpuwatch.recording import ts_ms
+from gpuwatch.core import xids
+from gpuwatch.core.recording import ts_ms
+
+#: Llama 3 (arXiv 2407.21783): 419 unexpected interruptions, ~78% hardware, 16,384 GPUs, 54 days: the fault
+#: rate the checkpoint advice and the simulated fleets assume unless told otherwise.
+LLAMA3_FAULTS_PER_GPU_HOUR = 1.97e-5
 
 #: The job on that GPU stops, by subsystem (the fault's kind in the per-kind recall): the catalogue's fatal
-#: XIDs (gpuwatch.xids, nvml-and-dcgm.md §6) plus XID 94, which the catalogue files under "degrading" for
+#: XIDs (gpuwatch.core.xids, nvml-and-dcgm.md §6) plus XID 94, which the catalogue files under "degrading" for
 #: the GPU but which kills the job using that memory.
 FAULT_XID_KINDS: dict[int, str] = {
     **dict.fromkeys((48, 64, 94, 95, 140), "memory"),  # DBE, remap failure, contained/uncontained ECC, ECC escape

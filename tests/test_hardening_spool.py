@@ -8,7 +8,7 @@ import pytest
 
 from gpuwatch.agent.spool import Spool, SpoolFull, encode_record
 from gpuwatch.agent.uplink import Uplink
-from gpuwatch.batches import BatchBuilder
+from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import T0_MS, fill_disk, small_filesystem
 

@@ -9,10 +9,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from gpuwatch.collector.efficiency import analyze, load_paths
-from gpuwatch.collector.efficiency.timeline import COLLECTIVE, P2P
-from gpuwatch.collector.traces.kineto import load_kineto
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency import analyze, load_paths
+from gpuwatch.efficiency.timeline import COLLECTIVE, P2P
+from gpuwatch.efficiency.traces.kineto import load_kineto
+from gpuwatch.core.errors import UserError
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):
@@ -76,7 +76,7 @@ def test_sampled_ranks_matched_against_each_other():
 
 
 def test_small_blocks_stream_to_the_same_timeline(control, monkeypatch):
-    import gpuwatch.collector.traces.eventstream as eventstream
+    import gpuwatch.efficiency.traces.eventstream as eventstream
 
     monkeypatch.setattr(eventstream, "BLOCK_BYTES", 64 << 10)
     small = load_kineto(CONTROL)

@@ -30,13 +30,13 @@ import clickhouse_connect
 import pandas as pd
 import pyarrow as pa
 
-from gpuwatch import events as event_kinds
-from gpuwatch import fields
+from gpuwatch.core import events as event_kinds
+from gpuwatch.core import fields
 from gpuwatch.collector.store.base import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, DEFAULT_SPAN_TRIM_INTERVAL_S
 from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
-from gpuwatch.columnar import ColumnarBatch
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.core.columnar import ColumnarBatch
+from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -770,7 +770,7 @@ def _until(until_ms: int | None) -> int:
 
 def _check_field(name: str) -> None:
     if name not in fields.GPU_FIELD_NAMES:
-        raise UserError(f"unknown GPU field {name!r}; fields are listed in gpuwatch.fields")
+        raise UserError(f"unknown GPU field {name!r}; fields are listed in gpuwatch.core.fields")
 
 
 def _utc_now() -> dt.datetime:
