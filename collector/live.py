@@ -1,7 +1,7 @@
 """The collector's live view of training jobs from probe span rows: per-job summaries and hang detection.
 
-Pure functions over a span DataFrame with the SpanTable columns (job_id, rank, step, kind, name, start_us,
-dur_us, process_group, seq, bytes, world_size, node, peer). Probe conventions used here: a row with
+Pure functions over a span DataFrame with the span catalogue's columns (gpuwatch.core.spans; :data:`COLUMNS`
+are those read here). Probe conventions used here: a row with
 dur_us == -1 is an op that was still running when the probe reported it; kind "end" marks a rank whose
 probe closed (the job finished there, it is not hanging).
 """
