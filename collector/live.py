@@ -79,10 +79,10 @@ def _lost_fraction(rows: pd.DataFrame, job_id: str) -> float | None:
         timelines = probe_timelines(rows, source=f"job {job_id}")
         if timelines is None:
             return None
-        job = analyze(timelines)["job"]
+        job = analyze(timelines).job
     except UserError:
         return None
-    return job["lost_us"] / job["window_us"] if job["window_us"] else None
+    return job.lost_us / job.window_us if job.window_us else None
 
 
 def _finished_ranks(rows: pd.DataFrame) -> set:

@@ -10,11 +10,14 @@ the step intervals minus that rank's communication intervals.
 """
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pandas as pd
 
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P, UNKNOWN, RankTimeline
 from gpuwatch.efficiency.traces.collectives import canonical_type
+from gpuwatch.efficiency.traces.eventstream import TraceContent
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.spans import SPAN_UNSET
 
@@ -23,12 +26,13 @@ _KINDS = {"compute": COMPUTE, "memcpy": MEMCPY, "memset": MEMCPY, "collective": 
 _DEFAULTS = {name: unset for name, unset in SPAN_UNSET.items() if name not in REQUIRED}
 
 
-def read_span_table(path: str) -> pd.DataFrame:
-    """A span table file as a DataFrame (Parquet by extension, else CSV)."""
+def read_span_table(path: str, content: TraceContent | None = None) -> pd.DataFrame:
+    """A span table file, or its `content` named `path`, as a DataFrame (Parquet by extension, else CSV)."""
+    source = path if content is None else io.BytesIO(content) if isinstance(content, bytes) else content
     try:
         if path.endswith((".parquet", ".pq")):
-            return pd.read_parquet(path)
-        return pd.read_csv(path)
+            return pd.read_parquet(source)
+        return pd.read_csv(source)
     except (OSError, ValueError, pd.errors.ParserError) as exc:
         raise UserError(f"{path}: cannot read the span table ({exc})") from None
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,7 @@ def store_results(store: Any) -> dict[str, Any]:
     """What the collector holds after a replay: per node counts, and each job's efficiency breakdown
     computed by the collector's own Breakdown handler over the stored probe spans."""
     from gpuwatch.collector.breakdowns import BreakdownService
+    from gpuwatch.efficiency.result import Analysis
     from gpuwatch.v1 import query_pb2 as q
 
     counts = store.event_counts_by_node()
@@ -202,13 +203,14 @@ def store_results(store: Any) -> dict[str, Any]:
     breakdowns = {}
     for job_id in store.span_job_ids():
         try:
-            doc = json.loads(service.breakdown(q.BreakdownRequest(job_id=job_id), store).json)
+            found = Analysis.from_json(json.loads(service.breakdown(q.BreakdownRequest(job_id=job_id), store).json))
         except UserError as exc:
             breakdowns[job_id] = {"error": str(exc)}
             continue
-        breakdowns[job_id] = {"ranks": doc["job"]["ranks"], "window_us": doc["job"]["window_us"],
-                              "breakdown_fraction": doc["job"]["breakdown_fraction"],
-                              "lost_gpu_hours": doc["job"]["lost_gpu_hours"], "stragglers": doc["stragglers"]}
+        breakdowns[job_id] = {"ranks": found.job.ranks, "window_us": found.job.window_us,
+                              "breakdown_fraction": found.job.breakdown_fraction,
+                              "lost_gpu_hours": found.job.lost_gpu_hours,
+                              "stragglers": [asdict(s) for s in found.stragglers]}
     return {"nodes": nodes, "breakdowns": breakdowns}
 
 
