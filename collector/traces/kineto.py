@@ -218,7 +218,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
 
     The rank comes from `distributedInfo.rank`, else from a `rank<N>` in the file name, else
     `default_rank`; without any of them the file is rejected."""
-    stream = TraceEventStream(path, progress=progress, only=_WANTED, count=_LAUNCH_FLOWS)
+    stream = TraceEventStream(path, progress=progress, only=_WANTED, watch=_LAUNCH_FLOWS)
     got = _Collected()
     for events in stream:
         try:
@@ -235,7 +235,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
     world = info.get("world_size")
     tl = _timeline(path, got, rank, int(world) if isinstance(world, int) else None)
     tl.trace_meta = _described(stream.meta)
-    tl.events_sampled = _sampled(path, stream.meta, tl, sum(stream.counts.values()))
+    tl.events_sampled = _sampled(path, stream.meta, tl, stream.seen)
     return tl
 
 
@@ -258,13 +258,13 @@ def _described(meta: dict) -> dict:
     return out
 
 
-def _sampled(path: str, meta: dict, tl: RankTimeline, flow_arrows: int) -> bool | None:
+def _sampled(path: str, meta: dict, tl: RankTimeline, flow_arrows: bool) -> bool | None:
     """Whether the trace holds only a sample of its events. True when its path or metadata says so, or
     when its GPU work has launch records but the trace has none of the launch flow arrows the profiler
     always writes with them (a trace filtered after profiling); None (unknown) when some GPU activities
     have a correlation id but no launch record (a partial recording); else False."""
     said = " ".join([path, str(meta.get("traceName", "")), str(meta.get("sampling", ""))])
-    if "sampl" in said.lower() or (flow_arrows == 0 and not np.isnan(tl.launch_us).all()):
+    if "sampl" in said.lower() or (not flow_arrows and not np.isnan(tl.launch_us).all()):
         return True
     orphans = (tl.correlation >= 0) & np.isnan(tl.launch_us)
     return None if orphans.any() else False
