@@ -40,7 +40,17 @@ _LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "Runtime", "mtia_runtime"}
 _MTIA_SYNC = ("event_wait", "event_record")
 _STEP_PREFIX, _COMM_OP_PREFIXES, _COMM_RECORD_OP = "ProfilerStep#", ("nccl:", "hccl:"), "record_param_comms"
 # The events `_Collected.add` reads; the stream drops the others (most of a trace: CPU ops, flows) unparsed.
-_WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, *_COMM_OP_PREFIXES, _COMM_RECORD_OP])
+# Runtime calls that never launch GPU work (a third of a trace's runtime events: nothing correlates with
+# them), by the first 8 characters of their names: `cudaEven`t*, `cudaOccu`pancy*, `cudaFunc`{Get,Set}*,
+# `cudaStre`am* (Query, Synchronize, WaitEvent, GetCaptureInfo, ...), `cudaDevi`ce*, `cudaGetD`evice*,
+# `cudaSetD`evice, `cudaGetL`astError, `cudaPeek`AtLastError, `cudaPoin`terGetAttributes, and HIP's alike.
+# None of them starts a kernel, copy or set: those go through cudaLaunch*, cuLaunch*, cudaMemcpy*,
+# cudaMemset*, cudaGraphLaunch and their HIP names.
+_NOT_LAUNCHES = ("cudaEven", "cudaOccu", "cudaFunc", "cudaStre", "cudaDevi", "cudaGetD", "cudaSetD", "cudaGetL",
+                 "cudaPeek", "cudaPoin", "hipEvent", "hipOccup", "hipFuncG", "hipFuncS", "hipStrea", "hipDevic",
+                 "hipGetDe", "hipSetDe", "hipGetLa", "hipPeekA", "hipPoint")
+_WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, *_COMM_OP_PREFIXES, _COMM_RECORD_OP],
+                         phases="X", skip=(_LAUNCH_CATS, _NOT_LAUNCHES))
 _COMM = -2  # provisional kind of a communication kernel until its type is resolved
 # The flow arrows the profiler draws from each launch to its GPU work (category names over the versions).
 _LAUNCH_FLOWS = (b'"ac2g"', b'"async_cpu_to_gpu"', b'"async_gpu"')
