@@ -12,7 +12,7 @@ the what-if, and the interpreter with its imports.
 CPU time (user + system, summed over the process tree) is printed beside the wall time: on a loaded
 machine it moves far less than wall time. HTA comes from this interpreter when it imports
 (`pip install HolisticTraceAnalysis==0.5.0`, bench only),
-else from a venv under ~/.cache/gpuwatch-bench. Targets: >= 12x on single traces, >= 20x on the 8-rank
+else from a venv (`--hta-venv`, default ~/.cache/gpuwatch-bench/hta-venv, created on first use). Targets: >= 12x on single traces, >= 20x on the 8-rank
 set, agreement within 0.5 % of the window.
 
     python bench/analyze.py [--trace FILE ...] [--runs 3] [--multi-runs 2] [--multi-mb 450] [--no-hta] [--keep DIR]
@@ -78,38 +78,47 @@ print(json.dumps([analyze([tl], steps="hta")["ranks"][0] for tl in load_paths(sy
 
 # Where gpuwatch's time goes on one trace file (each phase timed alone, best of 3).
 PHASES = """
-import gzip, json, sys, time
+import gc, gzip, json, sys, time
 path = sys.argv[1]
-def best(fn, n=3):
+def best(fn, n=5):
     out = []
     for _ in range(n):
         t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)
     return min(out)
 t0 = time.perf_counter()
 import numpy, orjson
+from isal import isal_zlib
 from gpuwatch.collector.efficiency import analyze, load_paths
 from gpuwatch.collector.efficiency.matching import match_collectives
 from gpuwatch.collector.efficiency.whatif import what_if
 from gpuwatch.collector.traces.eventstream import TraceEventStream
 from gpuwatch.collector.traces.kineto import _WANTED
 imports = time.perf_counter() - t0
-opener = gzip.open if path.endswith(".gz") else open
-def gunzip():
-    with opener(path, "rb") as f:
-        while f.read(1 << 20):
-            pass
-def full_parse():
-    with opener(path, "rb") as f:
-        orjson.loads(f.read())
+with open(path, "rb") as f:
+    raw = f.read()
+gz = raw[:2] == b"\\x1f\\x8b"
+def paused(fn):
+    gc.disable()
+    try:
+        fn()
+    finally:
+        gc.enable()
 def stream():
     for _ in TraceEventStream(path, only=_WANTED):
         pass
 tls = load_paths([path])
 m = match_collectives(tls)
+doc = analyze(tls)
 print(json.dumps({
-    "imports_s": imports, "gunzip_s": best(gunzip), "gunzip_full_parse_s": best(full_parse),
+    "imports_s": imports,
+    "gunzip_zlib_s": best(lambda: gzip.decompress(raw)) if gz else 0.0,
+    "gunzip_isal_s": best(lambda: isal_zlib.decompress(raw, 31)) if gz else 0.0,
+    "bare_floor_s": best(lambda: orjson.loads(gzip.decompress(raw) if gz else raw)),
+    "best_floor_s": best(lambda: paused(lambda: orjson.loads(isal_zlib.decompress(raw, 31) if gz else raw))),
     "stream_s": best(stream), "load_s": best(lambda: load_paths([path])),
     "breakdown_s": best(lambda: analyze(tls, with_what_if=False)), "what_if_s": best(lambda: what_if(tls, m)),
+    "output_s": best(lambda: orjson.dumps({k: v for k, v in doc.items() if not k.startswith("_")},
+                                          option=orjson.OPT_INDENT_2)),
 }))
 """
 
@@ -119,15 +128,15 @@ def measure(cmd: list[str]) -> dict:
     return json.loads(result.stdout)
 
 
-def hta_python(use_hta: bool) -> str | None:
-    """An interpreter that imports HTA 0.5.0: this one, else a bench venv (created on first use)."""
+def hta_python(use_hta: bool, venv: str) -> str | None:
+    """An interpreter that imports HTA 0.5.0: this one, else the venv `venv` (created on first use)."""
     if not use_hta:
         return None
     if subprocess.run([sys.executable, "-c", "import hta"], capture_output=True).returncode == 0:
         return sys.executable
-    python = os.path.join(VENV, "bin", "python")
+    python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
-        subprocess.run([sys.executable, "-m", "venv", VENV], check=True)
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     if subprocess.run([python, "-c", "import hta"], capture_output=True).returncode != 0:
         install = subprocess.run([python, "-m", "pip", "install", "-q", "HolisticTraceAnalysis==0.5.0"],
                                  capture_output=True, text=True)
@@ -217,13 +226,16 @@ def _print_window(gw: dict, hta: dict | None) -> None:
 
 def _print_phases(p: dict, wall: float, startup: float) -> None:
     """Where the time goes, and how close the reader is to the floor of decompressing and parsing."""
-    print("where gpuwatch's time goes (each phase alone, best of 3, in one process):")
+    print("where gpuwatch's time goes (each phase alone, best of 5, in one process):")
     print(f"  interpreter start-up + imports {startup:.2f} s of the {wall:.2f} s whole process (measured taking turns)")
-    print(f"  gunzip alone {p['gunzip_s']:.3f} s; gunzip + full orjson parse {p['gunzip_full_parse_s']:.3f} s")
-    print(f"  gpuwatch stream (gunzip + filter + parse of the events it needs) {p['stream_s']:.3f} s = "
-          f"{p['stream_s'] / p['gunzip_full_parse_s']:.2f}x of gunzip + full parse, {p['stream_s'] / p['gunzip_s']:.2f}x of gunzip alone")
+    print(f"  decompression alone: zlib {p['gunzip_zlib_s']:.3f} s, ISA-L (what gpuwatch uses) {p['gunzip_isal_s']:.3f} s")
+    print(f"  floor of reading everything: gzip.decompress + orjson.loads {p['bare_floor_s']:.3f} s; "
+          f"ISA-L + orjson.loads with the cycle collector paused {p['best_floor_s']:.3f} s")
+    print(f"  gpuwatch stream (decompress + filter + parse of the events it needs) {p['stream_s']:.3f} s = "
+          f"{p['stream_s'] / p['bare_floor_s']:.2f}x of the bare floor, {p['stream_s'] / p['best_floor_s']:.2f}x of the best")
     print(f"  load (stream + columns + launch/step/collective joins) {p['load_s']:.3f} s; "
-          f"classification and breakdown {p['breakdown_s']:.3f} s; what-if {p['what_if_s']:.3f} s")
+          f"classification and breakdown {p['breakdown_s']:.3f} s; what-if {p['what_if_s']:.3f} s; "
+          f"JSON output {p['output_s']:.3f} s")
 
 
 def build_synthetic(trace: str, folder: str, target_mb: int, ranks: int = 8) -> int:
@@ -288,10 +300,13 @@ def main() -> None:
     parser.add_argument("--multi-runs", type=int, default=2)
     parser.add_argument("--multi-mb", type=int, default=450, help="size of the 8-rank set; 0 skips it")
     parser.add_argument("--no-hta", action="store_true")
+    parser.add_argument("--hta-venv", default=os.environ.get("GPUWATCH_HTA_VENV", VENV),
+                        help=f"venv holding (or to hold) HTA 0.5.0, if this interpreter has none (default {VENV}, "
+                             "or $GPUWATCH_HTA_VENV)")
     parser.add_argument("--keep", help="write the 8-rank set here and keep it")
     parser.add_argument("--only-multi", action="store_true", help="skip the single traces")
     args = parser.parse_args()
-    python = hta_python(not args.no_hta)
+    python = hta_python(not args.no_hta, args.hta_venv)
     started = time.perf_counter()
     for trace in [] if args.only_multi else args.trace or DEFAULT_TRACES:
         single(trace, args.runs, python)
