@@ -134,21 +134,23 @@ class EventFilter:
         """Per piece: whether it starts as `layout` says (so that its head decides), and if so whether it is
         unwanted. Every byte from the `{` to the name's text is compared, so the keys read are the event's
         own (a nested object cannot come first); a piece that starts otherwise is left to the key search."""
-        head, to_cat, to_name = (np.frombuffer(x, np.uint8) for x in (layout.head, layout.to_cat, layout.to_name))
+        head, to_cat, to_name = layout.head, layout.to_cat, layout.to_name
         at_cat = len(head) + 1 + len(to_cat)
         window = _bytes_at(data, starts, at_cat + max(_TEXT_WIDTH, _words(self.categories, self.skip_categories)))
-        framed = (window[:, :len(head)] == head).all(1)
         phase = window[:, len(head)]
-        wanted_phase = np.isin(phase, np.frombuffer(self.phases, np.uint8)) if self.phases else np.ones(len(starts), bool)
+        framed = _rows_equal(window, 0, head)
+        wanted_phase = np.ones(len(starts), bool) if not self.phases else np.zeros(len(starts), bool)
+        for letter in self.phases:
+            wanted_phase |= phase == letter
         other_phase = framed & ~wanted_phase & (window[:, len(head) + 1] == ord('"'))
         category = window[:, at_cat:]
-        quote = category[:, :_TEXT_WIDTH] == ord('"')
-        length = quote.argmax(1)
-        escaped = ((category[:, :_TEXT_WIDTH] == ord("\\")) & (np.arange(_TEXT_WIDTH) < length[:, None])).any(1)
-        named_at = starts + at_cat + length
-        after = _bytes_at(data, named_at, len(to_name) + _words(self.name_prefixes, self.skip_heads))
-        known = (framed & wanted_phase & (window[:, len(head) + 1:at_cat] == to_cat).all(1) & quote.any(1)
-                 & ~escaped & (after[:, :len(to_name)] == to_name).all(1))
+        # The category ends at its first quote; a backslash before it (an escape) leaves the piece to the
+        # key search.
+        stops = (category[:, :_TEXT_WIDTH] == ord('"')) | (category[:, :_TEXT_WIDTH] == ord("\\"))
+        length = stops.argmax(1)
+        closed = category[np.arange(len(starts)), length] == ord('"')
+        after = _bytes_at(data, starts + at_cat + length, len(to_name) + _words(self.name_prefixes, self.skip_heads))
+        known = framed & wanted_phase & _rows_equal(window, len(head) + 1, to_cat) & closed & _rows_equal(after, 0, to_name)
         name = after[:, len(to_name):]
         skipped = _starts_with_any(category, self.skip_categories) & np.isin(
             np.ascontiguousarray(name[:, :8]).view(np.uint64)[:, 0], np.frombuffer(b"".join(self.skip_heads), np.uint64))
@@ -212,6 +214,12 @@ def _droppable(data: np.ndarray, after_key: np.ndarray, once: np.ndarray, prefix
     return drop
 
 
+def _rows_equal(rows: np.ndarray, at: int, text: bytes) -> np.ndarray:
+    """Per row of a 2-D byte array: whether its bytes from `at` are `text` (compared as one opaque value
+    per row, 3x faster than a byte-wise comparison reduced along the row)."""
+    return rows[:, at:at + len(text)].view(f"V{len(text)}")[:, 0] == np.void(text)
+
+
 def _words(*prefix_lists: tuple[bytes, ...]) -> int:
     """Bytes to read to compare a text with the longest of the prefixes (whole 8-byte words)."""
     return 8 * max([(len(p) + 7) // 8 for prefixes in prefix_lists for p in prefixes] or [1])
@@ -271,9 +279,10 @@ class TraceEventStream:
                  watch: tuple[bytes, ...] = ()) -> None:
         self.path = path
         # Whether any of `watch` occurs in the raw text (a check for events the filter drops; an occurrence
-        # cut by a block boundary is missed). The search stops at the first hit: counting every occurrence
-        # read each block once per pattern, a quarter of the whole read's time.
-        self.watch = watch
+        # cut by a block boundary is missed). One regular expression reads a block once for all patterns,
+        # and the search stops at the first hit (counting every pattern's occurrences took a quarter of
+        # the whole read's time).
+        self.watch = re.compile(b"|".join(map(re.escape, watch))) if watch else None
         self.seen = False
         self.block_bytes = block_bytes or BLOCK_BYTES
         self.progress = progress
@@ -298,7 +307,7 @@ class TraceEventStream:
         data = next(blocks, b"")
         self.bytes_read += len(data)
         if not self.seen and self.watch:
-            self.seen = any(pattern in data for pattern in self.watch)
+            self.seen = self.watch.search(data) is not None
         if self.progress is not None and data:
             self.progress(self.bytes_read)
         return data
