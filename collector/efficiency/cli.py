@@ -10,6 +10,7 @@ from gpuwatch.collector.efficiency.engine import analyze
 from gpuwatch.collector.efficiency.load import load_paths
 from gpuwatch.collector.efficiency.partition import CATEGORIES
 from gpuwatch.collector.efficiency.words import coverage_lines, what_if_lines
+from gpuwatch.collector.traces.eventstream import BLOCK_BYTES
 from gpuwatch.errors import UserError
 
 _PROGRESS_BYTES = 64 << 20  # report reading progress on stderr past this many bytes per file
@@ -69,7 +70,7 @@ def _write(path: str, data: bytes) -> None:
 
 
 def _progress(path: str, nbytes: int) -> None:
-    if nbytes >= _PROGRESS_BYTES and nbytes % _PROGRESS_BYTES < (4 << 20):
+    if nbytes >= _PROGRESS_BYTES and nbytes % _PROGRESS_BYTES < BLOCK_BYTES:  # once per 64 MB (reads are blocks)
         print(f"reading {path}: {nbytes >> 20} MB", file=sys.stderr, flush=True)
 
 

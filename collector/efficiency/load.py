@@ -48,6 +48,9 @@ def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None 
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("forkserver")
+    # The server imports the reader once; each worker forked from it starts with it (else every worker
+    # imports numpy and the reader on its first file).
+    context.set_forkserver_preload(["gpuwatch.collector.traces.kineto"])
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         loaded = pool.map(functools.partial(_load_one, default_rank=default_rank), jobs)
         return [tl for found in loaded for tl in found]
