@@ -2,20 +2,24 @@
 
 Prints, side by side in one run, for each single real trace and for an 8-rank set: whole-process wall
 time and peak memory of each tool, each run as its own subprocess; memory is the peak of the RSS summed
-over the tool's whole process tree (HTA forks workers for multi-rank sets), sampled every 10 ms by a
-wrapper. The tools take turns and the best of `--runs` counts, with the load average before and after,
-as the machine may be shared. Then the agreement of compute and idle with HTA's temporal breakdown over
-HTA's window (`--steps hta`), and where gpuwatch's time goes: decompression alone, decompression and a
-full orjson parse (what any JSON reader pays), gpuwatch's filtered stream, the whole load, the breakdown,
-the what-if, and the interpreter with its imports.
+over the tool's whole process tree (both tools start workers for multi-rank sets), sampled every 10 ms by
+a wrapper, and CPU time is summed over the same tree (the larger of the sampled sum and the rusage of the
+waited-for children: gpuwatch's workers come from a fork server, which nobody waits for). The tools take
+turns and the best of `--runs` counts, with the load average before and after, as the machine may be
+shared. Then the agreement of compute and idle with HTA's temporal breakdown over HTA's window
+(`--steps hta`), and where gpuwatch's time goes: decompression alone (zlib and ISA-L), the floor of
+reading everything (decompression and a full orjson parse), gpuwatch's filtered stream, the whole load,
+the breakdown, the what-if, the JSON output, and the interpreter with its imports (also `python -c pass`
+of each tool's interpreter: their start-up differs with the site hooks of each environment).
 
-CPU time (user + system, summed over the process tree) is printed beside the wall time: on a loaded
-machine it moves far less than wall time. HTA comes from this interpreter when it imports
-(`pip install HolisticTraceAnalysis==0.5.0`, bench only),
-else from a venv (`--hta-venv`, default ~/.cache/gpuwatch-bench/hta-venv, created on first use). Targets: >= 12x on single traces, >= 20x on the 8-rank
-set, agreement within 0.5 % of the window.
+CPU time is printed beside the wall time: on a loaded machine it moves far less than wall time. HTA comes
+from this interpreter when it imports (`pip install HolisticTraceAnalysis==0.5.0`, bench only), else from
+a venv (`--hta-venv`, default ~/.cache/gpuwatch-bench/hta-venv, created on first use). The project's
+sources are byte-compiled first, as a regular install does. Targets: >= 12x on single traces, >= 20x on
+the 8-rank set, agreement within 0.5 % of the window.
 
-    python bench/analyze.py [--trace FILE ...] [--runs 3] [--multi-runs 2] [--multi-mb 450] [--no-hta] [--keep DIR]
+    python bench/analyze.py [--trace FILE ...] [--runs 3] [--multi-runs 2] [--multi-mb 450] [--no-hta]
+                            [--hta-venv DIR] [--keep DIR] [--only-multi]
 """
 from __future__ import annotations
 
@@ -44,19 +48,26 @@ t = time.perf_counter()
 proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 root = psutil.Process(proc.pid)
 peak = 0
+cpu = {}  # pid -> its CPU seconds when last seen (workers of a fork server are nobody's waited children)
 while proc.poll() is None:
     try:
         tree = [root] + root.children(recursive=True)
-        peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        rss = 0
+        for p in tree:
+            with p.oneshot():
+                rss += p.memory_info().rss
+                times = p.cpu_times()
+                cpu[p.pid] = times.user + times.system
+        peak = max(peak, rss)
     except psutil.Error:
         pass
     time.sleep(0.01)
 wall = time.perf_counter() - t
 out, err = proc.communicate()
-usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # CPU of the whole tree (workers are waited for)
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # exact for the command and the children it waited for
 sys.stderr.write(err.decode()[-2000:])
-print(json.dumps({"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": peak / 2**20,
-                  "rc": proc.returncode, "stdout": out.decode()}))
+print(json.dumps({"wall_s": wall, "cpu_s": max(usage.ru_utime + usage.ru_stime, sum(cpu.values())),
+                  "peak_mb": peak / 2**20, "rc": proc.returncode, "stdout": out.decode()}))
 """
 
 # HTA's temporal breakdown of one rank folder (defaults; drops the last ProfilerStep as HTA does).
@@ -177,9 +188,11 @@ def compare(label: str, folder: str, size_mb: float, runs: int, python: str | No
     """gpuwatch and HTA on one folder, side by side (and gpuwatch's start-up alone); prints one table row
     per tool."""
     load_before = _load()
-    cmds = {"gpuwatch": [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"], "startup": STARTUP}
+    cmds = {"gpuwatch": [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"], "startup": STARTUP,
+            "bare": [sys.executable, "-c", "pass"]}
     if python:
         cmds["hta"] = [python, "-c", HTA_SCRIPT, folder]
+        cmds["hta_bare"] = [python, "-c", "pass"]
     best = best_of(runs, cmds)
     gw, hta = best["gpuwatch"], best.get("hta")
     print(f"\n{label} ({size_mb:.1f} MB on disk); best of {runs}, taking turns; load average before {load_before}, "
@@ -192,6 +205,8 @@ def compare(label: str, folder: str, size_mb: float, runs: int, python: str | No
     if hta is not None:
         print(f"speed-up {hta['wall_s'] / gw['wall_s']:.1f}x wall, {hta['cpu_s'] / gw['cpu_s']:.1f}x CPU time; "
               f"memory {gw['peak_mb'] / hta['peak_mb']:.2f}x of HTA")
+        print(f"bare interpreter start-up (`python -c pass`): gpuwatch's {best['bare']['wall_s']:.3f} s wall / "
+              f"{best['bare']['cpu_s']:.3f} s CPU, HTA's {best['hta_bare']['wall_s']:.3f} / {best['hta_bare']['cpu_s']:.3f} s")
     return {"gpuwatch": gw, "hta": hta, "startup": best["startup"]}
 
 
@@ -293,6 +308,13 @@ def multi(trace: str, target_mb: int, runs: int, python: str | None, keep: str |
             shutil.rmtree(folder)
 
 
+def compile_sources() -> None:
+    """Byte-compile the project's sources, as a regular (non-editable) install does: an editable install
+    run with PYTHONDONTWRITEBYTECODE=1 (as on the shared test machine) compiles every module on every run,
+    while HTA's site-packages come compiled by pip."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-x", r"/\.", ROOT], check=True, capture_output=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", action="append", help="a single real trace (repeatable); default: two shared traces")
@@ -307,6 +329,7 @@ def main() -> None:
     parser.add_argument("--only-multi", action="store_true", help="skip the single traces")
     args = parser.parse_args()
     python = hta_python(not args.no_hta, args.hta_venv)
+    compile_sources()
     started = time.perf_counter()
     for trace in [] if args.only_multi else args.trace or DEFAULT_TRACES:
         single(trace, args.runs, python)
