@@ -83,7 +83,7 @@ print(json.dumps(df.to_dict(orient="records")))
 # gpuwatch over HTA's window (`--steps hta`), one rank entry per file (bench/gpu/trace_step.py uses it too).
 GPUWATCH_WINDOW = """
 import json, sys
-from gpuwatch.collector.efficiency import analyze, load_paths
+from gpuwatch.efficiency import analyze, load_paths
 print(json.dumps([analyze([tl], steps="hta")["ranks"][0] for tl in load_paths(sys.argv[1:])]))
 """
 
@@ -99,11 +99,11 @@ def best(fn, n=5):
 t0 = time.perf_counter()
 import numpy, orjson
 from isal import isal_zlib
-from gpuwatch.collector.efficiency import analyze, load_paths
-from gpuwatch.collector.efficiency.matching import match_collectives
-from gpuwatch.collector.efficiency.whatif import what_if
-from gpuwatch.collector.traces.eventstream import TraceEventStream
-from gpuwatch.collector.traces.kineto import _WANTED
+from gpuwatch.efficiency import analyze, load_paths
+from gpuwatch.efficiency.matching import match_collectives
+from gpuwatch.efficiency.whatif import what_if
+from gpuwatch.efficiency.traces.eventstream import TraceEventStream
+from gpuwatch.efficiency.traces.kineto import _WANTED
 imports = time.perf_counter() - t0
 with open(path, "rb") as f:
     raw = f.read()
@@ -181,7 +181,7 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
-STARTUP = [sys.executable, "-c", "import gpuwatch.cli, gpuwatch.collector.efficiency.cli, gpuwatch.collector.traces.kineto"]
+STARTUP = [sys.executable, "-c", "import gpuwatch.apps.cli, gpuwatch.apps.analyze_cli, gpuwatch.efficiency.traces.kineto"]
 
 
 def compare(label: str, folder: str, size_mb: float, runs: int, python: str | None) -> dict:
