@@ -264,3 +264,16 @@ def test_a_real_trace_keeps_every_launch_and_drops_other_runtime_calls():
 def test_skip_heads_are_eight_bytes():
     with pytest.raises(ValueError, match="8 bytes"):
         EventFilter.of(["cuda_runtime"], skip=(["cuda_runtime"], ["cudaEvent"]))
+
+
+def test_events_separated_two_ways_are_judged_by_their_keys(tmp_path):
+    """A pretty-printed trace in which two events are joined by `}, {`: a piece may then hold two events,
+    and its head says nothing of the second, so the heads are not trusted and no kernel is lost."""
+    cpu = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 1}
+    kernel = {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 2, "dur": 1, "args": {"stream": 7}}
+    pretty = [json.dumps(e, indent=4).replace("\n", "\n  ") for e in (cpu, kernel) * 20]
+    pretty[2] = pretty[0] + ", " + pretty[1]  # a CPU op and a kernel joined otherwise: 21 kernels
+    path = tmp_path / "t.json"
+    path.write_text('{"traceEvents": [\n  ' + ",\n  ".join(pretty) + "\n]}")
+    kept = _all_events(str(path), kineto._WANTED)
+    assert sum(e["name"] == "gemm" for e in kept) == 21

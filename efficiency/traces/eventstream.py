@@ -318,10 +318,12 @@ class TraceEventStream:
         spellings = _SEPARATOR.findall(pending[:_SNIFF_BYTES])
         if spellings:
             self._separator = max(set(spellings), key=spellings.count)
-        # Heads are trusted only where the separator holds a line break: a JSON string cannot hold one, and
-        # a pretty printer indents nested objects deeper, so every piece is a whole event. A compact
-        # separator (`},{`) also occurs inside strings and nested lists, and a piece may be a fragment.
-        self._layout = sniff_layout(pending[:_SNIFF_BYTES]) if b"\n" in self._separator else None
+        # Heads are trusted only where the events are separated one way, with a line break: a JSON string
+        # cannot hold one, and a pretty printer indents nested objects deeper, so every piece is a whole
+        # event. A compact separator (`},{`) also occurs inside strings and nested lists, and a piece may
+        # be a fragment; a writer that separates some events otherwise may put two events in one piece.
+        one_spelling = len(set(spellings)) == 1 and b"\n" in self._separator
+        self._layout = sniff_layout(pending[:_SNIFF_BYTES]) if one_spelling else None
         while True:
             block = self._read(blocks)
             if not block:
