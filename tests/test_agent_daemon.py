@@ -7,10 +7,10 @@ import threading
 import pandas as pd
 import pytest
 
-from gpuwatch import events as ev
+from gpuwatch.core import events as ev
 from gpuwatch.agent.daemon import Agent, AgentConfig, span_chunks
-from gpuwatch.agent.simfleet import SimulatedFleet
-from gpuwatch.errors import UserError
+from gpuwatch.simulator.fleet import SimulatedFleet
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import poll
 
@@ -190,7 +190,7 @@ def test_forwarded_probe_spans_carry_the_agents_node_name(tmp_path, sink):
 
 
 def test_sim_job_sends_probe_style_spans_with_a_slow_rank(tmp_path, sink):
-    from gpuwatch.collector.efficiency.engine import analyze
+    from gpuwatch.efficiency.engine import analyze
     from gpuwatch.collector.live import probe_timelines
 
     server, address = sink
@@ -209,6 +209,6 @@ def test_sim_job_sends_probe_style_spans_with_a_slow_rank(tmp_path, sink):
     assert rows["step"].max() >= 10  # ~50 simulated seconds of 1.29 s steps, minus the last unfinished one
     gpu_jobs = {j for b in batches for s in b.samples for j in s.job_id}
     assert gpu_jobs == {"job-n1"}  # the GPU rows name the same job, so spans and telemetry join
-    doc = analyze(probe_timelines(rows, "sim job"))
+    doc = analyze(probe_timelines(rows, "sim job")).to_json()
     assert doc["job"]["breakdown_fraction"]["comm_wait"] > 0.05
     assert [s["rank"] for s in doc["stragglers"]] == [7]

@@ -10,14 +10,14 @@ import orjson
 import pandas as pd
 import pytest
 
-from gpuwatch import cli
-from gpuwatch.batches import BatchBuilder
-from gpuwatch.collector.breakdown_cli import fetch_breakdown, submit_traces
+from gpuwatch.apps import cli
+from gpuwatch.core.batches import BatchBuilder
+from gpuwatch.apps.breakdown_cli import fetch_breakdown, submit_traces
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.client import connect
-from gpuwatch.collector.efficiency import analyze, load_paths
+from gpuwatch.efficiency import analyze, load_paths
 from gpuwatch.collector.server import serve
-from gpuwatch.collector.traces.spans import timelines_from_spans
+from gpuwatch.efficiency.traces.spans import timelines_from_spans
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import KINETO_SAMPLED
@@ -37,7 +37,7 @@ def collector(tmp_path):
 
 def _analyzed(paths, per_step=False):
     """`gpuwatch analyze --json` of the files, as the JSON text round-trips it."""
-    return orjson.loads(orjson.dumps(analyze(load_paths(paths), per_step=per_step)))
+    return orjson.loads(orjson.dumps(analyze(load_paths(paths), per_step=per_step).to_json()))
 
 
 def test_ranks_submitted_one_by_one_give_the_analyze_document(collector):
@@ -99,7 +99,7 @@ def test_live_breakdown_from_probe_spans(collector):
     assert doc.pop("source") == "live"
     assert doc.pop("history") == {"steps": 0, "ranks": 0, "breakdown_us": {}}  # no jobs-monitor round yet
     expected = orjson.loads(orjson.dumps(analyze(timelines_from_spans(rows, source="job L probe spans"),
-                                                 per_step=True)))
+                                                 per_step=True).to_json()))
     assert doc == expected
     assert doc["ranks"][0]["breakdown_us"]["comm_wait"] == pytest.approx(3 * 2_000)
     stored = server.store.query_df("SELECT DISTINCT source, rank FROM breakdowns WHERE job_id = 'L' ORDER BY rank")
@@ -138,7 +138,7 @@ def test_unknown_job_and_missing_job_id(collector):
 def _route_to_breakdown_cli(monkeypatch):
     for name in ("submit-trace", "breakdown"):
         module, text = cli.COMMANDS[name]
-        monkeypatch.setitem(cli.COMMANDS, name, ("gpuwatch.collector.breakdown_cli", text))
+        monkeypatch.setitem(cli.COMMANDS, name, ("gpuwatch.apps.breakdown_cli", text))
 
 
 def test_cli_submit_and_breakdown(collector, tmp_path, capsys, monkeypatch):

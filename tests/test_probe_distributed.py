@@ -12,9 +12,9 @@ import torch.distributed as dist  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import gpuwatch.probe  # noqa: E402
-from gpuwatch.collector.efficiency.engine import analyze  # noqa: E402
+from gpuwatch.efficiency.engine import analyze  # noqa: E402
 from gpuwatch.collector.live import detect_hangs, job_summaries  # noqa: E402
-from gpuwatch.collector.traces.spans import timelines_from_spans  # noqa: E402
+from gpuwatch.efficiency.traces.spans import timelines_from_spans  # noqa: E402
 from gloo_jobs import PIPELINE_STEPS, finish_rank, init_rank, pipeline_worker, run_job  # noqa: E402
 
 STEPS = 4
@@ -99,7 +99,7 @@ def test_collectives_of_four_ranks_align_and_show_the_slow_rank(tmp_path):
     assert summary["steps"] == STEPS and summary["finished"] and summary["ranks"] == world
     assert 0 < summary["lost_fraction"] < 1
     assert detect_hangs(frame, now_us + 3600e6, threshold_s=60) == []
-    doc = analyze(timelines_from_spans(frame[frame["kind"] != "end"]))
+    doc = analyze(timelines_from_spans(frame[frame["kind"] != "end"])).to_json()
     wait = {r["rank"]: r["breakdown_us"]["comm_wait"] for r in doc["ranks"]}
     assert all(wait[rank] > STEPS * SLOW_S * 1e6 / 2 for rank in range(world) if rank != SLOW_RANK)
     assert wait[SLOW_RANK] < min(wait[rank] for rank in range(world) if rank != SLOW_RANK) / 3

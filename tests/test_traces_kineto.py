@@ -1,4 +1,4 @@
-"""Kineto loading: real traces from ../shared/data/kineto (against HTA's numbers) and constructed ones."""
+"""Kineto loading: real traces from the shared data set (../shared/data/kineto) (against HTA's numbers) and constructed ones."""
 from __future__ import annotations
 
 import gzip
@@ -9,10 +9,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from gpuwatch.collector.efficiency import analyze, load_paths
-from gpuwatch.collector.efficiency.timeline import COLLECTIVE, P2P
-from gpuwatch.collector.traces.kineto import load_kineto
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency import analyze, load_paths
+from gpuwatch.efficiency.timeline import COLLECTIVE, P2P
+from gpuwatch.efficiency.traces.kineto import load_kineto
+from gpuwatch.core.errors import UserError
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):
@@ -43,7 +43,7 @@ def test_control_trace_partition_and_collective_types(control):
     assert Counter(control.type_names()[comm]) == {"all_to_all": 42, "all_reduce": 18}
     assert not (control.kind == P2P).any()  # SendRecv under nccl:all_to_all is a collective
     assert set(control.step.tolist()) == {1009, 1010, 1011, 1012, 1013, 1014}
-    entry = analyze([control], per_step=True)["ranks"][0]
+    entry = analyze([control], per_step=True).to_json()["ranks"][0]
     assert sum(entry["breakdown_us"].values()) == entry["window_us"]
     assert len(entry["per_step"]) == 6
 
@@ -54,8 +54,8 @@ def test_control_trace_partition_and_collective_types(control):
     (os.path.join(SAMPLED, "rank1.json.gz"), 1, 600.7, 54.72, 22.57, 20.05),
 ])
 def test_agrees_with_hta_temporal_breakdown(path, rank, window_ms, idle_pct, compute_pct, overlap_pct):
-    """trace-analysis.md section 7: HTA 0.5.0 numbers on the same window, within 0.5 % of the window."""
-    entry = analyze([hta_window(load_kineto(path))])["ranks"][0]
+    """HTA 0.5.0 numbers (docs/efficiency.md, "Agreement with HolisticTraceAnalysis") on the same window, within 0.5 % of the window."""
+    entry = analyze([hta_window(load_kineto(path))]).to_json()["ranks"][0]
     assert entry["rank"] == rank
     assert entry["window_us"] / 1000 == pytest.approx(window_ms, abs=0.05)
     idle, compute = idle_and_compute_pct(entry)
@@ -67,7 +67,7 @@ def test_agrees_with_hta_temporal_breakdown(path, rank, window_ms, idle_pct, com
 def test_sampled_ranks_matched_against_each_other():
     tls = load_paths([SAMPLED])
     assert [tl.rank for tl in tls] == [0, 1]
-    doc = analyze(tls)
+    doc = analyze(tls).to_json()
     assert doc["matched_collectives"] == 10  # 4 all_to_all + 4 all_reduce + 2 all_gather, by order
     waits = [r["breakdown_us"]["comm_wait"] for r in doc["ranks"]]
     assert all(w > 0 for w in waits)
@@ -76,7 +76,7 @@ def test_sampled_ranks_matched_against_each_other():
 
 
 def test_small_blocks_stream_to_the_same_timeline(control, monkeypatch):
-    import gpuwatch.collector.traces.eventstream as eventstream
+    import gpuwatch.efficiency.traces.eventstream as eventstream
 
     monkeypatch.setattr(eventstream, "BLOCK_BYTES", 64 << 10)
     small = load_kineto(CONTROL)

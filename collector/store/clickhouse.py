@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -30,13 +31,14 @@ import clickhouse_connect
 import pandas as pd
 import pyarrow as pa
 
-from gpuwatch import events as event_kinds
-from gpuwatch import fields
+from gpuwatch.core import events as event_kinds
+from gpuwatch.core import fields
 from gpuwatch.collector.store.base import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, DEFAULT_SPAN_TRIM_INTERVAL_S
 from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
-from gpuwatch.columnar import ColumnarBatch
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.core.columnar import ColumnarBatch
+from gpuwatch.core.errors import NotFound, UserError
+from gpuwatch.core.spans import SPAN_COLUMNS, TEXT_SPAN_COLUMNS
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,16 @@ _COUNTER = "Nullable(Float64) CODEC(Delta, ZSTD(1))"  # counters only grow: delt
 def _value_columns(names: Sequence[str]) -> str:
     return ",\n    ".join(f"{name} {_COUNTER if fields.BY_NAME[name].kind == fields.Kind.COUNTER else _GAUGE}"
                            for name in names)
+
+
+def _span_columns() -> str:
+    """The span catalogue's columns (gpuwatch.core.spans); steps, times and sequence numbers grow by small
+    deltas within a rank's rows, durations are similar floats."""
+    types = {"string": "LowCardinality(String)", "int32": "Int32", "int64": "Int64", "double": "Float64"}
+    codecs = {"step": "Delta, ZSTD(1)", "start_us": "Delta, ZSTD(1)", "dur_us": "Gorilla, ZSTD(1)",
+              "seq": "Delta, ZSTD(1)", "bytes": "ZSTD(1)"}
+    return ", ".join(f"{c.name} {types[c.type]}" + (f" CODEC({codecs[c.name]})" if c.name in codecs else "")
+                     for c in SPAN_COLUMNS)
 
 
 def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
@@ -68,10 +80,7 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
     code Nullable(Int64), message String CODEC(ZSTD(3)), attrs String CODEC(ZSTD(3))""",
                    f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, gpu_index, ts, kind, ifNull(code, 0), "
                    f"message){ttl}"),
-        "spans": (f"""job_id LowCardinality(String), rank Int32, step Int64 CODEC(Delta, ZSTD(1)),
-    kind LowCardinality(String), name LowCardinality(String), start_us Float64 CODEC(Delta, ZSTD(1)),
-    dur_us Float64 CODEC(Gorilla, ZSTD(1)), process_group LowCardinality(String), seq Int64 CODEC(Delta, ZSTD(1)),
-    bytes Int64 CODEC(ZSTD(1)), world_size Int32, node LowCardinality(String), peer Int32, ts {_TS}""",
+        "spans": (f"""{_span_columns()}, ts {_TS}""",
                   f"Replacing{{engine}} PARTITION BY toDate(ts) "
                   f"ORDER BY (job_id, rank, start_us, kind, name, seq){ttl}"),
         "job_steps": (f"""job_id LowCardinality(String), rank Int32, step Int64 CODEC(Delta, ZSTD(1)),
@@ -172,6 +181,8 @@ class ClickHouseStore(GroupWriter):
         self._clients_lock = threading.Lock()
         self.cluster = clickhouse_cluster
         try:
+            if url.startswith("chdb://"):
+                _private_directory(url.removeprefix("chdb://"))
             admin = clickhouse_connect.get_client(**self._connect_args)
             for statement in create_statements(self.database, retention_days, clickhouse_cluster):
                 admin.command(statement)
@@ -699,6 +710,16 @@ class ClickHouseStore(GroupWriter):
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def _private_directory(path: str) -> None:
+    """The in-process engine's directory holds telemetry and alert history: the collector's user only (0700).
+
+    Made before chdb opens it, so its files are never readable by others even for a moment; an existing
+    directory is narrowed too, whatever the umask made it.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
 def _connection(url: str) -> tuple[dict[str, Any], str]:
     """clickhouse-connect arguments and the database for a --store URL."""
     if url.startswith("chdb://"):
@@ -757,7 +778,7 @@ def _agents_frame(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.Data
 
 def _spans_frame(df: pd.DataFrame) -> pd.DataFrame:
     """Span rows typed as the DuckDB store returns them (plain object strings)."""
-    for column in ("job_id", "kind", "name", "process_group", "node"):
+    for column in TEXT_SPAN_COLUMNS:
         if column in df.columns:
             df[column] = df[column].astype(object)
     return df
@@ -770,7 +791,7 @@ def _until(until_ms: int | None) -> int:
 
 def _check_field(name: str) -> None:
     if name not in fields.GPU_FIELD_NAMES:
-        raise UserError(f"unknown GPU field {name!r}; fields are listed in gpuwatch.fields")
+        raise UserError(f"unknown GPU field {name!r}; fields are listed in gpuwatch.core.fields")
 
 
 def _utc_now() -> dt.datetime:

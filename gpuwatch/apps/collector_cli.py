@@ -1,0 +1,51 @@
+"""`gpuwatch collector`: run the collector in the foreground until SIGTERM or SIGINT.
+
+Settings come from a TOML file, ``GPUWATCH_<KEY>`` variables and flags (gpuwatch.core.settings). Beside ingest
+and queries the collector runs the failure scorer, the jobs monitor, the alert path and, with
+``--metrics-listen``, the Prometheus endpoint; :func:`gpuwatch.collector.assembly.start_collector` wires them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import signal
+import threading
+
+from gpuwatch.core import settings as config
+from gpuwatch.collector.assembly import start_collector
+from gpuwatch.collector.snapshot import MetricsService
+from gpuwatch.collector.store import redacted
+
+log = logging.getLogger(__name__)
+
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    config.add_arguments(parser, config.COLLECTOR_OPTIONS)
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard one: every connected agent holds a socket."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    cfg = config.load_config(config.COLLECTOR_OPTIONS, args)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if raise_open_file_limit() < 4 * 1024:
+        log.warning("open-file limit %d: the collector can hold fewer agents than that; raise it (ulimit -n)",
+                    resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    server = start_collector(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService)), None)
+    print(f"gpuwatch collector listening on {server.address}, store {redacted(cfg.store or cfg.db)}"
+          + (f", metrics {metrics}" if metrics else ""), flush=True)
+    stop.wait()
+    log.info("stopping: committing queued batches")
+    server.stop()
+    return 0
+
