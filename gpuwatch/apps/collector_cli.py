@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.apps.commandline import Command
 from gpuwatch.core import settings as config
 from gpuwatch.core.batches import TimeWindow
 from gpuwatch.collector import jobs, scoring
@@ -31,7 +32,7 @@ from gpuwatch.core.security import check_listen_policy, read_token
 
 log = logging.getLogger(__name__)
 
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser, config.COLLECTOR_OPTIONS)
 
 
@@ -98,7 +99,7 @@ def raise_open_file_limit() -> int:
     return hard
 
 
-def run(command: str, args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = config.load_config(config.COLLECTOR_OPTIONS, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if raise_open_file_limit() < 4 * 1024:
@@ -116,3 +117,5 @@ def run(command: str, args: argparse.Namespace) -> int:
     server.stop()
     return 0
 
+
+COLLECTOR = Command(add_arguments, run)
