@@ -48,13 +48,10 @@ def test_times_are_ago_iso_or_epoch_ms():
         parse_time_ms("soon", now)
 
 
-def test_a_bad_since_is_one_line(capsys):
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["events", "--since", "soon"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == "gpuwatch events: error: argument --since: 'soon' is not a duration like 15m/2h/7d, an ISO 8601 " \
-                  "time or epoch ms"
+def test_a_bad_since_is_one_line_naming_the_flag(capsys):
+    assert cli.main(["events", "--since", "soon"]) == 2
+    assert capsys.readouterr().err == "gpuwatch events: error: --since 'soon' is not a duration like 15m/2h/7d, " \
+                                      "an ISO 8601 time or epoch ms\n"
 
 
 def test_replay_takes_the_connection_settings_from_the_environment_like_the_other_commands(monkeypatch):

@@ -75,14 +75,14 @@ def _main(argv: list[str] | None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
             command(name).add_arguments(p)
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
     try:
+        args = parser.parse_args(argv)  # an argument type may raise UserError: one line naming the flag
+        if args.command is None:
+            parser.print_help()
+            return 2
         return int(command(args.command).run(args) or 0)
     except UserError as exc:
-        print(f"gpuwatch {args.command}: error: {exc}", file=sys.stderr)
+        print(f"gpuwatch {wanted}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -1,15 +1,17 @@
 """What every `gpuwatch` command shares: how it registers, its common flags and argument types, its output.
 
-A command is a :class:`Command` (its flags, what it runs) that :mod:`gpuwatch.apps.cli` names with its help
-text; the flags here are declared once (``--json``, ``--quiet``, the collector connection with its TLS and
-token settings from :mod:`gpuwatch.core.settings`), durations and times are parsed one way, and results are
-printed one way (:func:`print_json`, :func:`format_table`). A new command is a few lines::
+A command is a :class:`Command` (its flags, what it runs), named with its help text in
+:data:`gpuwatch.apps.cli.COMMANDS`. The flags every command spells the same are declared here once
+(``--json``, ``--quiet``, the collector address with the TLS and token settings of
+:mod:`gpuwatch.core.settings`); durations and times are parsed one way; results are printed one way
+(:func:`print_json`, :func:`format_table`). A new command is a few lines::
 
-    def _run(args: argparse.Namespace) -> int:
-        print_json(...)
-        return 0
+    def _hello(args: argparse.Namespace) -> dict[str, Any]:
+        return {"hello": args.name}
 
-    HELLO = Command(lambda p: add_json_flag(p), _run)
+    HELLO = result_command(lambda p: p.add_argument("name"), _hello, lambda r: f"hello {r['hello']}\n")
+
+plus ``"hello": ("gpuwatch.apps.hello:HELLO", "say hello")`` in ``COMMANDS``.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import orjson
 
 from gpuwatch.core import settings
@@ -96,6 +97,8 @@ def connection(args: argparse.Namespace) -> tuple[str, ClientSecurity]:
 @contextmanager
 def collector_errors(address: str) -> Iterator[None]:
     """A failed call to the collector as one line naming it: "collector at HOST:PORT: details (CODE)"."""
+    import grpc  # here: commands that never talk to a collector (analyze) start without it
+
     try:
         yield
     except grpc.RpcError as exc:
@@ -148,12 +151,17 @@ def parse_time_ms(text: str, now_ms: int | None = None) -> int:
     return int(when.timestamp() * 1000)
 
 
-def time_ms(text: str) -> int:
-    """argparse type of --since/--until: 15m, 2h, 7d (ago), an ISO 8601 time or epoch ms, as epoch ms."""
-    try:
-        return parse_time_ms(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def time_flag(flag: str) -> Callable[[str], int]:
+    """argparse type of a time flag (``--since``): 15m, 2h, 7d (ago), an ISO 8601 time or epoch ms, as epoch
+    ms; anything else is a UserError naming the flag (the dispatcher prints it as one line, status 2)."""
+
+    def time_ms(text: str) -> int:
+        try:
+            return parse_time_ms(text)
+        except ValueError as exc:
+            raise UserError(f"{flag} {exc}") from None
+
+    return time_ms
 
 
 # ---- output -------------------------------------------------------------------------------------------

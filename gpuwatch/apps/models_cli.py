@@ -1,4 +1,5 @@
-"""`gpuwatch simulate`, `train`, `evaluate`, `score` and `advise`: thin wrappers over the models library."""
+"""`gpuwatch simulate`, `train`, `evaluate`, `score` and `advise`: thin wrappers over the models library
+(each ``_name(args)`` turns its flags into the library's keyword arguments and returns the result document)."""
 from __future__ import annotations
 
 import argparse
@@ -105,7 +106,7 @@ def readable(value: object) -> str:
     return str(value)
 
 
-def simulate(args: argparse.Namespace) -> dict:
+def _simulate(args: argparse.Namespace) -> dict:
     from gpuwatch.simulator.failing_fleet import simulate_fleet
 
     for name in ("nodes", "gpus", "days"):
@@ -121,7 +122,7 @@ def simulate(args: argparse.Namespace) -> dict:
     return {"out": args.out, **simulate_fleet(cfg, args.out, quiet=args.quiet)}
 
 
-def train(args: argparse.Namespace) -> dict:
+def _train(args: argparse.Namespace) -> dict:
     from gpuwatch.models.dataset import build_dataset
     from gpuwatch.models.model import save_model
     from gpuwatch.models.train import train_model
@@ -154,7 +155,7 @@ def check_writable(path: str) -> None:
         raise UserError(f"{path}: not writable")
 
 
-def advise(args: argparse.Namespace) -> dict:
+def _advise(args: argparse.Namespace) -> dict:
     from gpuwatch.models.advisor import advice_table
 
     if args.gpus <= 0:
@@ -183,7 +184,7 @@ def format_advice(result: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate(args: argparse.Namespace) -> dict:
+def _evaluate(args: argparse.Namespace) -> dict:
     from gpuwatch.models.dataset import build_dataset
     from gpuwatch.models.evaluate import evaluate_model, format_table
     from gpuwatch.models.model import load_model
@@ -197,7 +198,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     return result
 
 
-def score(args: argparse.Namespace) -> dict:
+def _score(args: argparse.Namespace) -> dict:
     """Replay the data in time order through scoring, budget calibration and the alert policy."""
     from gpuwatch.models.alerting import replay
     from gpuwatch.models.dataset import build_dataset
@@ -230,8 +231,8 @@ def _iso(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
 
 
-ADVISE = result_command(_advise_arguments, _timed(advise), as_text)
-SIMULATE = result_command(_simulate_arguments, _timed(simulate), as_text)
-TRAIN = result_command(_train_arguments, _timed(train), as_text)
-EVALUATE = result_command(_evaluate_arguments, _timed(evaluate), as_text)
-SCORE = result_command(_score_arguments, _timed(score), as_text)
+ADVISE = result_command(_advise_arguments, _timed(_advise), as_text)
+SIMULATE = result_command(_simulate_arguments, _timed(_simulate), as_text)
+TRAIN = result_command(_train_arguments, _timed(_train), as_text)
+EVALUATE = result_command(_evaluate_arguments, _timed(_evaluate), as_text)
+SCORE = result_command(_score_arguments, _timed(_score), as_text)

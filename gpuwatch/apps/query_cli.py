@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpuwatch.apps.commandline import (Command, add_connection_arguments, add_json_flag, collector_errors,
-                                       connection, format_table, print_json, time_ms)
+                                       connection, format_table, print_json, time_flag)
 from gpuwatch.collector.client import connect
 from gpuwatch.core.times import iso_utc
 from gpuwatch.v1 import query_pb2 as q
@@ -111,6 +111,11 @@ def query_command(fetch: Callable[..., list[dict[str, Any]]],
     return Command(add_arguments, run)
 
 
+def _since_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--since", dest="since_ms", type=time_flag("--since"),
+                        help="15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
+
+
 def _node_gpu_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", help="only this node")
     parser.add_argument("--gpu", type=int, help="only this GPU index")
@@ -120,14 +125,14 @@ def _series_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", required=True)
     parser.add_argument("--gpu", type=int, required=True, help="GPU index")
     parser.add_argument("--field", required=True, help="field name from gpuwatch.core.fields, e.g. gpu_power_watts")
-    parser.add_argument("--since", dest="since_ms", type=time_ms, help="15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
+    _since_argument(parser)
     parser.add_argument("--limit", type=int, help="at most this many of the newest points")
 
 
 def _events_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node")
     parser.add_argument("--kind", help="e.g. xid, gpu_lost, agent_start")
-    parser.add_argument("--since", dest="since_ms", type=time_ms, help="15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
+    _since_argument(parser)
     parser.add_argument("--limit", type=int, default=100, help="newest N events (default 100; 0: all)")
 
 

@@ -27,7 +27,7 @@ import grpc
 import pandas as pd
 
 from gpuwatch.apps.commandline import (add_client_security_arguments, client_security, format_cell, format_table,
-                                       result_command, time_ms)
+                                       result_command, time_flag)
 from gpuwatch.collector import client
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.batch_tables import DEFAULT_TICKS_PER_BATCH, TimedBatch, frames_batches
@@ -345,9 +345,9 @@ def _run_import(args: argparse.Namespace) -> dict[str, Any]:
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", required=True, help="collector DuckDB store (of a stopped collector, or a copy)")
     p.add_argument("--out", required=True, help="recording directory to write (new or empty)")
-    p.add_argument("--since", dest="since_ms", type=time_ms,
+    p.add_argument("--since", dest="since_ms", type=time_flag("--since"),
                    help="from this time: 15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
-    p.add_argument("--until", dest="until_ms", type=time_ms, help="up to this time (same forms)")
+    p.add_argument("--until", dest="until_ms", type=time_flag("--until"), help="up to this time (same forms)")
 
 
 def _run_export(args: argparse.Namespace) -> dict[str, Any]:
