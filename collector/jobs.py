@@ -39,7 +39,6 @@ from gpuwatch.v1 import query_pb2 as q
 log = logging.getLogger(__name__)
 
 
-
 def list_jobs(store: Store, now_us: float | None = None, window_s: float = DEFAULT_WINDOW_S,
               flags: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every job the collector knows, with ``sources`` saying from where: probe ``spans`` (ranks, nodes, steps,
