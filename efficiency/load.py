@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.core.errors import UserError
@@ -38,14 +36,21 @@ def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None 
     Several files are read by up to `workers` processes at once (default: one per CPU): parsing is
     CPU-bound Python, and a rank's timeline is a few arrays, cheap to send back. Workers come from a fork
     server, not a plain fork: the caller may be a collector or a test with gRPC threads running, and a
-    forked copy of those crashes."""
+    forked copy of those crashes. One file is read in this process: no worker, and the process-pool modules
+    are not even imported."""
     files = expand_paths(paths)
     default_rank = 0 if len(files) == 1 else None
     jobs = [(path, functools.partial(progress, path) if progress else None) for path in files]
     workers = min(len(files), workers or os.cpu_count() or 1)
     if workers <= 1:
         return [tl for path, report in jobs for tl in load_file(path, progress=report, default_rank=default_rank)]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     context = multiprocessing.get_context("forkserver")
+    # The server imports the reader once; each worker forked from it starts with it (else every worker
+    # imports numpy and the reader on its first file).
+    context.set_forkserver_preload(["gpuwatch.efficiency.traces.kineto"])
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         loaded = pool.map(functools.partial(_load_one, default_rank=default_rank), jobs)
         return [tl for found in loaded for tl in found]

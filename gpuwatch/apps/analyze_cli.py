@@ -8,6 +8,7 @@ from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.load import load_paths
 from gpuwatch.efficiency.partition import CATEGORIES
+from gpuwatch.efficiency.traces.eventstream import BLOCK_BYTES
 from gpuwatch.efficiency.words import coverage_lines, what_if_lines
 from gpuwatch.core.errors import UserError
 
@@ -71,7 +72,7 @@ def _write(path: str, data: bytes) -> None:
 
 
 def _progress(path: str, nbytes: int) -> None:
-    if nbytes >= _PROGRESS_BYTES and nbytes % _PROGRESS_BYTES < (4 << 20):
+    if nbytes >= _PROGRESS_BYTES and nbytes % _PROGRESS_BYTES < BLOCK_BYTES:  # once per 64 MB (reads are blocks)
         print(f"reading {path}: {nbytes >> 20} MB", file=sys.stderr, flush=True)
 
 
