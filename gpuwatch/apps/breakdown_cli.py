@@ -16,6 +16,7 @@ from gpuwatch.apps.analyze_cli import format_table
 from gpuwatch.apps.commandline import (Command, add_connection_arguments, add_json_flag, collector_errors,
                                        connection, print_json)
 from gpuwatch.collector.client import connect
+from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.load import expand_paths
 from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
@@ -92,7 +93,7 @@ def _show(args: argparse.Namespace, doc: dict) -> int:
     if args.json:
         print_json(doc)
     else:
-        sys.stdout.write(f"job {args.job} (from {doc['source']})\n" + format_table(doc))
+        sys.stdout.write(f"job {args.job} (from {doc['source']})\n" + format_table(Analysis.from_json(doc)))
     return 0
 
 
