@@ -5,7 +5,7 @@ The list comes from :func:`gpuwatch.collector.live.job_summaries` over the recen
 known only from submitted traces or GPU samples. Every
 ``interval_s`` the :class:`JobsMonitor` analyses each running job's recent spans (``window_s``) with the
 efficiency engine (the same one as `gpuwatch analyze`): breakdown fractions, lost time per rank, and
-stragglers as ../shared/specs/efficiency.md defines them (last to arrive far more often than chance *and*
+stragglers as docs/efficiency.md defines them (last to arrive far more often than chance *and*
 busier than the peers; ranks late only because they waited are `delayed`, not flagged). A straggler keeps
 the time the monitor first flagged it (``since``) while it stays flagged. Hangs come from
 :func:`~gpuwatch.collector.live.detect_hangs`. Both become alerts (``SlowRank``, ``JobHang``) through the

@@ -1,6 +1,6 @@
 """A simulated GPU fleet with failures: healthy telemetry, benign noise and failure processes with precursors.
 
-No public data set pairs per-GPU telemetry with hardware-failure labels (failure-prediction.md §6), so the
+No public data set pairs per-GPU telemetry with hardware-failure labels (docs/background.md §6), so the
 failure model is trained and evaluated on this generative model, documented in docs/failure-model.md. The
 fleet is generated node by node with vectorised numpy over the whole time axis; each failure is a
 :class:`FaultPlan` whose effects on one GPU over any time range come from :func:`plan_effects`, so the live

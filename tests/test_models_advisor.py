@@ -1,4 +1,4 @@
-"""Checkpoint advisor against the worked numbers of failure-prediction.md §5 (M = 3.09 h)."""
+"""Checkpoint advisor against the worked numbers of docs/background.md §5 (M = 3.09 h)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Kineto loading: real traces from ../shared/data/kineto (against HTA's numbers) and constructed ones."""
+"""Kineto loading: real traces from the shared data set (../shared/data/kineto) (against HTA's numbers) and constructed ones."""
 from __future__ import annotations
 
 import gzip
@@ -54,7 +54,7 @@ def test_control_trace_partition_and_collective_types(control):
     (os.path.join(SAMPLED, "rank1.json.gz"), 1, 600.7, 54.72, 22.57, 20.05),
 ])
 def test_agrees_with_hta_temporal_breakdown(path, rank, window_ms, idle_pct, compute_pct, overlap_pct):
-    """trace-analysis.md section 7: HTA 0.5.0 numbers on the same window, within 0.5 % of the window."""
+    """HTA 0.5.0 numbers (docs/efficiency.md, "Agreement with HolisticTraceAnalysis") on the same window, within 0.5 % of the window."""
     entry = analyze([hta_window(load_kineto(path))])["ranks"][0]
     assert entry["rank"] == rank
     assert entry["window_us"] / 1000 == pytest.approx(window_ms, abs=0.05)

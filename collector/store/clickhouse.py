@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -172,6 +173,8 @@ class ClickHouseStore(GroupWriter):
         self._clients_lock = threading.Lock()
         self.cluster = clickhouse_cluster
         try:
+            if url.startswith("chdb://"):
+                _private_directory(url.removeprefix("chdb://"))
             admin = clickhouse_connect.get_client(**self._connect_args)
             for statement in create_statements(self.database, retention_days, clickhouse_cluster):
                 admin.command(statement)
@@ -699,6 +702,16 @@ class ClickHouseStore(GroupWriter):
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def _private_directory(path: str) -> None:
+    """The in-process engine's directory holds telemetry and alert history: the collector's user only (0700).
+
+    Made before chdb opens it, so its files are never readable by others even for a moment; an existing
+    directory is narrowed too, whatever the umask made it.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
 def _connection(url: str) -> tuple[dict[str, Any], str]:
     """clickhouse-connect arguments and the database for a --store URL."""
     if url.startswith("chdb://"):

@@ -47,7 +47,7 @@ from gpuwatch.core.security import check_exposure, token_matches
 
 log = logging.getLogger(__name__)
 
-# Categories of the efficiency breakdown (shared/specs/efficiency.md): they partition a job's window.
+# Categories of the efficiency breakdown (docs/efficiency.md): they partition a job's window.
 BREAKDOWN_CATEGORIES: tuple[str, ...] = (
     "compute", "memcpy", "comm_wait", "comm_transfer", "bubble", "small_kernel_overhead", "host_stall", "idle_other",
 )

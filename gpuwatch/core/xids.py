@@ -4,7 +4,7 @@ An XID is only a number on the wire ("NVML event 0x8 data 48" tells an operator 
 that shows one to a person (agent events, alerts, the exporter's ``xid_description`` label, the demo) names
 it from this one table. Descriptions and actions follow NVIDIA's Xid catalog ("Analyzing Xid Errors with the
 Xid Catalog", resolution buckets RESTART_APP, RESET_GPU, RESTART_BM, CONTACT_SUPPORT, IGNORE) as grouped in
-shared/reference/nvml-and-dcgm.md §6. The table is finite on purpose: a code it does not list is
+docs/background.md §2. The table is finite on purpose: a code it does not list is
 "Unknown XID", so a label built from it stays bounded whatever a driver reports.
 """
 from __future__ import annotations
