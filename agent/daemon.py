@@ -17,8 +17,8 @@ import os
 import socket
 import threading
 import time
-from contextlib import ExitStack
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
