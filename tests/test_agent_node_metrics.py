@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from gpuwatch.agent.daemon import AgentConfig
-from gpuwatch.apps.collector_cli import start_collector
+from gpuwatch.collector.assembly import start_collector
 from gpuwatch.core.prometheus import EXPORTED_METRICS
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
