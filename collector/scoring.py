@@ -233,7 +233,7 @@ class Scorer(PeriodicService):
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
-    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+    def start(self, store: Store) -> Mapping[str, Any]:
         if self._load_model is None:
             self.ready.set()
             return super().start(store)

@@ -1,7 +1,7 @@
 """Scripted degradation of a simulated GPU: ``--sim-fault gpu=3,kind=ecc,after=5m,fail=50m``.
 
 A :class:`FaultSpec` becomes a :class:`gpuwatch.simulator.failing_fleet.FaultPlan` on the fleet's clock, and a
-:class:`Degradation` drives it onto one :class:`~gpuwatch.simulator.fleet.SimGpu` tick by tick with
+:class:`Degradation` drives it onto one :class:`~gpuwatch.simulator.gpu.SimGpu` tick by tick with
 :func:`~gpuwatch.simulator.failing_fleet.plan_effects`, the same failure process the training fleet is simulated
 with: precursors show up in the NVML counters, gauges and XID events the agent reads through its normal
 code path, and at the fault the GPU emits its fault XID and/or falls off the bus.
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from gpuwatch.core.times import parse_duration
 
 if TYPE_CHECKING:  # failsim pulls in numpy and pandas: imported only when a fault is scripted
-    from gpuwatch.simulator.fleet import SimGpu, SimulatedFleet
+    from gpuwatch.simulator.fleet import SimulatedFleet
+    from gpuwatch.simulator.gpu import SimGpu
     from gpuwatch.simulator.failing_fleet import FaultPlan
 
 #: --sim-fault kind -> failsim mechanism

@@ -4,7 +4,9 @@ import argparse
 import pytest
 
 from gpuwatch.apps import agent_cli as cli
-from gpuwatch.agent.daemon import Agent, AgentConfig
+from gpuwatch.agent.daemon import AgentConfig
+from gpuwatch.apps.agent_cli import simulated_agent
+from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.simulator.collector_sink import IngestSink
 from gpuwatch.core.errors import UserError
 from helpers import TOKEN
@@ -46,9 +48,10 @@ def test_record_without_collector_is_record_only_and_probe_socket_flags(tmp_path
 
 
 def _run(tmp_path, address, drain_timeout=30.0, **client_security):
-    cfg = AgentConfig(collector=address, node="tls-node", interval=0.02, spool=tmp_path / "spool", simulate=2,
+    cfg = AgentConfig(collector=address, node="tls-node", interval=0.02, spool=tmp_path / "spool",
                       drain_timeout=drain_timeout, **client_security)
-    return Agent(cfg).run(ticks=2)
+    with SimulatedNode(2, node="tls-node") as sim:
+        return simulated_agent(cfg, sim).run(ticks=2)
 
 
 @pytest.fixture

@@ -2,12 +2,16 @@
 
 Settings come from ``--config FILE``, ``GPUWATCH_*`` variables and flags with the precedence and checks of
 :mod:`gpuwatch.core.settings` (AGENT_OPTIONS, the keys of deploy/agent.toml); the flags below them are for one run.
+With ``--simulate N`` this layer installs a :class:`~gpuwatch.simulator.node.SimulatedNode` beneath pynvml and
+points the unchanged agent at it (:func:`simulated_agent`); the agent itself knows nothing of the simulator.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import signal
+from contextlib import nullcontext
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,8 @@ from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.core import settings as config
 from gpuwatch.agent.daemon import Agent, AgentConfig
 from gpuwatch.simulator.degrade import KINDS, FaultSpec, parse_fault_spec
-from gpuwatch.simulator.fleet import MODELS
+from gpuwatch.simulator.gpu import MODELS
+from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.security import read_token
 from gpuwatch.probe.endpoint import default_endpoint
@@ -92,14 +97,24 @@ def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None)
     if cfg.metrics_token_file:
         read_token(cfg.metrics_token_file)  # a bad token file stops the agent here, before it samples
     return cfg.build(AgentConfig, collector=None if record_only else cfg.collector, probe_socket=probe_socket,
-                     drain_timeout=args.drain_timeout, record=args.record, **_simulation(args))
+                     drain_timeout=args.drain_timeout, record=args.record)
 
 
-def _simulation(args: argparse.Namespace) -> dict[str, Any]:
-    """The AgentConfig fields of the simulated fleet, from --simulate and the --sim-* flags."""
-    return dict(simulate=args.simulate or 0, sim_model=args.sim_model, sim_speed=args.sim_speed,
-                sim_start=_sim_start(args.sim_start), sim_origin=args.sim_origin, sim_faults=_sim_faults(args),
-                sim_job=args.sim_job or None, sim_job_step_s=args.sim_job_step)
+def simulated_node(args: argparse.Namespace, node: str) -> SimulatedNode | None:
+    """The node --simulate N and the --sim-* flags describe (None without --simulate); UserError naming a bad flag."""
+    start = _sim_start(args.sim_start)
+    faults = _sim_faults(args)
+    if not args.simulate:
+        return None
+    return SimulatedNode(args.simulate, node=node, model=args.sim_model, speed=args.sim_speed, start=start,
+                         origin=args.sim_origin, faults=faults, job=args.sim_job or None, job_step_s=args.sim_job_step)
+
+
+def simulated_agent(config: AgentConfig, node: SimulatedNode) -> Agent:
+    """The agent pointed at ``node`` (installed beneath pynvml by whoever enters it): its clock, process
+    environments and synthetic job's spans; batches say ``simulated``; no host kernel log is read for XIDs."""
+    config = replace(config, kmsg_path=None, labels={**config.labels, "simulated": "true"})
+    return Agent(config, clock=node.clock, environ=node.environ, span_sources=node.span_sources)
 
 
 def _sim_start(text: str | None) -> float | None:
@@ -132,21 +147,25 @@ def _sim_faults(args: argparse.Namespace) -> tuple[FaultSpec, ...]:
             specs.append(parse_fault_spec(text))
         except ValueError as exc:
             raise UserError(f"--sim-fault {text!r}: {exc}") from None
-    return tuple(specs)  # a GPU index beyond --simulate is refused by the agent when it builds the fleet
+        if args.simulate and specs[-1].gpu >= args.simulate:
+            raise UserError(f"--sim-fault gpu={specs[-1].gpu}: the node simulates GPUs 0-{args.simulate - 1}")
+    return tuple(specs)
 
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args, settings)
+    simulation = simulated_node(args, cfg.node)
     if args.check:
-        return _check(cfg, args.json)
+        return _check(cfg, args.json, simulation)
     if args.new_agent_id:
         return _new_agent_id(cfg)
-    agent = Agent(cfg)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agent.stop())
-    agent.run(ticks=args.ticks)
+    with simulation or nullcontext():
+        agent = simulated_agent(cfg, simulation) if simulation else Agent(cfg)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: agent.stop())
+        agent.run(ticks=args.ticks)
     return 0
 
 
@@ -160,10 +179,10 @@ def _new_agent_id(cfg: AgentConfig) -> int:
     return 0
 
 
-def _check(cfg: AgentConfig, as_json: bool) -> int:
+def _check(cfg: AgentConfig, as_json: bool, simulation: SimulatedNode | None) -> int:
     from gpuwatch.apps.agent_check import check_node, format_check
 
-    report = check_node(cfg)
+    report = check_node(cfg, simulation=simulation)
     if as_json:
         print_json(report.to_dict())
     else:
