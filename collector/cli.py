@@ -17,15 +17,8 @@ from typing import Any
 
 from gpuwatch import config
 from gpuwatch.batches import TimeWindow
-from gpuwatch.collector import jobs, scoring
-from gpuwatch.collector.alert_hub import AlertHub
-from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
-from gpuwatch.collector.lease import ClusterLease, holder_id
-from gpuwatch.collector.server import CollectorServer, serve
-from gpuwatch.collector.snapshot import MetricsService
+from gpuwatch.collector.server import CollectorServer, Service, serve
 from gpuwatch.collector.store import redacted
-from gpuwatch.models.advisor import advise
-from gpuwatch.models.model import default_model_path, load_model
 from gpuwatch.errors import UserError
 from gpuwatch.security import check_listen_policy, read_token
 
@@ -40,22 +33,12 @@ def start_collector(cfg: config.Config) -> CollectorServer:
     check_listen_policy(cfg.listen, cfg.tls_cert is not None or cfg.tls_key is not None, cfg.insecure)  # fail fast
     if cfg.model is not None and not Path(cfg.model).is_file():
         raise UserError(f"{cfg.model}: no such model file")
-    # the model takes seconds to load: the collector listens first, scoring begins once it is loaded
-    hub = AlertHub(None, _senders(cfg), advice=advise(n_gpus=cfg.job_gpus, checkpoint_s=cfg.checkpoint_cost))
-    scorer = scoring.Scorer(None, hub, interval_s=cfg.score_interval, load_model=functools.partial(_model, cfg.model),
-                            clock=cfg.score_clock, false_alarm_budget=cfg.false_alarm_budget)
-    monitor = jobs.JobsMonitor(hub, interval_s=cfg.jobs_interval, window_s=cfg.jobs_window,
-                               hang_threshold_s=cfg.hang_threshold)
-    # one collector among those sharing a store scores, monitors jobs and sends alerts (collector/lease.py)
-    lease = ClusterLease(min(cfg.score_interval, cfg.jobs_interval), holder=holder_id(cfg.listen),
-                         on_acquire=[hub.reload])
-    scorer.gate = monitor.gate = lease.held
-    services: list[Any] = [hub, lease, scorer, monitor]  # started in order: the hub before the lease reloads it
-    if cfg.metrics_listen:
-        metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
-        services.append(MetricsService(cfg.metrics_listen, scorer=scorer, jobs=monitor, token=metrics_token,
-                                       insecure=cfg.insecure, gpu_telemetry=cfg.metrics_gpu_telemetry,
-                                       interval_s=cfg.metrics_interval))
+    built: list[Service] = []
+
+    def services() -> list[Service]:  # called by serve once the port is bound
+        built.extend(_services(cfg))
+        return built
+
     try:
         return serve(cfg.listen, cfg.store or cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
                      max_in_flight=cfg.max_in_flight, stream_idle_s=cfg.stream_idle_timeout,
@@ -66,12 +49,45 @@ def start_collector(cfg: config.Config) -> CollectorServer:
                      services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
                      token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)
     except BaseException:
-        hub.stop()  # its senders' threads started with it; serve stops only the services it started
+        if built:
+            built[0].stop()  # the alert hub: its senders' threads started with it; serve stops what it started
         raise
+
+
+def _services(cfg: config.Config) -> list[Service]:
+    """The alert hub, cluster lease, scorer, jobs monitor and (with ``--metrics-listen``) the metrics endpoint.
+
+    Their modules (pandas, scikit-learn's model format, the trace engine) take most of a second to import,
+    so they are imported here, after the collector's port is bound, not when this module is."""
+    from gpuwatch.collector import jobs, scoring
+    from gpuwatch.collector.alert_hub import AlertHub
+    from gpuwatch.collector.lease import ClusterLease, holder_id
+    from gpuwatch.collector.snapshot import MetricsService
+    from gpuwatch.models.advisor import advise
+
+    # the model takes seconds to load: the collector listens first, scoring begins once it is loaded
+    hub = AlertHub(None, _senders(cfg), advice=advise(n_gpus=cfg.job_gpus, checkpoint_s=cfg.checkpoint_cost))
+    scorer = scoring.Scorer(None, hub, interval_s=cfg.score_interval, load_model=functools.partial(_model, cfg.model),
+                            clock=cfg.score_clock, false_alarm_budget=cfg.false_alarm_budget)
+    monitor = jobs.JobsMonitor(hub, interval_s=cfg.jobs_interval, window_s=cfg.jobs_window,
+                               hang_threshold_s=cfg.hang_threshold)
+    # one collector among those sharing a store scores, monitors jobs and sends alerts (collector/lease.py)
+    lease = ClusterLease(min(cfg.score_interval, cfg.jobs_interval), holder=holder_id(cfg.listen),
+                         on_acquire=[hub.reload])
+    scorer.gate = monitor.gate = lease.held
+    services: list[Service] = [hub, lease, scorer, monitor]  # started in order: the hub before the lease reloads it
+    if cfg.metrics_listen:
+        metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
+        services.append(MetricsService(cfg.metrics_listen, scorer=scorer, jobs=monitor, token=metrics_token,
+                                       insecure=cfg.insecure, gpu_telemetry=cfg.metrics_gpu_telemetry,
+                                       interval_s=cfg.metrics_interval))
+    return services
 
 
 def _model(path: str | None) -> dict | None:
     """The model named in the config, else the bundled one; without either, scoring gives health only."""
+    from gpuwatch.models.model import default_model_path, load_model
+
     if path is not None:
         return load_model(path)
     if not default_model_path().is_file():
@@ -81,8 +97,11 @@ def _model(path: str | None) -> dict | None:
     return load_model(None)
 
 
-def _senders(cfg: config.Config) -> list[AlertSender]:
-    senders: list[AlertSender] = []
+def _senders(cfg: config.Config) -> list[Any]:
+    """The alert senders ``cfg`` names (gpuwatch.collector.alerts' AlertSender objects)."""
+    from gpuwatch.collector.alerts import AlertmanagerSender, WebhookSender
+
+    senders: list[Any] = []
     if cfg.alertmanager_url:
         senders.append(AlertmanagerSender(cfg.alertmanager_url))
     if cfg.webhook_url:
@@ -108,6 +127,8 @@ def run(command: str, args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    from gpuwatch.collector.snapshot import MetricsService  # imported by _services already
+
     metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService)), None)
     print(f"gpuwatch collector listening on {server.address}, store {redacted(cfg.store or cfg.db)}"
           + (f", metrics {metrics}" if metrics else ""), flush=True)

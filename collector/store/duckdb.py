@@ -130,6 +130,9 @@ _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes
 class DuckDBStore(GroupWriter):
     """One DuckDB database file (or ":memory:"), written by one writer thread, read through cursors."""
 
+    unstorable_errors = (duckdb.ConversionException, duckdb.OutOfRangeException, duckdb.InvalidInputException,
+                         duckdb.ConstraintException)
+
     def __init__(
         self,
         path: str,

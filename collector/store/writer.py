@@ -97,6 +97,9 @@ class GroupWriter:
     #: Whether only sequences at or below the agent's last one seen here can be stored already. True for a
     #: store with one collector; False where other collectors write to the same store (ClickHouse).
     single_writer = True
+    #: Engine errors that mean a batch holds something the engine cannot keep (a value out of its range), as
+    #: opposed to the engine failing (a full disk): the server refuses such a batch for good.
+    unstorable_errors: tuple[type[BaseException], ...] = ()
 
     def __init__(self, last_sequence: dict[str, int], *, retention_days: float | None, span_retention_s: float | None,
                  retention_interval_s: float, span_trim_interval_s: float, max_group_batches: int,
