@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections import Counter
@@ -141,12 +142,36 @@ def _ack(result: WriteResult) -> pb.BatchAck:
 _DONE = object()
 
 
-def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Semaphore) -> asyncio.Future:
+class _CommitInbox:
+    """Commits resolved on the store's writer thread, handed to the event loop in bunches: the writer wakes the
+    loop once per bunch (a write to the loop's self-pipe, then one callback), not once per batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[Callable[[concurrent.futures.Future], None], concurrent.futures.Future]] = []
+
+    def put(self, settle: Callable[[concurrent.futures.Future], None], done: concurrent.futures.Future) -> None:
+        """Call ``settle(done)`` on the loop soon (from any thread)."""
+        with self._lock:
+            self._items.append((settle, done))
+            if len(self._items) > 1:  # a drain is scheduled already
+                return
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for settle, done in items:
+            settle(done)
+
+
+def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Semaphore, inbox: _CommitInbox
+                      ) -> asyncio.Future:
     """The store's commit future as an asyncio future of the running loop, releasing ``in_flight`` when the
     commit is done. Unlike asyncio.wrap_future, cancelling the returned future (its stream went away) leaves
     the store's future alone: the batch is committed anyway and the writer resolves what it committed."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
+    waiter = asyncio.get_running_loop().create_future()
 
     def settle(done: concurrent.futures.Future) -> None:
         in_flight.release()
@@ -157,7 +182,7 @@ def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Sema
         else:
             waiter.set_result(done.result())
 
-    stored.add_done_callback(lambda done: loop.call_soon_threadsafe(settle, done))
+    stored.add_done_callback(functools.partial(inbox.put, settle))
     return waiter
 
 
@@ -178,7 +203,8 @@ class IngestService:
         self.window = window
         self.rejected_by_agent: Counter[str] = Counter()
         self._max_in_flight = max_in_flight
-        self._in_flight: asyncio.Semaphore | None = None  # made on the event loop
+        self._in_flight: asyncio.Semaphore | None = None  # made on the event loop, with _inbox
+        self._inbox: _CommitInbox | None = None
         self._store_ready: asyncio.Event | None = None  # made on the event loop
 
     def attach(self, store: Store) -> None:
@@ -261,7 +287,8 @@ class IngestService:
             while True:
                 await window.acquire()
                 try:
-                    raw = await asyncio.wait_for(incoming.__anext__(), idle_s)
+                    async with asyncio.timeout(idle_s):  # a timer, not a task per batch as wait_for makes
+                        raw = await incoming.__anext__()
                 except StopAsyncIteration:
                     return
                 except asyncio.TimeoutError:
@@ -283,13 +310,14 @@ class IngestService:
         """Queue ``batch`` for the writer once the collector-wide bound has room; the future is its commit."""
         if self._in_flight is None:
             self._in_flight = asyncio.Semaphore(self._max_in_flight)
+            self._inbox = _CommitInbox(asyncio.get_running_loop())
         await self._in_flight.acquire()
         try:
             stored = self.store.submit(batch)
         except BaseException:
             self._in_flight.release()
             raise
-        return _awaitable_commit(stored, self._in_flight)
+        return _awaitable_commit(stored, self._in_flight, self._inbox)
 
     async def _acked(self, batch: ColumnarBatch, commit: asyncio.Future, context: grpc.aio.ServicerContext
                      ) -> pb.BatchAck:
@@ -379,25 +407,36 @@ DEFAULT_QUERY_HANDLERS: dict[str, QueryHandler] = {
 
 
 class StoreGate:
-    """The store queries read, once it is open. The collector binds its port before it opens the store (so it
-    answers connections within a second of starting); a query that arrives meanwhile waits for the store."""
+    """The store queries read, once it is open, and whether the services have started. The collector binds
+    its port before it opens the store (so it answers connections within a second of starting) and opens the
+    store before it starts its services; a query that arrives meanwhile waits for what it needs."""
 
     def __init__(self) -> None:
         self._store: Store | None = None
-        self._settled = threading.Event()
+        self._store_settled = threading.Event()
+        self._services_settled = threading.Event()
 
     def open(self, store: Store) -> None:
         self._store = store
-        self._settled.set()
+        self._store_settled.set()
+
+    def services_started(self) -> None:
+        self._services_settled.set()
 
     def fail(self) -> None:
-        """The store did not open (the collector is stopping): waiting calls get no store."""
-        self._settled.set()
+        """The collector did not start (it is stopping): waiting calls get no store."""
+        self._store = None
+        self._store_settled.set()
+        self._services_settled.set()
 
     def wait(self, timeout: float | None) -> Store | None:
         """The store, or None when it did not open within ``timeout`` seconds (or at all)."""
-        self._settled.wait(timeout)
+        self._store_settled.wait(timeout)
         return self._store
+
+    def wait_for_services(self, timeout: float | None) -> bool:
+        """Whether the services started (so every Query method they answer is registered) within ``timeout``."""
+        return self._services_settled.wait(timeout) and self._store is not None
 
 
 def query_handler(gate: StoreGate, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
@@ -409,9 +448,12 @@ def query_handler(gate: StoreGate, handlers: Mapping[str, QueryHandler]) -> grpc
     def method(name: str) -> Callable[[Message, grpc.ServicerContext], Message]:
         def call(request: Message, context: grpc.ServicerContext) -> Message:
             store = gate.wait(min(context.time_remaining() or STORE_WAIT_S, STORE_WAIT_S))
+            fn = handlers.get(name)
+            if fn is None and store is not None:  # a service's method: registered once the services started
+                gate.wait_for_services(min(context.time_remaining() or STORE_WAIT_S, STORE_WAIT_S))
+                fn = handlers.get(name)
             if store is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is opening its store; retry shortly")
-            fn = handlers.get(name)
             if fn is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not available in this collector yet")
             try:
@@ -582,15 +624,17 @@ def serve(
     store: Store | None = None
     try:
         store = open_store(db_path, retention_days=retention_days, **store_options)
+        handlers.update(query_handlers or {})
+        loop.loop.call_soon_threadsafe(ingest.attach, store)  # ingest and the default queries need only the store
+        gate.open(store)
         from gpuwatch.collector.breakdowns import BreakdownService  # pandas and the trace engine: after binding
 
-        handlers.update(BreakdownService().handlers())
+        later = {**BreakdownService().handlers()}
         for service in services() if callable(services) else services:
-            handlers.update(service.start(store))
+            later.update(service.start(store))
             started.append(service)
-        handlers.update(query_handlers or {})
-        loop.loop.call_soon_threadsafe(ingest.attach, store)
-        gate.open(store)
+        handlers.update({name: fn for name, fn in later.items() if name not in (query_handlers or {})})
+        gate.services_started()
     except BaseException:
         gate.fail()
         loop.run(server.stop(None))

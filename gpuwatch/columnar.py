@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -53,6 +54,12 @@ class ColumnarBatch:
     @property
     def sequence(self) -> int:
         return self.message.sequence
+
+    @cached_property
+    def gpu_ts(self) -> np.ndarray:
+        """The time (epoch ms) of every GPU sample row, in ``gpu_values`` order; read once, then kept."""
+        samples = self.message.samples
+        return np.fromiter(itertools.chain.from_iterable(s.ts_ms for s in samples), np.int64, len(self.gpu_values))
 
 
 class _Layouts:
