@@ -150,11 +150,10 @@ def _finite(values: np.ndarray) -> np.ndarray:
 class _Plan:
     """How to read every batch of one shape: the checked bytes of its joined columns and where its values go."""
 
-    def __init__(self, blocks: Sequence[Sequence[bytes]], rows: Sequence[int], positions: Sequence[np.ndarray],
-                 widths: Sequence[int]) -> None:
+    def __init__(self, blocks: Sequence[Sequence[bytes]], rows: Sequence[int], positions: Sequence[np.ndarray]
+                 ) -> None:
         """``blocks``: the columns of each GPU block then of the host block, as read by the checked path;
-        ``rows``: each block's row count; ``positions``: each block's catalogue position per column;
-        ``widths``: the catalogue width of each block (the GPU one, the last the host one)."""
+        ``rows``: each block's row count; ``positions``: each block's catalogue position per column."""
         check: list[np.ndarray] = []
         starts: list[np.ndarray] = []
         gpu_cells: list[np.ndarray] = []
@@ -167,8 +166,10 @@ class _Plan:
                 data_at = offset + 2 + column[1] + prefix
                 check.append(np.arange(offset, data_at))
                 starts.append(data_at + 8 * np.arange(n))
-                row = np.arange(n) if b == last else gpu_row + np.arange(n)
-                (host_cells if b == last else gpu_cells).append(row * widths[b] + position)
+                if b == last:
+                    host_cells.append(np.arange(n) * len(_HOST_FIELDS) + position)
+                else:
+                    gpu_cells.append((gpu_row + np.arange(n)) * len(_GPU_FIELDS) + position)
                 offset += len(column)
             if b != last:
                 gpu_row += n
@@ -179,8 +180,8 @@ class _Plan:
         self.value_bytes = (value_starts[:, None] + np.arange(8)).ravel()
         self.gpu_cells = np.concatenate(gpu_cells) if gpu_cells else np.empty(0, np.intp)
         self.host_cells = np.concatenate(host_cells) if host_cells else np.empty(0, np.intp)
-        self.gpu_shape = (gpu_row, widths[0])
-        self.host_shape = (rows[-1], widths[-1])
+        self.gpu_shape = (gpu_row, len(_GPU_FIELDS))
+        self.host_shape = (rows[-1], len(_HOST_FIELDS))
 
     def read(self, joined: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         """The GPU and host value matrices (NaN where not sent), or None when ``joined`` is not of this shape."""
@@ -244,7 +245,7 @@ def decode(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
     if where is None:
         return from_message(pb.TelemetryBatch.FromString(raw), window)
     positions.append(where)
-    _PLANS.learn(shape, _Plan(blocks, rows, positions, [len(_GPU_FIELDS)] * len(samples) + [len(_HOST_FIELDS)]))
+    _PLANS.learn(shape, _Plan(blocks, rows, positions))
     return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values))
 
 
