@@ -9,7 +9,9 @@ A batch that validated but that the store cannot keep gets a final INVALID_ARGUM
 instead of resending it forever), a store failure such as a full disk UNAVAILABLE (the agent resends), a
 batch of a second agent under the same agent id ALREADY_EXISTS (never UNKNOWN): :func:`store_failure`.
 A batch is acknowledged only after the store's writer thread committed it (the event loop awaits the
-store's future, never blocks on it); resends are recognised by (agent_id, sequence) in the store.
+store's future, never blocks on it); resends are recognised by (agent_id, sequence) in the store. The port
+is bound before the store opens (a collector takes connections within a second of starting); calls that
+arrive meanwhile wait for the store (:class:`StoreGate`, :meth:`IngestService.attach`).
 
 Bounds, so no client can starve the others: each stream has at most ``stream_window`` batches between
 received and acknowledged (beyond that the server stops reading it and HTTP/2 flow control holds the
