@@ -72,7 +72,7 @@ print(json.dumps(df.to_dict(orient="records")))
 # gpuwatch over HTA's window (`--steps hta`), one rank entry per file (bench/gpu/trace_step.py uses it too).
 GPUWATCH_WINDOW = """
 import json, sys
-from gpuwatch.collector.efficiency import analyze, load_paths
+from gpuwatch.efficiency import analyze, load_paths
 print(json.dumps([analyze([tl], steps="hta")["ranks"][0] for tl in load_paths(sys.argv[1:])]))
 """
 
@@ -87,11 +87,11 @@ def best(fn, n=3):
     return min(out)
 t0 = time.perf_counter()
 import numpy, orjson
-from gpuwatch.collector.efficiency import analyze, load_paths
-from gpuwatch.collector.efficiency.matching import match_collectives
-from gpuwatch.collector.efficiency.whatif import what_if
-from gpuwatch.collector.traces.eventstream import TraceEventStream
-from gpuwatch.collector.traces.kineto import _WANTED
+from gpuwatch.efficiency import analyze, load_paths
+from gpuwatch.efficiency.matching import match_collectives
+from gpuwatch.efficiency.whatif import what_if
+from gpuwatch.efficiency.traces.eventstream import TraceEventStream
+from gpuwatch.efficiency.traces.kineto import _WANTED
 imports = time.perf_counter() - t0
 opener = gzip.open if path.endswith(".gz") else open
 def gunzip():
@@ -161,7 +161,7 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
-STARTUP = [sys.executable, "-c", "import gpuwatch.cli, gpuwatch.collector.efficiency.cli, gpuwatch.collector.traces.kineto"]
+STARTUP = [sys.executable, "-c", "import gpuwatch.apps.cli, gpuwatch.apps.analyze_cli, gpuwatch.efficiency.traces.kineto"]
 
 
 def compare(label: str, folder: str, size_mb: float, runs: int, python: str | None) -> dict:

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from gpuwatch.batches import BatchBuilder, BatchError, validate
+from gpuwatch.core.batches import BatchBuilder, BatchError, validate
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 

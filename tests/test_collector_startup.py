@@ -14,7 +14,7 @@ from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector import server as server_module
 from gpuwatch.collector.server import serve
 from gpuwatch.collector.store import open_store
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 from gpuwatch.models.model import load_model
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb

@@ -10,9 +10,9 @@ from dataclasses import fields
 import numpy as np
 import pytest
 
-from gpuwatch.collector.traces import eventstream, kineto
-from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency.traces import eventstream, kineto
+from gpuwatch.efficiency.traces.eventstream import EventFilter, TraceEventStream
+from gpuwatch.core.errors import UserError
 
 DATA = "/work/shared/data/kineto"
 REAL = [os.path.join(DATA, "control_rank3_of8", "rank3.json.gz"),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # annotations only: the collector binds its port before it loads pandas and numpy
     import pandas as pd
 
-    from gpuwatch.columnar import ColumnarBatch
+    from gpuwatch.core.columnar import ColumnarBatch
     from gpuwatch.v1 import telemetry_pb2 as pb
 
 #: Default bounds of the collector's memory and raw data (docs/operations.md, "Memory").
