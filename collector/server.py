@@ -631,20 +631,20 @@ def serve(
         gate.open(store)
         from gpuwatch.collector.breakdowns import BreakdownService  # pandas and the trace engine: after binding
 
-        later = {**BreakdownService().handlers()}
+        service_handlers = BreakdownService().handlers()
         for service in services() if callable(services) else services:
-            later.update(service.start(store))
+            service_handlers.update(service.start(store))
             started.append(service)
-        handlers.update({name: fn for name, fn in later.items() if name not in (query_handlers or {})})
+        handlers.update({name: fn for name, fn in service_handlers.items() if name not in (query_handlers or {})})
         gate.services_started()
-    except BaseException:
+    except BaseException:  # in the order of CollectorServer.stop: what was committed is acked as it was
         gate.fail()
         loop.run(server.stop(None))
-        loop.close()
-        query_pool.shutdown(wait=False, cancel_futures=True)
         _stop_all(started)
         if store is not None:
             store.close()
+        loop.close()
+        query_pool.shutdown(wait=False, cancel_futures=True)
         raise
     log.info("collector listening on %s:%d (%s), store %s", host, port,
              "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", redacted(db_path))
