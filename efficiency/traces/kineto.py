@@ -30,7 +30,7 @@ import numpy as np
 
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P, UNKNOWN, RankTimeline
 from gpuwatch.efficiency.traces.collectives import P2P_TYPES, canonical_type, is_comm_kernel
-from gpuwatch.efficiency.traces.eventstream import EventFilter, TraceEventStream
+from gpuwatch.efficiency.traces.eventstream import EventFilter, TraceContent, TraceEventStream
 from gpuwatch.core.errors import UserError
 
 _BY_NAME = -3  # an MTIA device event: its kind follows from its name (see `_mtia_kind`)
@@ -40,7 +40,17 @@ _LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "Runtime", "mtia_runtime"}
 _MTIA_SYNC = ("event_wait", "event_record")
 _STEP_PREFIX, _COMM_OP_PREFIXES, _COMM_RECORD_OP = "ProfilerStep#", ("nccl:", "hccl:"), "record_param_comms"
 # The events `_Collected.add` reads; the stream drops the others (most of a trace: CPU ops, flows) unparsed.
-_WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, *_COMM_OP_PREFIXES, _COMM_RECORD_OP])
+# Runtime calls that never launch GPU work (a third of a trace's runtime events: nothing correlates with
+# them), by the first 8 characters of their names: `cudaEven`t*, `cudaOccu`pancy*, `cudaFunc`{Get,Set}*,
+# `cudaStre`am* (Query, Synchronize, WaitEvent, GetCaptureInfo, ...), `cudaDevi`ce*, `cudaGetD`evice*,
+# `cudaSetD`evice, `cudaGetL`astError, `cudaPeek`AtLastError, `cudaPoin`terGetAttributes, and HIP's alike.
+# None of them starts a kernel, copy or set: those go through cudaLaunch*, cuLaunch*, cudaMemcpy*,
+# cudaMemset*, cudaGraphLaunch and their HIP names.
+_NOT_LAUNCHES = ("cudaEven", "cudaOccu", "cudaFunc", "cudaStre", "cudaDevi", "cudaGetD", "cudaSetD", "cudaGetL",
+                 "cudaPeek", "cudaPoin", "hipEvent", "hipOccup", "hipFuncG", "hipFuncS", "hipStrea", "hipDevic",
+                 "hipGetDe", "hipSetDe", "hipGetLa", "hipPeekA", "hipPoint")
+_WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, *_COMM_OP_PREFIXES, _COMM_RECORD_OP],
+                         phases="X", skip=(_LAUNCH_CATS, _NOT_LAUNCHES))
 _COMM = -2  # provisional kind of a communication kernel until its type is resolved
 # The flow arrows the profiler draws from each launch to its GPU work (category names over the versions).
 _LAUNCH_FLOWS = (b'"ac2g"', b'"async_cpu_to_gpu"', b'"async_gpu"')
@@ -213,12 +223,12 @@ class _Collected:
 
 
 def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
-                default_rank: int | None = None) -> RankTimeline:
-    """One rank's timeline from a Kineto trace file (plain or .gz).
+                default_rank: int | None = None, content: TraceContent | None = None) -> RankTimeline:
+    """One rank's timeline from a Kineto trace file (plain or .gz), or from its `content` named `path`.
 
     The rank comes from `distributedInfo.rank`, else from a `rank<N>` in the file name, else
     `default_rank`; without any of them the file is rejected."""
-    stream = TraceEventStream(path, progress=progress, only=_WANTED, count=_LAUNCH_FLOWS)
+    stream = TraceEventStream(path, progress=progress, only=_WANTED, watch=_LAUNCH_FLOWS, content=content)
     got = _Collected()
     for events in stream:
         try:
@@ -235,7 +245,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
     world = info.get("world_size")
     tl = _timeline(path, got, rank, int(world) if isinstance(world, int) else None)
     tl.trace_meta = _described(stream.meta)
-    tl.events_sampled = _sampled(path, stream.meta, tl, sum(stream.counts.values()))
+    tl.events_sampled = _sampled(path, stream.meta, tl, stream.seen)
     return tl
 
 
@@ -258,13 +268,13 @@ def _described(meta: dict) -> dict:
     return out
 
 
-def _sampled(path: str, meta: dict, tl: RankTimeline, flow_arrows: int) -> bool | None:
+def _sampled(path: str, meta: dict, tl: RankTimeline, flow_arrows: bool) -> bool | None:
     """Whether the trace holds only a sample of its events. True when its path or metadata says so, or
     when its GPU work has launch records but the trace has none of the launch flow arrows the profiler
     always writes with them (a trace filtered after profiling); None (unknown) when some GPU activities
     have a correlation id but no launch record (a partial recording); else False."""
     said = " ".join([path, str(meta.get("traceName", "")), str(meta.get("sampling", ""))])
-    if "sampl" in said.lower() or (flow_arrows == 0 and not np.isnan(tl.launch_us).all()):
+    if "sampl" in said.lower() or (not flow_arrows and not np.isnan(tl.launch_us).all()):
         return True
     orphans = (tl.correlation >= 0) & np.isnan(tl.launch_us)
     return None if orphans.any() else False
