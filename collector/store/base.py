@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import pandas as pd
+if TYPE_CHECKING:  # annotations only: the collector binds its port before it loads pandas and numpy
+    import pandas as pd
 
-from gpuwatch.core.columnar import ColumnarBatch
-from gpuwatch.v1 import telemetry_pb2 as pb
+    from gpuwatch.core.columnar import ColumnarBatch
+    from gpuwatch.v1 import telemetry_pb2 as pb
 
 #: How often raw probe spans older than the span retention are deleted (docs/operations.md, "Memory"; the
 #: retention and the engine's memory limit are settings: gpuwatch.core.settings).
@@ -48,6 +49,7 @@ class Store(Protocol):
 
     path: str
     counters: Any  # IngestCounters
+    unstorable_errors: tuple[type[BaseException], ...]  # what makes a batch unstorable, not the engine failing
 
     # ---- ingest ----------------------------------------------------------------------------------------
     def submit(self, batch: ColumnarBatch | pb.TelemetryBatch) -> Future: ...

@@ -15,7 +15,6 @@ import threading
 from gpuwatch.apps.commandline import Command
 from gpuwatch.core import settings as config
 from gpuwatch.collector.assembly import start_collector
-from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.collector.store import redacted
 
 log = logging.getLogger(__name__)
@@ -42,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    from gpuwatch.collector.snapshot import MetricsService  # imported once the port was bound (assembly)
+
     metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService)), None)
     print(f"gpuwatch collector listening on {server.address}, store {redacted(cfg.store or cfg.db)}"
           + (f", metrics {metrics}" if metrics else ""), flush=True)

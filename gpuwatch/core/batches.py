@@ -228,19 +228,12 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
                              f"(0..{MAX_INT64})")
     known_gpus = {g.index for g in batch.gpus}
     seen: set[int] = set()
-    for s in batch.samples:
-        where = f"samples for GPU {s.gpu_index}"
-        if s.gpu_index > MAX_GPU_INDEX:
-            raise BatchError(f"{where}: GPU index is out of range (0..{MAX_GPU_INDEX})")
-        if known_gpus and s.gpu_index not in known_gpus:
-            raise BatchError(f"{where}: GPU index not in the batch's gpus inventory")
-        if s.gpu_index in seen:
-            raise BatchError(f"{where}: GPU appears twice")
-        seen.add(s.gpu_index)
-        n = len(s.ts_ms)
-        for name, col in (("job_id", s.job_id), ("rank", s.rank), ("local_rank", s.local_rank)):
-            if len(col) not in (0, n):
-                raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
+    for s in batch.samples:  # the collector checks every block of every batch: the names are built on failure only
+        index, n = s.gpu_index, len(s.ts_ms)
+        if (index > MAX_GPU_INDEX or (known_gpus and index not in known_gpus) or index in seen
+                or len(s.job_id) not in (0, n) or len(s.rank) not in (0, n) or len(s.local_rank) not in (0, n)):
+            _block_error(s, known_gpus, seen)
+        seen.add(index)
     _check_sample_times(batch, earliest, latest)
     for e in batch.events:
         if not e.kind:
@@ -248,7 +241,8 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
         if e.gpu_index < -1:
             raise BatchError(f"event {e.kind!r}: gpu_index {e.gpu_index} is neither a GPU nor -1 (node-wide)")
     _check_times("events", [e.ts_ms for e in batch.events], earliest, latest)
-    lengths = {name: len(getattr(batch.spans, name)) for name in SPAN_COLUMN_NAMES}
+    spans = batch.spans
+    lengths = {name: len(getattr(spans, name)) for name in SPAN_COLUMN_NAMES}
     n_spans = lengths["start_us"]
     bad = [name for name, n in lengths.items() if n not in (0, n_spans)]
     if bad:
@@ -263,18 +257,34 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
         _check_times("spans", [int(start_us.min() // 1000), int(start_us.max() // 1000)], earliest, latest)
 
 
+def _block_error(s: pb.GpuSamples, known_gpus: set[int], seen: set[int]) -> None:
+    """Raise the BatchError that names what is wrong with the sample block ``s``."""
+    where = f"samples for GPU {s.gpu_index}"
+    if s.gpu_index > MAX_GPU_INDEX:
+        raise BatchError(f"{where}: GPU index is out of range (0..{MAX_GPU_INDEX})")
+    if known_gpus and s.gpu_index not in known_gpus:
+        raise BatchError(f"{where}: GPU index not in the batch's gpus inventory")
+    if s.gpu_index in seen:
+        raise BatchError(f"{where}: GPU appears twice")
+    n = len(s.ts_ms)
+    for name, col in (("job_id", s.job_id), ("rank", s.rank), ("local_rank", s.local_rank)):
+        if len(col) not in (0, n):
+            raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
+
+
 def _check_sample_times(batch: pb.TelemetryBatch, earliest: int, latest: int) -> None:
     """Every sample time in bounds: one vectorised pass over all of them, per block only to name a culprit."""
-    blocks = [(f"samples for GPU {s.gpu_index}", s.ts_ms) for s in batch.samples]
-    blocks.append(("host samples", batch.host.ts_ms))
-    total = sum(len(ts) for _, ts in blocks)
+    samples = batch.samples
+    blocks = [s.ts_ms for s in samples] + [batch.host.ts_ms]
+    total = sum(map(len, blocks))
     if not total:
         return
     import numpy as np  # here, not at the top: the agent builds batches and never loads numpy for it
 
-    every = np.fromiter(itertools.chain.from_iterable(ts for _, ts in blocks), np.int64, total)
-    if every.min() < earliest or every.max() > latest:
-        for where, ts in blocks:
+    every = np.fromiter(itertools.chain.from_iterable(blocks), np.int64, total)
+    if every.min() < earliest or every.max() > latest:  # name the block (only now: most batches are fine)
+        names = [f"samples for GPU {s.gpu_index}" for s in samples] + ["host samples"]
+        for where, ts in zip(names, blocks):
             _check_times(where, ts, earliest, latest)
 
 
