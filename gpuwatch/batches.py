@@ -12,6 +12,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from gpuwatch import fields
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -89,9 +91,18 @@ class BatchBuilder:
         per timestamp, NaN where a field was not sampled. Do not mix with :meth:`add_gpu_row` for one GPU."""
         if gpu_index in self._gpu_rows:
             raise ValueError(f"GPU {gpu_index}: rows already added to this batch")
-        self._gpu_blocks.append(pb.GpuSamples(
-            gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank,
-            columns=[pb.Column(field=name, values=values) for name, values in columns.items()]))
+        block = pb.GpuSamples(gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank)
+        for name, values in columns.items():
+            _set_values(block.columns.add(field=name), values)
+        self._gpu_blocks.append(block)
+
+    def add_host_block(self, ts_ms: Sequence[int], columns: Mapping[str, Sequence[float]]) -> None:
+        """Many host rows at once, already columnar (replaying recordings): every column has one entry per
+        timestamp, NaN where a field was not sampled. Do not mix with :meth:`add_host_row` in one batch."""
+        if self._host["ts_ms"]:
+            raise ValueError("host rows already added to this batch")
+        self._host["ts_ms"] = [int(t) for t in ts_ms]
+        self._host_cols = dict(columns)
 
     def add_host_row(self, ts_ms: int, values: Mapping[str, float]) -> None:
         n = len(self._host["ts_ms"])
@@ -143,9 +154,8 @@ class BatchBuilder:
         n_host = len(self._host["ts_ms"])
         if n_host:
             batch.host.ts_ms.extend(self._host["ts_ms"])
-            batch.host.columns.extend(
-                pb.Column(field=k, values=_padded(v, n_host)) for k, v in self._host_cols.items()
-            )
+            for name, values in self._host_cols.items():
+                _set_values(batch.host.columns.add(field=name), _padded(values, n_host))
         batch.events.extend(self._events)
         if self._spans is not None:
             batch.spans.CopyFrom(self._spans)
@@ -163,8 +173,35 @@ def _append_values(cols: dict[str, list[float]], row: int, values: Mapping[str, 
         col.append(float(value))
 
 
-def _padded(col: list[float], n: int) -> list[float]:
-    return col + [NAN] * (n - len(col)) if len(col) < n else col
+def _padded(col: Sequence[float], n: int) -> Sequence[float]:
+    return list(col) + [NAN] * (n - len(col)) if len(col) < n else col
+
+
+def _set_values(column: pb.Column, values: Sequence[float]) -> None:
+    """Fill an empty ``column`` with ``values``. A float64 array goes in as the packed bytes protobuf writes for
+    a repeated double (one copy), not one Python float at a time: replaying a recording moves millions."""
+    if isinstance(values, np.ndarray) and values.dtype == np.float64:
+        column.MergeFromString(packed_head(len(values)) + values.astype("<f8", copy=False).tobytes())
+    else:
+        column.values.extend(values)
+
+
+_PACKED_HEADS: dict[int, bytes] = {}
+
+
+def packed_head(n: int) -> bytes:
+    """The wire bytes before ``n`` packed doubles in a Column (tag of ``values`` and byte length; nothing for
+    none: protobuf writes no empty field), as protobuf's serializers write them."""
+    head = _PACKED_HEADS.get(n)
+    if head is None:
+        size, varint = 8 * n, bytearray()
+        while True:
+            byte, size = size & 0x7F, size >> 7
+            varint.append(byte | (0x80 if size else 0))
+            if not size:
+                break
+        head = _PACKED_HEADS[n] = b"\x12" + bytes(varint) if n else b""
+    return head
 
 
 # Field-name membership is checked for every column of every batch: sets, not the catalogue's tuples.
