@@ -92,8 +92,7 @@ class BatchBuilder:
         if gpu_index in self._gpu_rows:
             raise ValueError(f"GPU {gpu_index}: rows already added to this batch")
         block = pb.GpuSamples(gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank)
-        for name, values in columns.items():
-            _set_values(block.columns.add(field=name), values)
+        block.MergeFromString(encoded_columns(_GPU_COLUMNS_FIELD, columns))
         self._gpu_blocks.append(block)
 
     def add_host_block(self, ts_ms: Sequence[int], columns: Mapping[str, Sequence[float]]) -> None:
@@ -154,8 +153,8 @@ class BatchBuilder:
         n_host = len(self._host["ts_ms"])
         if n_host:
             batch.host.ts_ms.extend(self._host["ts_ms"])
-            for name, values in self._host_cols.items():
-                _set_values(batch.host.columns.add(field=name), _padded(values, n_host))
+            batch.host.MergeFromString(encoded_columns(
+                _HOST_COLUMNS_FIELD, {name: _padded(values, n_host) for name, values in self._host_cols.items()}))
         batch.events.extend(self._events)
         if self._spans is not None:
             batch.spans.CopyFrom(self._spans)
@@ -177,16 +176,36 @@ def _padded(col: Sequence[float], n: int) -> Sequence[float]:
     return list(col) + [NAN] * (n - len(col)) if len(col) < n else col
 
 
-def _set_values(column: pb.Column, values: Sequence[float]) -> None:
-    """Fill an empty ``column`` with ``values``. A float64 array goes in as the packed bytes protobuf writes for
-    a repeated double (one copy), not one Python float at a time: replaying a recording moves millions."""
-    if isinstance(values, np.ndarray) and values.dtype == np.float64:
-        column.MergeFromString(packed_head(len(values)) + values.astype("<f8", copy=False).tobytes())
-    else:
-        column.values.extend(values)
-
-
+_GPU_COLUMNS_FIELD = pb.GpuSamples.DESCRIPTOR.fields_by_name["columns"].number
+_HOST_COLUMNS_FIELD = pb.HostSamples.DESCRIPTOR.fields_by_name["columns"].number
+_COLUMN_FIELD = pb.Column.DESCRIPTOR.fields_by_name["field"].number
+_VALUES_FIELD = pb.Column.DESCRIPTOR.fields_by_name["values"].number
+_LENGTH_DELIMITED = 2
 _PACKED_HEADS: dict[int, bytes] = {}
+_COLUMN_HEADS: dict[tuple[int, str, int], bytes] = {}
+_MAX_CACHED = 4096  # distinct value counts and names seen; a peer inventing new ones cannot grow memory
+
+
+def encoded_columns(field_number: int, columns: Mapping[str, Sequence[float]]) -> bytes:
+    """``columns`` (field name -> values) as the wire bytes of the repeated Column field ``field_number`` of the
+    message holding them, exactly as protobuf's serializers write them: merging these bytes into that message
+    adds the columns. Values are copied as packed float64 bytes, not one Python float at a time, and the
+    bytes before each column's values are kept per (field, name, count): replaying a recording builds tens of
+    thousands of columns a second, where creating Column messages one by one cost most of the replay."""
+    parts = []
+    for name, values in columns.items():
+        data = np.asarray(values, dtype="<f8").tobytes()
+        key = (field_number, name, len(data) // 8)
+        head = _COLUMN_HEADS.get(key)
+        if head is None:
+            if len(_COLUMN_HEADS) >= _MAX_CACHED:
+                _COLUMN_HEADS.clear()
+            encoded = name.encode()
+            column_head = _tag(_COLUMN_FIELD) + _varint(len(encoded)) + encoded + packed_head(key[2])
+            head = _COLUMN_HEADS[key] = (_tag(field_number) + _varint(len(column_head) + len(data))
+                                         + column_head)
+        parts += (head, data)
+    return b"".join(parts)
 
 
 def packed_head(n: int) -> bytes:
@@ -194,14 +213,23 @@ def packed_head(n: int) -> bytes:
     none: protobuf writes no empty field), as protobuf's serializers write them."""
     head = _PACKED_HEADS.get(n)
     if head is None:
-        size, varint = 8 * n, bytearray()
-        while True:
-            byte, size = size & 0x7F, size >> 7
-            varint.append(byte | (0x80 if size else 0))
-            if not size:
-                break
-        head = _PACKED_HEADS[n] = b"\x12" + bytes(varint) if n else b""
+        if len(_PACKED_HEADS) >= _MAX_CACHED:
+            _PACKED_HEADS.clear()
+        head = _PACKED_HEADS[n] = _tag(_VALUES_FIELD) + _varint(8 * n) if n else b""
     return head
+
+
+def _tag(field_number: int) -> bytes:
+    return _varint(field_number << 3 | _LENGTH_DELIMITED)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 # Field-name membership is checked for every column of every batch: sets, not the catalogue's tuples.

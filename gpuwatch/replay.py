@@ -162,11 +162,12 @@ def replay_into_store(rec: Recording, store: Any, *, speed: float | None = None,
     (:func:`gpuwatch.collector.server.decode_batch`: the same checks and refusals), then to ``store``'s writer
     (grouped commits, deduplication by agent and sequence) and is counted when committed, as an ack.
 
-    Loopback gRPC and an in-process server's event loop cost more CPU than the storing itself, and a commit has
-    a fixed cost (a transaction and its log write) that batches trickling in one at a time pay each time. So
-    batches are handed to the writer ``group`` at a time (one commit each; fewer when paced by ``speed``) and
-    the next group is built while the writer commits the last one. A refused batch ends the replay with the
-    same UserError as :func:`replay`, after the batches before it are committed.
+    Offline the network only costs: a channel, a server event loop and acks, all taking the GIL from the
+    batch building. A commit has a fixed cost (a transaction and its log write) that batches trickling in one
+    at a time would pay each time, so batches are handed to the writer ``group`` at a time (one commit each;
+    one by one when paced by ``speed``) and the next group is built while the writer commits the last one.
+    A refused batch ends the replay with the same UserError as :func:`replay`, after the batches before it
+    are committed.
     """
     from gpuwatch.collector.server import BatchRejected, decode_batch, store_failure
 
@@ -176,9 +177,9 @@ def replay_into_store(rec: Recording, store: Any, *, speed: float | None = None,
     submitted: deque[tuple[Any, int, Any]] = deque()  # (batch, GPU samples, commit future) not yet counted
     started = time.monotonic()
     with Progress("replay", total=gpu_sample_rows(rec), unit="samples", quiet=quiet) as progress:
-        def settle() -> None:
-            """Count committed batches in order, waiting for all but those of the group handed over last."""
-            while submitted and (len(submitted) > group or submitted[0][2].done()):
+        def settle(keep: int) -> None:
+            """Count committed batches in order, waiting while more than ``keep`` are not committed."""
+            while submitted and (len(submitted) > keep or submitted[0][2].done()):
                 batch, samples, commit = submitted.popleft()
                 try:
                     ack = commit.result()
@@ -200,15 +201,13 @@ def replay_into_store(rec: Recording, store: Any, *, speed: float | None = None,
                     built.append((decode_batch(tb.batch.SerializeToString()), samples))
                 except BatchRejected:
                     hand_over()  # the batches before it are stored and acknowledged first (or one of them fails)
-                    group = 0
-                    settle()
+                    settle(keep=0)
                     raise
                 if len(built) >= group or speed is not None:
-                    settle()
+                    settle(keep=group)  # the group handed over last may still be committing
                     hand_over()
             hand_over()
-            group = 0
-            settle()
+            settle(keep=0)
         except BatchRejected as exc:
             raise _refused(result, exc.message, exc.code.name) from None
     result.seconds = time.monotonic() - started

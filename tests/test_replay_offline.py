@@ -10,7 +10,8 @@ from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
 from gpuwatch.recording import RecordingWriter, open_recording
-from gpuwatch.replay import _model, replay, replay_offline, score_replayed
+from gpuwatch.errors import UserError
+from gpuwatch.replay import _model, recording_id, replay, replay_offline, score_replayed
 from helpers import T0, degrading_node, two_rank_spans, write_small_recording
 
 _PER_GPU = ", ".join(f"count({name}) AS {name}" for name in GPU_FIELD_NAMES)
@@ -109,3 +110,19 @@ def test_offline_replay_stores_spans_as_streaming_does(tmp_path):
     offline, stored = _offline(tmp_path / "R", tmp_path / "offline.duckdb")
     assert stored == online and online["spans"] == len(two_rank_spans())
     assert offline["nodes"] == streamed["nodes"]
+
+
+def test_a_batch_the_store_refuses_ends_the_offline_replay_with_one_clear_error(tmp_path):
+    """The same recording id with other rows (a recording rewritten in place): its first batch is the same (a
+    duplicate), the second is not what is stored under its sequence, so the writer refuses it as another
+    agent's batch and the replay stops there, as the collector's Ingest answers a stream."""
+    rows = pd.DataFrame({"node": "n1", "gpu_index": 0, "ts": T0 + np.arange(4) * 1000, "gpu_power_watts": 1.0})
+    for path, frame in ((tmp_path / "A", rows), (tmp_path / "B", rows.iloc[:3])):
+        with RecordingWriter(path, source="test", resolution_s=1.0) as w:
+            w.append("gpu_samples", frame)
+    assert recording_id(open_recording(tmp_path / "A")) == recording_id(open_recording(tmp_path / "B"))
+    db = tmp_path / "c.duckdb"
+    assert replay_offline(tmp_path / "A", db=db, ticks_per_batch=2, quiet=True)["stored"] == 2
+    with pytest.raises(UserError, match=r"refused the replay after 1 acknowledged batches: batch 2 of agent "
+                                        r"replay-n1-.*used by two agents.*\(ALREADY_EXISTS\)"):
+        replay_offline(tmp_path / "B", db=db, ticks_per_batch=2, quiet=True)
