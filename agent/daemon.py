@@ -21,26 +21,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuwatch import __version__
-from gpuwatch import events as ev
-from gpuwatch.events import Event
+from gpuwatch.core import events as ev
+from gpuwatch.core.events import Event
 from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.nvml import GpuDevice, NvmlSampler
 from gpuwatch.agent.probe_socket import ProbeListener
-from gpuwatch.agent.simdegrade import Degradation, FaultSpec
-from gpuwatch.agent.simfleet import SimClock, SimulatedFleet
-from gpuwatch.agent.simjob import SimJob
+from gpuwatch.simulator.degrade import Degradation, FaultSpec
+from gpuwatch.simulator.fleet import SimClock, SimulatedFleet
+from gpuwatch.simulator.job import SimJob
 from gpuwatch.agent.spool import Spool, SpoolFull
 from gpuwatch.agent.uplink import ChannelSecurity, Uplink
 from gpuwatch.agent.xid import XidWatcher
-from gpuwatch.batches import MAX_BATCH_BYTES, BatchBuilder
-from gpuwatch.errors import UserError
+from gpuwatch.core.batches import MAX_BATCH_BYTES, BatchBuilder
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 if TYPE_CHECKING:  # imported only when --record or metrics_listen asks: pandas, pyarrow, prometheus_client
     from gpuwatch.agent.node_metrics import NodeMetrics
     from gpuwatch.agent.recorder import BatchRecorder
-    from gpuwatch.collector.exporter import MetricsServer
+    from gpuwatch.core.prometheus import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class Agent:
 
     def _serve_metrics(self, devices: list[GpuDevice], driver_version: str) -> None:
         from gpuwatch.agent.node_metrics import NodeMetrics
-        from gpuwatch.collector.exporter import start_metrics_server
+        from gpuwatch.core.prometheus import start_metrics_server
 
         cfg = self.config
         self.metrics = NodeMetrics(cfg.node, [d.info() for d in devices], self.spool,

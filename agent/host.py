@@ -1,4 +1,4 @@
-"""Host metrics of the node (the ``host_*`` fields of gpuwatch.fields), read with psutil."""
+"""Host metrics of the node (the ``host_*`` fields of gpuwatch.core.fields), read with psutil."""
 from __future__ import annotations
 
 import os

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from gpuwatch.agent.spool import Spool
-from gpuwatch.collector.exporter import GpuSnapshot, Snapshot
+from gpuwatch.core.prometheus import GpuSnapshot, Snapshot
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 

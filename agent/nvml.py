@@ -5,7 +5,7 @@ Fast tier every tick (utilisation, memory, temperature, power, clocks, clock-eve
 ``slow_interval`` (ECC, retired pages, remapped rows, PCIe replays and link, NVLink errors). A call or field
 that a GPU does not support is recorded once, reported once as a ``field_unsupported`` event and never
 polled again; a GPU that falls off the bus is reported once (``gpu_lost``) and dropped while the others go
-on. Values use the names and units of :mod:`gpuwatch.fields`.
+on. Values use the names and units of :mod:`gpuwatch.core.fields`.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import pynvml as N
 
-from gpuwatch import events as ev
-from gpuwatch.events import Event
-from gpuwatch.errors import UserError
+from gpuwatch.core import events as ev
+from gpuwatch.core.events import Event
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)

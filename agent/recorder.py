@@ -1,4 +1,4 @@
-"""`gpuwatch agent --record`: the rows of every batch also go into a recording (gpuwatch.recording format).
+"""`gpuwatch agent --record`: the rows of every batch also go into a recording (gpuwatch.core.recording format).
 
 A recording is what replay, training and `import` read, so a node can capture its own telemetry with or
 without a collector. Batches are buffered and written ``batches_per_part`` at a time (one Parquet part file
@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import pandas as pd
 
-from gpuwatch.frames import batch_tables, inventory_table
-from gpuwatch.recording import RecordingWriter
+from gpuwatch.core.batch_tables import batch_tables, inventory_table
+from gpuwatch.core.recording import RecordingWriter
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 

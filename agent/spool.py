@@ -31,7 +31,7 @@ from typing import TypeVar
 import google_crc32c
 from google.protobuf.message import DecodeError
 
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)

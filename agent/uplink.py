@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gpuwatch import security
+from gpuwatch.core import security
 from gpuwatch.agent.spool import Spool
-from gpuwatch.batches import INSTANCE_METADATA, MAX_BATCH_BYTES
+from gpuwatch.core.batches import INSTANCE_METADATA, MAX_BATCH_BYTES
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)

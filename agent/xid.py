@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import pynvml as N
 
-from gpuwatch import events as ev
-from gpuwatch import xids
-from gpuwatch.events import Event
+from gpuwatch.core import events as ev
+from gpuwatch.core import xids
+from gpuwatch.core.events import Event
 from gpuwatch.agent.nvml import GpuDevice
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import urllib.request
 
 import psutil
 
-from gpuwatch.agent.sink import IngestSink
+from gpuwatch.simulator.collector_sink import IngestSink
 
 
 SCRAPE_EVERY_S = 15.0

@@ -32,9 +32,9 @@ import time
 import numpy as np
 import psutil
 
-from gpuwatch import fields
-from gpuwatch.batches import SCHEMA_VERSION, BatchBuilder
-from gpuwatch.collector.cli import raise_open_file_limit
+from gpuwatch.core import fields
+from gpuwatch.core.batches import SCHEMA_VERSION, BatchBuilder
+from gpuwatch.apps.collector_cli import raise_open_file_limit
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 _STREAM = "/gpuwatch.v1.Ingest/Stream"

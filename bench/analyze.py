@@ -2,20 +2,24 @@
 
 Prints, side by side in one run, for each single real trace and for an 8-rank set: whole-process wall
 time and peak memory of each tool, each run as its own subprocess; memory is the peak of the RSS summed
-over the tool's whole process tree (HTA forks workers for multi-rank sets), sampled every 10 ms by a
-wrapper. The tools take turns and the best of `--runs` counts, with the load average before and after,
-as the machine may be shared. Then the agreement of compute and idle with HTA's temporal breakdown over
-HTA's window (`--steps hta`), and where gpuwatch's time goes: decompression alone, decompression and a
-full orjson parse (what any JSON reader pays), gpuwatch's filtered stream, the whole load, the breakdown,
-the what-if, and the interpreter with its imports.
+over the tool's whole process tree (both tools start workers for multi-rank sets), sampled every 10 ms by
+a wrapper, and CPU time is summed over the same tree (the larger of the sampled sum and the rusage of the
+waited-for children: gpuwatch's workers come from a fork server, which nobody waits for). The tools take
+turns and the best of `--runs` counts, with the load average before and after, as the machine may be
+shared. Then the agreement of compute and idle with HTA's temporal breakdown over HTA's window
+(`--steps hta`), and where gpuwatch's time goes: decompression alone (zlib and ISA-L), the floor of
+reading everything (decompression and a full orjson parse), gpuwatch's filtered stream, the whole load,
+the breakdown, the what-if, the JSON output, and the interpreter with its imports (also `python -c pass`
+of each tool's interpreter: their start-up differs with the site hooks of each environment).
 
-CPU time (user + system, summed over the process tree) is printed beside the wall time: on a loaded
-machine it moves far less than wall time. HTA comes from this interpreter when it imports
-(`pip install HolisticTraceAnalysis==0.5.0`, bench only),
-else from a venv under ~/.cache/gpuwatch-bench. Targets: >= 12x on single traces, >= 20x on the 8-rank
-set, agreement within 0.5 % of the window.
+CPU time is printed beside the wall time: on a loaded machine it moves far less than wall time. HTA comes
+from this interpreter when it imports (`pip install HolisticTraceAnalysis==0.5.0`, bench only), else from
+a venv (`--hta-venv`, default ~/.cache/gpuwatch-bench/hta-venv, created on first use). The project's
+sources are byte-compiled first, as a regular install does. Targets: >= 12x on single traces, >= 20x on
+the 8-rank set, agreement within 0.5 % of the window.
 
-    python bench/analyze.py [--trace FILE ...] [--runs 3] [--multi-runs 2] [--multi-mb 450] [--no-hta] [--keep DIR]
+    python bench/analyze.py [--trace FILE ...] [--runs 3] [--multi-runs 2] [--multi-mb 450] [--no-hta]
+                            [--hta-venv DIR] [--keep DIR] [--only-multi]
 """
 from __future__ import annotations
 
@@ -44,19 +48,26 @@ t = time.perf_counter()
 proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 root = psutil.Process(proc.pid)
 peak = 0
+cpu = {}  # pid -> its CPU seconds when last seen (workers of a fork server are nobody's waited children)
 while proc.poll() is None:
     try:
         tree = [root] + root.children(recursive=True)
-        peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        rss = 0
+        for p in tree:
+            with p.oneshot():
+                rss += p.memory_info().rss
+                times = p.cpu_times()
+                cpu[p.pid] = times.user + times.system
+        peak = max(peak, rss)
     except psutil.Error:
         pass
     time.sleep(0.01)
 wall = time.perf_counter() - t
 out, err = proc.communicate()
-usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # CPU of the whole tree (workers are waited for)
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # exact for the command and the children it waited for
 sys.stderr.write(err.decode()[-2000:])
-print(json.dumps({"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": peak / 2**20,
-                  "rc": proc.returncode, "stdout": out.decode()}))
+print(json.dumps({"wall_s": wall, "cpu_s": max(usage.ru_utime + usage.ru_stime, sum(cpu.values())),
+                  "peak_mb": peak / 2**20, "rc": proc.returncode, "stdout": out.decode()}))
 """
 
 # HTA's temporal breakdown of one rank folder (defaults; drops the last ProfilerStep as HTA does).
@@ -72,44 +83,53 @@ print(json.dumps(df.to_dict(orient="records")))
 # gpuwatch over HTA's window (`--steps hta`), one rank entry per file (bench/gpu/trace_step.py uses it too).
 GPUWATCH_WINDOW = """
 import json, sys
-from gpuwatch.collector.efficiency import analyze, load_paths
+from gpuwatch.efficiency import analyze, load_paths
 print(json.dumps([analyze([tl], steps="hta")["ranks"][0] for tl in load_paths(sys.argv[1:])]))
 """
 
 # Where gpuwatch's time goes on one trace file (each phase timed alone, best of 3).
 PHASES = """
-import gzip, json, sys, time
+import gc, gzip, json, sys, time
 path = sys.argv[1]
-def best(fn, n=3):
+def best(fn, n=5):
     out = []
     for _ in range(n):
         t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)
     return min(out)
 t0 = time.perf_counter()
 import numpy, orjson
-from gpuwatch.collector.efficiency import analyze, load_paths
-from gpuwatch.collector.efficiency.matching import match_collectives
-from gpuwatch.collector.efficiency.whatif import what_if
-from gpuwatch.collector.traces.eventstream import TraceEventStream
-from gpuwatch.collector.traces.kineto import _WANTED
+from isal import isal_zlib
+from gpuwatch.efficiency import analyze, load_paths
+from gpuwatch.efficiency.matching import match_collectives
+from gpuwatch.efficiency.whatif import what_if
+from gpuwatch.efficiency.traces.eventstream import TraceEventStream
+from gpuwatch.efficiency.traces.kineto import _WANTED
 imports = time.perf_counter() - t0
-opener = gzip.open if path.endswith(".gz") else open
-def gunzip():
-    with opener(path, "rb") as f:
-        while f.read(1 << 20):
-            pass
-def full_parse():
-    with opener(path, "rb") as f:
-        orjson.loads(f.read())
+with open(path, "rb") as f:
+    raw = f.read()
+gz = raw[:2] == b"\\x1f\\x8b"
+def paused(fn):
+    gc.disable()
+    try:
+        fn()
+    finally:
+        gc.enable()
 def stream():
     for _ in TraceEventStream(path, only=_WANTED):
         pass
 tls = load_paths([path])
 m = match_collectives(tls)
+doc = analyze(tls)
 print(json.dumps({
-    "imports_s": imports, "gunzip_s": best(gunzip), "gunzip_full_parse_s": best(full_parse),
+    "imports_s": imports,
+    "gunzip_zlib_s": best(lambda: gzip.decompress(raw)) if gz else 0.0,
+    "gunzip_isal_s": best(lambda: isal_zlib.decompress(raw, 31)) if gz else 0.0,
+    "bare_floor_s": best(lambda: orjson.loads(gzip.decompress(raw) if gz else raw)),
+    "best_floor_s": best(lambda: paused(lambda: orjson.loads(isal_zlib.decompress(raw, 31) if gz else raw))),
     "stream_s": best(stream), "load_s": best(lambda: load_paths([path])),
     "breakdown_s": best(lambda: analyze(tls, with_what_if=False)), "what_if_s": best(lambda: what_if(tls, m)),
+    "output_s": best(lambda: orjson.dumps({k: v for k, v in doc.items() if not k.startswith("_")},
+                                          option=orjson.OPT_INDENT_2)),
 }))
 """
 
@@ -119,15 +139,15 @@ def measure(cmd: list[str]) -> dict:
     return json.loads(result.stdout)
 
 
-def hta_python(use_hta: bool) -> str | None:
-    """An interpreter that imports HTA 0.5.0: this one, else a bench venv (created on first use)."""
+def hta_python(use_hta: bool, venv: str) -> str | None:
+    """An interpreter that imports HTA 0.5.0: this one, else the venv `venv` (created on first use)."""
     if not use_hta:
         return None
     if subprocess.run([sys.executable, "-c", "import hta"], capture_output=True).returncode == 0:
         return sys.executable
-    python = os.path.join(VENV, "bin", "python")
+    python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
-        subprocess.run([sys.executable, "-m", "venv", VENV], check=True)
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     if subprocess.run([python, "-c", "import hta"], capture_output=True).returncode != 0:
         install = subprocess.run([python, "-m", "pip", "install", "-q", "HolisticTraceAnalysis==0.5.0"],
                                  capture_output=True, text=True)
@@ -161,16 +181,18 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
-STARTUP = [sys.executable, "-c", "import gpuwatch.cli, gpuwatch.collector.efficiency.cli, gpuwatch.collector.traces.kineto"]
+STARTUP = [sys.executable, "-c", "import gpuwatch.apps.cli, gpuwatch.apps.analyze_cli, gpuwatch.efficiency.traces.kineto"]
 
 
 def compare(label: str, folder: str, size_mb: float, runs: int, python: str | None) -> dict:
     """gpuwatch and HTA on one folder, side by side (and gpuwatch's start-up alone); prints one table row
     per tool."""
     load_before = _load()
-    cmds = {"gpuwatch": [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"], "startup": STARTUP}
+    cmds = {"gpuwatch": [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"], "startup": STARTUP,
+            "bare": [sys.executable, "-c", "pass"]}
     if python:
         cmds["hta"] = [python, "-c", HTA_SCRIPT, folder]
+        cmds["hta_bare"] = [python, "-c", "pass"]
     best = best_of(runs, cmds)
     gw, hta = best["gpuwatch"], best.get("hta")
     print(f"\n{label} ({size_mb:.1f} MB on disk); best of {runs}, taking turns; load average before {load_before}, "
@@ -183,6 +205,8 @@ def compare(label: str, folder: str, size_mb: float, runs: int, python: str | No
     if hta is not None:
         print(f"speed-up {hta['wall_s'] / gw['wall_s']:.1f}x wall, {hta['cpu_s'] / gw['cpu_s']:.1f}x CPU time; "
               f"memory {gw['peak_mb'] / hta['peak_mb']:.2f}x of HTA")
+        print(f"bare interpreter start-up (`python -c pass`): gpuwatch's {best['bare']['wall_s']:.3f} s wall / "
+              f"{best['bare']['cpu_s']:.3f} s CPU, HTA's {best['hta_bare']['wall_s']:.3f} / {best['hta_bare']['cpu_s']:.3f} s")
     return {"gpuwatch": gw, "hta": hta, "startup": best["startup"]}
 
 
@@ -217,13 +241,16 @@ def _print_window(gw: dict, hta: dict | None) -> None:
 
 def _print_phases(p: dict, wall: float, startup: float) -> None:
     """Where the time goes, and how close the reader is to the floor of decompressing and parsing."""
-    print("where gpuwatch's time goes (each phase alone, best of 3, in one process):")
+    print("where gpuwatch's time goes (each phase alone, best of 5, in one process):")
     print(f"  interpreter start-up + imports {startup:.2f} s of the {wall:.2f} s whole process (measured taking turns)")
-    print(f"  gunzip alone {p['gunzip_s']:.3f} s; gunzip + full orjson parse {p['gunzip_full_parse_s']:.3f} s")
-    print(f"  gpuwatch stream (gunzip + filter + parse of the events it needs) {p['stream_s']:.3f} s = "
-          f"{p['stream_s'] / p['gunzip_full_parse_s']:.2f}x of gunzip + full parse, {p['stream_s'] / p['gunzip_s']:.2f}x of gunzip alone")
+    print(f"  decompression alone: zlib {p['gunzip_zlib_s']:.3f} s, ISA-L (what gpuwatch uses) {p['gunzip_isal_s']:.3f} s")
+    print(f"  floor of reading everything: gzip.decompress + orjson.loads {p['bare_floor_s']:.3f} s; "
+          f"ISA-L + orjson.loads with the cycle collector paused {p['best_floor_s']:.3f} s")
+    print(f"  gpuwatch stream (decompress + filter + parse of the events it needs) {p['stream_s']:.3f} s = "
+          f"{p['stream_s'] / p['bare_floor_s']:.2f}x of the bare floor, {p['stream_s'] / p['best_floor_s']:.2f}x of the best")
     print(f"  load (stream + columns + launch/step/collective joins) {p['load_s']:.3f} s; "
-          f"classification and breakdown {p['breakdown_s']:.3f} s; what-if {p['what_if_s']:.3f} s")
+          f"classification and breakdown {p['breakdown_s']:.3f} s; what-if {p['what_if_s']:.3f} s; "
+          f"JSON output {p['output_s']:.3f} s")
 
 
 def build_synthetic(trace: str, folder: str, target_mb: int, ranks: int = 8) -> int:
@@ -281,6 +308,13 @@ def multi(trace: str, target_mb: int, runs: int, python: str | None, keep: str |
             shutil.rmtree(folder)
 
 
+def compile_sources() -> None:
+    """Byte-compile the project's sources, as a regular (non-editable) install does: an editable install
+    run with PYTHONDONTWRITEBYTECODE=1 (as on the shared test machine) compiles every module on every run,
+    while HTA's site-packages come compiled by pip."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-x", r"/\.", ROOT], check=True, capture_output=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", action="append", help="a single real trace (repeatable); default: two shared traces")
@@ -288,10 +322,14 @@ def main() -> None:
     parser.add_argument("--multi-runs", type=int, default=2)
     parser.add_argument("--multi-mb", type=int, default=450, help="size of the 8-rank set; 0 skips it")
     parser.add_argument("--no-hta", action="store_true")
+    parser.add_argument("--hta-venv", default=os.environ.get("GPUWATCH_HTA_VENV", VENV),
+                        help=f"venv holding (or to hold) HTA 0.5.0, if this interpreter has none (default {VENV}, "
+                             "or $GPUWATCH_HTA_VENV)")
     parser.add_argument("--keep", help="write the 8-rank set here and keep it")
     parser.add_argument("--only-multi", action="store_true", help="skip the single traces")
     args = parser.parse_args()
-    python = hta_python(not args.no_hta)
+    python = hta_python(not args.no_hta, args.hta_venv)
+    compile_sources()
     started = time.perf_counter()
     for trace in [] if args.only_multi else args.trace or DEFAULT_TRACES:
         single(trace, args.runs, python)

@@ -1,7 +1,7 @@
 """Ingest throughput of one collector: sender processes stream pre-built batches as fast as acks come back.
 
 Each sender is one agent (its own process, one gRPC stream, a bounded in-flight window) sending distinct
-batches of GPUS GPUs x TICKS ticks with every GPU and host field of gpuwatch.fields, serialized before the
+batches of GPUS GPUs x TICKS ticks with every GPU and host field of gpuwatch.core.fields, serialized before the
 clock starts so the collector, not the senders, is the bottleneck. Prints metric values per second acked
 (= stored: acks come after commit), batches/s, and checks the row counts in the store at the end.
 Target on a 2-core machine: >= 500,000 metric values/s. Then runs bench/agent_cost.py if it exists.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuwatch import fields
-from gpuwatch.batches import BatchBuilder
+from gpuwatch.core import fields
+from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 T0_MS = 1_700_000_000_000

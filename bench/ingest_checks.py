@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuwatch import fields
+from gpuwatch.core import fields
 from gpuwatch.agent.spool import write_durably
 from gpuwatch.agent.spool import decode_record, encode_record
-from gpuwatch.batches import BatchBuilder, TimeWindow
+from gpuwatch.core.batches import BatchBuilder, TimeWindow
 from gpuwatch.collector.server import decode_batch
 from gpuwatch.v1 import telemetry_pb2 as pb
 

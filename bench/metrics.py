@@ -18,8 +18,8 @@ import urllib.request
 
 import numpy as np
 
-from gpuwatch import fields
-from gpuwatch.collector.exporter import BREAKDOWN_CATEGORIES, start_metrics_server
+from gpuwatch.core import fields
+from gpuwatch.core.prometheus import BREAKDOWN_CATEGORIES, start_metrics_server
 
 
 def fleet_snapshot(n_gpus: int, n_jobs: int, seed: int = 0) -> dict:

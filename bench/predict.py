@@ -25,7 +25,7 @@ import pandas as pd
 
 from gpuwatch.models.dataset import build_dataset
 from gpuwatch.models.evaluate import evaluate_model, format_table
-from gpuwatch.models.failsim import PROFILES, simulate_fleet
+from gpuwatch.simulator.failing_fleet import PROFILES, simulate_fleet
 from gpuwatch.models.model import default_model_path, load_model, save_model
 from gpuwatch.models.train import train_model
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
-from gpuwatch.recording import open_recording
-from gpuwatch.replay import replay
+from gpuwatch.core.recording import open_recording
+from gpuwatch.apps.replay import replay
 
 _HEADER = (f"{'way':<52}{'load':>5}{'replay s':>9}{'replay samples/s':>18}{'scoring s':>10}{'wall s':>8}{'cpu s':>7}"
            f"{'samples/s (wall)':>18}{'failed GPUs':>12}")

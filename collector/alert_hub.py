@@ -18,9 +18,9 @@ from typing import Any
 import pandas as pd
 
 from gpuwatch.collector.alerts import ALERT_NAME as GPU_FAILURE_RISK
-from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition, iso_ms
-from gpuwatch.collector.query_cli import iso_utc
+from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition
 from gpuwatch.collector.store.base import Store
+from gpuwatch.core.times import iso_ms, iso_utc
 from gpuwatch.collector.store.duckdb import ms_to_datetime
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.v1 import query_pb2 as q

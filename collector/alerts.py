@@ -22,8 +22,8 @@ import urllib.request
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 
+from gpuwatch.core.times import iso_ms, iso_utc
 from gpuwatch.models.advisor import Advice, advise
 from gpuwatch.models.policy import AlertPolicy
 
@@ -88,7 +88,7 @@ class Alert:
                 "state": self.state, "failed": self.failed,
                 "risk": round(self.risk, 4), "peak_risk": round(self.peak_risk, 4), "jobs": list(self.jobs),
                 "ranks": list(self.ranks), "signals": list(self.signals), "action": self.action,
-                "starts_at": _iso(self.starts_ms), "ends_at": _iso(self.ends_ms) if self.ends_ms else None,
+                "starts_at": iso_utc(self.starts_ms), "ends_at": iso_utc(self.ends_ms) if self.ends_ms else None,
                 "summary": self.summary()}
 
     @classmethod
@@ -108,10 +108,10 @@ class Alert:
                             "peak_risk": f"{self.peak_risk:.2f}", "risk": f"{self.risk:.2f}",
                             "jobs": ",".join(self.jobs), "ranks": ",".join(map(str, self.ranks)),
                             "signals": ", ".join(f"{s.get('signal')}={s.get('value')}" for s in self.signals)},
-            "startsAt": _iso(self.starts_ms),
+            "startsAt": iso_utc(self.starts_ms),
         }
         if self.ends_ms is not None:
-            body["endsAt"] = _iso(self.ends_ms)
+            body["endsAt"] = iso_utc(self.ends_ms)
         return body
 
 
@@ -124,15 +124,6 @@ class Transition:
 #: The job the alerts' checkpoint/drain advice assumes unless the collector is told (job_gpus, checkpoint_cost).
 DEFAULT_JOB_GPUS = 1024
 DEFAULT_CHECKPOINT_COST_S = 300.0
-
-
-def _iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def iso_ms(text: str) -> int:
-    """Epoch ms of an ISO 8601 UTC time as the alert documents write it ("2026-01-01T00:00:00.000Z")."""
-    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
 
 
 def suggest_action(risk: float, node: str, advice: Advice, drain_at: float = DRAIN_AT) -> str:

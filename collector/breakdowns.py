@@ -20,12 +20,12 @@ from collections.abc import Callable
 import orjson
 import pandas as pd
 
-from gpuwatch.collector.efficiency.engine import analyze
-from gpuwatch.collector.efficiency.load import SPAN_ENDINGS, TRACE_ENDINGS, load_file
-from gpuwatch.collector.efficiency.timeline import RankTimeline
+from gpuwatch.efficiency.engine import analyze
+from gpuwatch.efficiency.load import SPAN_ENDINGS, TRACE_ENDINGS, load_file
+from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.collector.live import probe_timelines
 from gpuwatch.collector.store.base import Store
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 
 TRACES, LIVE = "traces", "live"

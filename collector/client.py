@@ -1,6 +1,6 @@
 """Talking to a collector: a query stub with a clear error when it is unreachable, and a batch streamer.
 
-Channels go through gpuwatch.security.open_channel, so TLS, mutual TLS and the bearer token work the same
+Channels go through gpuwatch.core.security.open_channel, so TLS, mutual TLS and the bearer token work the same
 for every read command (``--tls-ca --tls-cert --tls-key --token-file``, or GPUWATCH_TLS_CA, ...).
 
 The streamer keeps a bounded number of batches in flight and yields acknowledgements as the collector
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
-from gpuwatch import security
-from gpuwatch.errors import UserError
+from gpuwatch.core import security
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import query_pb2_grpc
 from gpuwatch.v1 import telemetry_pb2 as pb
 

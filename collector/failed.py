@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatch import events as event_kinds
-from gpuwatch import xids
+from gpuwatch.core import events as event_kinds
+from gpuwatch.core import xids
 
 
 @dataclass(frozen=True)

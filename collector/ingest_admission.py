@@ -9,9 +9,9 @@ the stream's agent id when a batch names it, and releases the stream when it end
 An agent id belongs to one running agent. Two agents with the same id (a spool or VM image copied to a
 second node) would have the collector take the second one's batches for resends of the first one's and
 drop them as duplicates. Each agent process sends a random instance token with its calls
-(:data:`gpuwatch.batches.INSTANCE_METADATA`); while one instance holds a live stream for an id, a stream of
+(:data:`gpuwatch.core.batches.INSTANCE_METADATA`); while one instance holds a live stream for an id, a stream of
 another instance for that id is refused with ALREADY_EXISTS and a message that says what to do. The store's duplicate check
-catches the case where the two never overlap in time (:class:`gpuwatch.errors.AgentIdConflict`).
+catches the case where the two never overlap in time (:class:`gpuwatch.core.errors.AgentIdConflict`).
 """
 from __future__ import annotations
 

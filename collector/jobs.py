@@ -5,7 +5,7 @@ The list comes from :func:`gpuwatch.collector.live.job_summaries` over the recen
 known only from submitted traces or GPU samples. Every
 ``interval_s`` the :class:`JobsMonitor` analyses each running job's recent spans (``window_s``) with the
 efficiency engine (the same one as `gpuwatch analyze`): breakdown fractions, lost time per rank, and
-stragglers as ../shared/specs/efficiency.md defines them (last to arrive far more often than chance *and*
+stragglers as docs/efficiency.md defines them (last to arrive far more often than chance *and*
 busier than the peers; ranks late only because they waited are `delayed`, not flagged). A straggler keeps
 the time the monitor first flagged it (``since``) while it stays flagged. Hangs come from
 :func:`~gpuwatch.collector.live.detect_hangs`. Both become alerts (``SlowRank``, ``JobHang``) through the
@@ -25,12 +25,12 @@ import pandas as pd
 
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, JobFinding
 from gpuwatch.collector.breakdowns import breakdown_rows
-from gpuwatch.collector.efficiency.engine import analyze
+from gpuwatch.efficiency.engine import analyze
 from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
 from gpuwatch.collector.periodic import PeriodicService
-from gpuwatch.collector.query_cli import iso_utc
+from gpuwatch.core.times import iso_utc
 from gpuwatch.collector.store.base import STEP_MARK_KINDS, Store
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
 
 log = logging.getLogger(__name__)

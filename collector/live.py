@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from gpuwatch.collector.efficiency.engine import analyze
-from gpuwatch.collector.efficiency.timeline import RankTimeline
-from gpuwatch.collector.traces.spans import timelines_from_spans
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency.engine import analyze
+from gpuwatch.efficiency.timeline import RankTimeline
+from gpuwatch.efficiency.traces.spans import timelines_from_spans
+from gpuwatch.core.errors import UserError
 
 COLUMNS = ("job_id", "rank", "step", "kind", "name", "start_us", "dur_us", "process_group", "seq", "node")
 PROGRESS_KINDS = ("step", "collective", "p2p")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from gpuwatch import events as event_kinds
+from gpuwatch.core import events as event_kinds
 from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import RiskObservation
 from gpuwatch.collector.failed import Failure, failed_gpus, failure_timeline
@@ -36,7 +36,7 @@ from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET, BudgetCalibr
 from gpuwatch.models.faults import FATAL_XIDS
 from gpuwatch.models.model import score, top_signals
 from gpuwatch.models.policy import AlertPolicy
-from gpuwatch.recording import ts_ms
+from gpuwatch.core.recording import ts_ms
 
 log = logging.getLogger(__name__)
 

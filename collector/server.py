@@ -2,7 +2,7 @@
 
 The server is asynchronous (grpc.aio on one event-loop thread), so an agent's stream costs a coroutine, not
 a thread: one process holds thousands of agents, and idle or slow ones cost nothing but memory. Ingest takes
-the raw bytes of each batch and decodes them itself (gpuwatch.columnar), so a malformed, oversized or
+the raw bytes of each batch and decodes them itself (gpuwatch.core.columnar), so a malformed, oversized or
 wrong-version batch is answered with a precise status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 FAILED_PRECONDITION) and a log line naming the agent and peer, while every other client keeps being served.
 A batch that validated but that the store cannot keep gets a final INVALID_ARGUMENT (the agent sets it aside
@@ -25,7 +25,7 @@ plug theirs in through ``serve(..., query_handlers={"Breakdown": fn})``; a metho
 answers UNIMPLEMENTED. Parts that run beside ingest (scoring, the jobs monitor, metrics) are
 :class:`Service` objects: they get the store when the server starts, may answer Query methods, and are
 stopped before the store closes. Transport security (TLS, mutual TLS, bearer token, the loopback-only
-plaintext rule) is gpuwatch.security's.
+plaintext rule) is gpuwatch.core.security's.
 """
 from __future__ import annotations
 
@@ -42,16 +42,16 @@ import duckdb
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from gpuwatch import security
-from gpuwatch.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
+from gpuwatch.core import security
+from gpuwatch.core.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.failed import failed_gpus
 from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_INGEST_STREAMS, DEFAULT_STREAM_IDLE_S, StreamAdmission,
                                                  StreamRefused, fencing_advice)
 from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
-from gpuwatch.columnar import ColumnarBatch, decode
-from gpuwatch.errors import AgentIdConflict, NotFound, UserError
+from gpuwatch.core.columnar import ColumnarBatch, decode
+from gpuwatch.core.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 

@@ -12,8 +12,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatch import fields
-from gpuwatch.collector.exporter import MetricsServer, Snapshot, start_metrics_server
+from gpuwatch.core import fields
+from gpuwatch.core.prometheus import MetricsServer, Snapshot, start_metrics_server
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.store.base import Store

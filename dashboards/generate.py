@@ -3,7 +3,7 @@
 Dashboard JSON is long and repetitive; writing it by hand invites ids that clash, panels that forget the
 datasource variable or a unit. Edit this file, run ``python dashboards/generate.py``, commit both; the tests
 fail when the JSON and this file disagree. Every metric used must be in
-``gpuwatch.collector.exporter.EXPORTED_METRICS`` (tests/test_dashboards.py checks).
+``gpuwatch.core.prometheus.EXPORTED_METRICS`` (tests/test_dashboards.py checks).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 import sys
 
-from gpuwatch.cli import main
+from gpuwatch.apps.cli import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """Checkpoint advisor: how often to checkpoint given the failure rate, and what a failure predictor changes.
 
-Formulas from failure-prediction.md §5: Young (1974) and Daly (2006) intervals from the job's MTBF M and
+Formulas from docs/background.md §5: Young (1974) and Daly (2006) intervals from the job's MTBF M and
 checkpoint cost C; with a predictor of recall r, precision p and proactive action cost C_p (Aupy et al.,
 JPDC 2014) the interval becomes sqrt(2MC/(1-r)); an alert is worth acting on iff its precision beats a
 break-even value, which is the natural alert threshold for a calibrated risk score.
@@ -11,9 +11,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from gpuwatch.models.failsim import LLAMA3_FAULTS_PER_GPU_HOUR
+from gpuwatch.models.faults import LLAMA3_FAULTS_PER_GPU_HOUR
 
-#: Recalls `gpuwatch advise` always tabulates (failure-prediction.md §5).
+#: Recalls `gpuwatch advise` always tabulates (docs/background.md §5).
 DEFAULT_RECALLS = (0.0, 0.5, 0.8, 0.9)
 
 

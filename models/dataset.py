@@ -1,6 +1,6 @@
 """Training/evaluation data from a recording directory or a collector DuckDB store: features, faults, labels.
 
-Both sources hold ``gpu_samples`` and ``events`` with the same columns (gpuwatch/recording.py), so the rest
+Both sources hold ``gpu_samples`` and ``events`` with the same columns (gpuwatch/core/recording.py), so the rest
 of the model code never asks where data came from. Large sources are read a few nodes at a time (the
 per-GPU features only need one GPU's history); job-peer features are added once over all rows.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, PRECURSOR_COUNTERS, PRECURSOR_FLAGS, fault_events
 from gpuwatch.models.features import DEFAULT_STEP_S, SAMPLE_COLUMNS, add_peer_features, gpu_window_features
 from gpuwatch.models.labels import DEFAULT_HORIZON_S, DEFAULT_WARNING_S, label
-from gpuwatch.progress import Progress
-from gpuwatch.recording import open_recording
+from gpuwatch.core.progress import Progress
+from gpuwatch.core.recording import open_recording
 
 NODES_PER_CHUNK = 8
 _COLUMNS = ["node", "gpu_index", "ts", "job_id"] + sorted(

@@ -1,4 +1,4 @@
-"""Event-level evaluation of a failure predictor (model or rule baseline), as failure-prediction.md §4 asks.
+"""Event-level evaluation of a failure predictor (model or rule baseline), as docs/background.md §4 asks.
 
 Scores are per feature row (GPU x evaluation step) and become alert episodes exactly as they would live
 (models/alerting.py: the alert policy, and with a budget the online threshold calibration). A fault is

@@ -1,22 +1,26 @@
 """Fault taxonomy: which recorded events and counter changes mean a GPU failed, and which only warn.
 
-A fault is an event that stops the job on that GPU (failure-prediction.md §4), from hard evidence only:
+A fault is an event that stops the job on that GPU (docs/background.md §4), from hard evidence only:
 an XID of NVIDIA's catalogue that kills the job or takes the GPU away — uncorrectable memory errors
 whether contained (94) or not (48, 95), fell off the bus (79), NVLink fatal, GSP/driver fatal — a lost
 GPU, an uncorrectable ECC error (volatile DBE counter increase) or a row-remap failure. Application XIDs
 are features, never labels. Evidence of one GPU closer than ``COALESCE_S`` apart is one fault episode.
-XID classes follow the catalogue grouping in nvml-and-dcgm.md §6, extended in docs/failure-model.md §2.
+XID classes follow the catalogue grouping in docs/background.md §2, extended in docs/failure-model.md §2.
 """
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from gpuwatch import xids
-from gpuwatch.recording import ts_ms
+from gpuwatch.core import xids
+from gpuwatch.core.recording import ts_ms
+
+#: Llama 3 (arXiv 2407.21783): 419 unexpected interruptions, ~78% hardware, 16,384 GPUs, 54 days: the fault
+#: rate the checkpoint advice and the simulated fleets assume unless told otherwise.
+LLAMA3_FAULTS_PER_GPU_HOUR = 1.97e-5
 
 #: The job on that GPU stops, by subsystem (the fault's kind in the per-kind recall): the catalogue's fatal
-#: XIDs (gpuwatch.xids, nvml-and-dcgm.md §6) plus XID 94, which the catalogue files under "degrading" for
+#: XIDs (gpuwatch.core.xids, docs/background.md §2) plus XID 94, which the catalogue files under "degrading" for
 #: the GPU but which kills the job using that memory.
 FAULT_XID_KINDS: dict[int, str] = {
     **dict.fromkeys((48, 64, 94, 95, 140), "memory"),  # DBE, remap failure, contained/uncontained ECC, ECC escape

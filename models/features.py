@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from gpuwatch.models.faults import APPLICATION_XIDS, FATAL_XIDS, PRECURSOR_XIDS
-from gpuwatch.recording import ts_ms
+from gpuwatch.core.recording import ts_ms
 
 DEFAULT_STEP_S = 600
 #: How much history a feature row needs; online scoring passes at least this much.

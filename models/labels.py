@@ -1,7 +1,7 @@
 """Labels and time splits: what counts as "a fault within the horizon", and blocks that cannot leak.
 
 A feature row at t is positive iff a fault episode of its GPU starts in (t + warning, t + horizon]
-(failure-prediction.md §4). Rows during an episode (until its last evidence plus the coalescing gap),
+(docs/background.md §4). Rows during an episode (until its last evidence plus the coalescing gap),
 rows in the warning gap just before a fault, and rows whose horizon passes the end of the data are
 censored: neither positive nor negative. Splits are forward-chaining in time with a gap of one horizon
 before each later block, so no training row's horizon reaches into validation or test.

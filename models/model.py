@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 
 MODEL_FORMAT = "gpuwatch-failure-model"
 MODEL_VERSION = 1

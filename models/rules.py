@@ -1,4 +1,4 @@
-"""Rule baseline after DCGM health checks (nvml-and-dcgm.md §7): a health state per GPU with reasons, and a
+"""Rule baseline after DCGM health checks (docs/background.md §3): a health state per GPU with reasons, and a
 continuous rule score that can be tuned to an alert budget like the model.
 
 Each rule is a DCGM health threshold applied to a *rate over a window* (the feature windows, 1 h) rather

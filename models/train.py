@@ -25,7 +25,7 @@ from sklearn.frozen import FrozenEstimator
 from sklearn.inspection import permutation_importance
 
 from gpuwatch import __version__
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.models.dataset import Dataset
 from gpuwatch.models.evaluate import block_faults, predictor_metrics, threshold_for_budget
@@ -33,7 +33,7 @@ from gpuwatch.models.features import feature_names, monotone_direction
 from gpuwatch.models.labels import Split, in_block, time_split
 from gpuwatch.models.model import MODEL_FORMAT, MODEL_VERSION, score
 from gpuwatch.models.rules import rule_scores
-from gpuwatch.progress import Progress
+from gpuwatch.core.progress import Progress
 
 MAX_POSITIVE_WEIGHT = 50.0
 AMBIGUOUS_BEFORE_FAULT_S = 24 * 3600

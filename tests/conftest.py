@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from gpuwatch.agent.sink import IngestSink
+from gpuwatch.simulator.collector_sink import IngestSink
 from helpers import start_alertmanager
 
 
@@ -80,7 +80,7 @@ def alertmanager(tmp_path):
 # ------------------------------------------------------------------------------------------ sink
 @pytest.fixture
 def sink():
-    """(server, "127.0.0.1:PORT"): an in-memory Ingest server (gpuwatch.agent.sink) on a free loopback port."""
+    """(server, "127.0.0.1:PORT"): an in-memory Ingest server (gpuwatch.simulator.collector_sink) on a free loopback port."""
     s = IngestSink()
     port = s.start()
     yield s, f"127.0.0.1:{port}"

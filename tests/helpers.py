@@ -25,10 +25,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpuwatch.batches import BatchBuilder
-from gpuwatch.fields import GPU_FIELD_NAMES
-from gpuwatch.frames import frames_batches, inventory_table
-from gpuwatch.recording import RecordingWriter, ts_ms
+from gpuwatch.core.batches import BatchBuilder
+from gpuwatch.core.fields import GPU_FIELD_NAMES
+from gpuwatch.core.batch_tables import frames_batches, inventory_table
+from gpuwatch.core.recording import RecordingWriter, ts_ms
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 T = TypeVar("T")
@@ -236,7 +236,7 @@ def degrading_node(start_ms: int, hours: float, fault_after_h: float, failing_gp
                    node: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(gpu_samples, events) of one simulated node (models.failsim, 1-minute ticks, one job throughout) whose
     GPU ``failing_gpu`` has HBM degrading for 8 h before it faults at ``fault_after_h``; the rest stay healthy."""
-    from gpuwatch.models import failsim
+    from gpuwatch.simulator import failing_fleet as failsim
 
     cfg = failsim.FleetConfig(nodes=1, gpus_per_node=gpus, days=hours / 24, seed=3, start_ms=start_ms)
     ts = np.arange(start_ms + 60_000, start_ms + int(hours * failsim.HOUR_MS) + 1, 60_000, dtype=np.int64)

@@ -7,10 +7,10 @@ import threading
 import pandas as pd
 import pytest
 
-from gpuwatch import events as ev
+from gpuwatch.core import events as ev
 from gpuwatch.agent.daemon import Agent, AgentConfig, span_chunks
-from gpuwatch.agent.simfleet import SimulatedFleet
-from gpuwatch.errors import UserError
+from gpuwatch.simulator.fleet import SimulatedFleet
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import poll
 
@@ -190,7 +190,7 @@ def test_forwarded_probe_spans_carry_the_agents_node_name(tmp_path, sink):
 
 
 def test_sim_job_sends_probe_style_spans_with_a_slow_rank(tmp_path, sink):
-    from gpuwatch.collector.efficiency.engine import analyze
+    from gpuwatch.efficiency.engine import analyze
     from gpuwatch.collector.live import probe_timelines
 
     server, address = sink

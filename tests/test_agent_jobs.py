@@ -3,7 +3,7 @@ import os
 
 from gpuwatch.agent.jobs import JobInfo, JobResolver, job_from_environ, read_proc_environ
 from gpuwatch.agent.nvml import NvmlSampler
-from gpuwatch.agent.simfleet import SimulatedFleet
+from gpuwatch.simulator.fleet import SimulatedFleet
 
 
 def test_launcher_variables_and_the_job_label_variable():

@@ -13,11 +13,11 @@ import urllib.request
 import pytest
 
 from gpuwatch.agent.daemon import Agent, AgentConfig
-from gpuwatch.agent.simfleet import SimulatedFleet
-from gpuwatch.collector.cli import start_collector
-from gpuwatch.collector.exporter import EXPORTED_METRICS
+from gpuwatch.simulator.fleet import SimulatedFleet
+from gpuwatch.apps.collector_cli import start_collector
+from gpuwatch.core.prometheus import EXPORTED_METRICS
 from gpuwatch.collector.snapshot import MetricsService
-from gpuwatch.config import COLLECTOR_OPTIONS, load_config
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from helpers import poll
 
 PROMTOOL = shutil.which("promtool")

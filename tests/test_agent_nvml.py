@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from gpuwatch import fields
-from gpuwatch import events as ev
+from gpuwatch.core import fields
+from gpuwatch.core import events as ev
 from gpuwatch.agent.nvml import NoGpuDriverError, NvmlSampler
-from gpuwatch.agent.simdegrade import Degradation, parse_fault_spec
-from gpuwatch.agent.simfleet import SimulatedFleet
+from gpuwatch.simulator.degrade import Degradation, parse_fault_spec
+from gpuwatch.simulator.fleet import SimulatedFleet
 from gpuwatch.agent.xid import XidDeduper, XidWatcher, normalize_bus_id, parse_kmsg_line
 from helpers import poll
 

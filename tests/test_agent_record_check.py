@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 import pytest
 
-from gpuwatch.recording import SCHEMAS, open_recording
+from gpuwatch.core.recording import SCHEMAS, open_recording
 
 
 def _agent(*argv, timeout=120):

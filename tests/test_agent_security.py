@@ -3,11 +3,11 @@ import argparse
 
 import pytest
 
-from gpuwatch.agent import cli
+from gpuwatch.apps import agent_cli as cli
 from gpuwatch.agent.daemon import Agent, AgentConfig
-from gpuwatch.agent.sink import IngestSink
+from gpuwatch.simulator.collector_sink import IngestSink
 from gpuwatch.agent.uplink import ChannelSecurity
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 from helpers import TOKEN
 
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from gpuwatch.agent.spool import Spool
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 
 
 def _fill(spool, n, size=100):

@@ -1,9 +1,9 @@
 """The gRPC uplink against a real Ingest server on loopback: acks, reconnects, refused batches."""
 
-from gpuwatch.agent.sink import IngestSink, SinkStore
+from gpuwatch.simulator.collector_sink import IngestSink, SinkStore
 from gpuwatch.agent.spool import Spool
 from gpuwatch.agent.uplink import Uplink
-from gpuwatch.batches import BatchBuilder
+from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from gpuwatch.batches import BatchBuilder, BatchError, encoded_columns, validate
+from gpuwatch.core.batches import BatchBuilder, BatchError, encoded_columns, validate
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 

@@ -10,14 +10,14 @@ import orjson
 import pandas as pd
 import pytest
 
-from gpuwatch import cli
-from gpuwatch.batches import BatchBuilder
-from gpuwatch.collector.breakdown_cli import fetch_breakdown, submit_traces
+from gpuwatch.apps import cli
+from gpuwatch.core.batches import BatchBuilder
+from gpuwatch.apps.breakdown_cli import fetch_breakdown, submit_traces
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.client import connect
-from gpuwatch.collector.efficiency import analyze, load_paths
+from gpuwatch.efficiency import analyze, load_paths
 from gpuwatch.collector.server import serve
-from gpuwatch.collector.traces.spans import timelines_from_spans
+from gpuwatch.efficiency.traces.spans import timelines_from_spans
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import KINETO_SAMPLED
@@ -138,7 +138,7 @@ def test_unknown_job_and_missing_job_id(collector):
 def _route_to_breakdown_cli(monkeypatch):
     for name in ("submit-trace", "breakdown"):
         module, text = cli.COMMANDS[name]
-        monkeypatch.setitem(cli.COMMANDS, name, ("gpuwatch.collector.breakdown_cli", text))
+        monkeypatch.setitem(cli.COMMANDS, name, ("gpuwatch.apps.breakdown_cli", text))
 
 
 def test_cli_submit_and_breakdown(collector, tmp_path, capsys, monkeypatch):

@@ -11,11 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gpuwatch.collector.cli import start_collector
+from gpuwatch.apps.collector_cli import start_collector
 from gpuwatch.collector.lease import ClusterLease
 from gpuwatch.collector.store import open_store
-from gpuwatch.columnar import from_message
-from gpuwatch.config import COLLECTOR_OPTIONS, load_config
+from gpuwatch.core.columnar import from_message
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from helpers import ROWS_PER_BATCH, make_batch, poll
 
 INTERVAL_S = 0.5

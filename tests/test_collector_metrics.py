@@ -9,10 +9,10 @@ import urllib.request
 
 import pytest
 
-from gpuwatch.collector.cli import start_collector
+from gpuwatch.apps.collector_cli import start_collector
 from gpuwatch.collector.snapshot import MetricsService
-from gpuwatch.config import COLLECTOR_OPTIONS, load_config
-from gpuwatch.models.failsim import HOUR_MS
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+from gpuwatch.simulator.failing_fleet import HOUR_MS
 from helpers import data_parallel_job, degrading_node, make_batch, poll, sim_batches, write_spans
 
 PROMTOOL = shutil.which("promtool")

@@ -7,10 +7,11 @@ import sys
 import grpc
 import pytest
 
-from gpuwatch import cli, security
+from gpuwatch.apps import cli
+from gpuwatch.core import security
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
 from helpers import ROWS_PER_BATCH, TOKEN, make_batch
 

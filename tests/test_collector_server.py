@@ -5,11 +5,11 @@ import threading
 import grpc
 import pytest
 
-from gpuwatch import cli
-from gpuwatch.batches import MAX_BATCH_BYTES
+from gpuwatch.apps import cli
+from gpuwatch.core.batches import MAX_BATCH_BYTES
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import ROWS_PER_BATCH, TICKS, free_port, make_batch, poll
@@ -177,7 +177,7 @@ def test_query_cli_names_an_unknown_node_gpu_or_event_kind(collector, channel, c
 
 
 def test_table_cells_show_nested_values_by_name():
-    from gpuwatch.collector.query_cli import format_table
+    from gpuwatch.apps.query_cli import format_table
 
     rows = [{"gpu": 0, "signals": [{"signal": "xid_rate", "value": 1.0}, {"signal": "temp_max", "value": 2.0}],
              "hang": {"rank": 3, "summary": "stuck"}, "attrs": {"seq": "3", "bus": "1a"}, "model": True,

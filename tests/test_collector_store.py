@@ -1,11 +1,11 @@
 """The DuckDB store on its own: grouped writes, dedup, NULL for NaN, reads, retention, reopening."""
 import pytest
 
-from gpuwatch import fields
+from gpuwatch.core import fields
 from gpuwatch.collector.store.duckdb import DDL, ms_to_datetime
 from gpuwatch.collector.store import open_store
 from gpuwatch.collector.store.base import TABLES
-from gpuwatch.errors import AgentIdConflict, UserError
+from gpuwatch.core.errors import AgentIdConflict, UserError
 from helpers import ROWS_PER_BATCH, T0_MS, TICKS, make_batch, store_url, STORE_KINDS
 
 
@@ -141,7 +141,7 @@ def test_spans_are_stored_columnar(store):
 
 
 def test_a_batch_that_cannot_be_stored_fails_alone_not_its_group(store):
-    from gpuwatch.columnar import ColumnarBatch, from_message
+    from gpuwatch.core.columnar import ColumnarBatch, from_message
 
     message = make_batch(1, agent="agent-bad", node="node-bad")
     checked = from_message(message)
@@ -210,7 +210,7 @@ def test_a_store_that_cannot_be_opened_is_one_clear_error(tmp_path, url, options
 
 def test_failure_evidence_reads(store):
     """What collector/failed.py and the jobs monitor read: fatal events, agent starts and stops, counter resets."""
-    from gpuwatch.batches import BatchBuilder
+    from gpuwatch.core.batches import BatchBuilder
     from gpuwatch.v1 import telemetry_pb2 as pb
     builder = BatchBuilder(pb.NodeIdentity(node="n"), "agent-f", [pb.GpuInfo(index=0, uuid="GPU-f")])
     for i, joules in enumerate([10.0, 20.0, 5.0, 6.0]):  # the driver reloaded before the third sample

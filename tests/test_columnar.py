@@ -1,4 +1,4 @@
-"""gpuwatch.columnar: a batch's bytes decoded through the view equal the message's values, for any encoding."""
+"""gpuwatch.core.columnar: a batch's bytes decoded through the view equal the message's values, for any encoding."""
 from __future__ import annotations
 
 import struct
@@ -6,9 +6,9 @@ import struct
 import numpy as np
 import pytest
 
-from gpuwatch import fields
-from gpuwatch.batches import BatchError
-from gpuwatch.columnar import decode, from_message
+from gpuwatch.core import fields
+from gpuwatch.core.batches import BatchError
+from gpuwatch.core.columnar import decode, from_message
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import GPUS, TICKS, make_batch

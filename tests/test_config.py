@@ -5,9 +5,9 @@ import argparse
 
 import pytest
 
-from gpuwatch import config
-from gpuwatch.config import AGENT_OPTIONS, COLLECTOR_OPTIONS, Option, load_config
-from gpuwatch.errors import UserError
+from gpuwatch.core import settings as config
+from gpuwatch.core.settings import AGENT_OPTIONS, COLLECTOR_OPTIONS, Option, load_config
+from gpuwatch.core.errors import UserError
 
 SCHEMA = (
     Option("listen", str, "127.0.0.1:7700", "listen address", config.address),

@@ -12,7 +12,7 @@ import promql_parser
 import pytest
 import yaml
 
-from gpuwatch.collector.exporter import EXPORTED_METRICS
+from gpuwatch.core.prometheus import EXPORTED_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent / "dashboards"
 DASHBOARD_FILES = sorted((ROOT / "grafana").glob("*.json"))

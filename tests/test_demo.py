@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.demo import (DemoPlan, DemoResult, DemoView, GpuCell, JobRow, NodeRow, failure_report, render_rich,
+from gpuwatch.apps.demo import (DemoPlan, DemoResult, DemoView, GpuCell, JobRow, NodeRow, failure_report, render_rich,
                            render_text, run_demo, summary_text)
-from gpuwatch.replay import replay_offline
+from gpuwatch.apps.replay import replay_offline
+from gpuwatch.core.times import iso_ms
 
 # 2 nodes x 4 GPUs for 20 s at 1500x (5 simulated minutes per 0.2 s tick): ~8 simulated hours, the scripted
 # ECC fault of GPU 3 on the last node degrading from ~50 min to ~7 h.
@@ -144,7 +145,7 @@ def test_replaying_the_recordings_offline_reproduces_counts_and_the_alert(demo, 
         if node["node"] == failed["node"]:
             assert flagged == {(failed["node"], failed["gpu_index"])}
             [alert] = [a for a in out["scoring"]["alerts"] if a["alertname"] == "GPUFailureRisk"]
-            assert _iso_ms(alert["starts_at"]) < failed["failed_ms"]
+            assert iso_ms(alert["starts_at"]) < failed["failed_ms"]
         else:
             assert flagged == set()
 
@@ -158,11 +159,6 @@ def _breakdown_us(store: DuckDBStore, job_id: str) -> dict[str, float]:
 
     return json.loads(BreakdownService().breakdown(q.BreakdownRequest(job_id=job_id), store).json)["job"]["breakdown_us"]
 
-
-def _iso_ms(text: str) -> int:
-    from datetime import datetime
-
-    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
 
 
 def test_bad_demo_flags_are_one_line(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuwatch.config import AGENT_OPTIONS, COLLECTOR_OPTIONS, load_config, split_address
+from gpuwatch.core.settings import AGENT_OPTIONS, COLLECTOR_OPTIONS, load_config, split_address
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SCHEMAS = {"agent": AGENT_OPTIONS, "collector": COLLECTOR_OPTIONS}

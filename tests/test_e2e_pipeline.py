@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch import events as ev
+from gpuwatch.core import events as ev
 from gpuwatch.agent.daemon import Agent, AgentConfig
-from gpuwatch.agent.simfleet import SimulatedFleet
+from gpuwatch.simulator.fleet import SimulatedFleet
 from gpuwatch.agent.spool import decode_record
 from gpuwatch.collector.client import connect
-from gpuwatch.collector.query_cli import parse_time_ms
+from gpuwatch.apps.query_cli import parse_time_ms
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import STORE_KINDS, CollectorProcess, free_port, poll, store_url

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import os
 
-from gpuwatch.cli import main
-from gpuwatch.collector.efficiency.cli import format_table
+from gpuwatch.apps.cli import main
+from gpuwatch.apps.analyze_cli import format_table
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpuwatch.collector.efficiency import CATEGORIES, RankTimeline, analyze
-from gpuwatch.collector.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency import CATEGORIES, RankTimeline, analyze
+from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P
+from gpuwatch.core.errors import UserError
 
 T0 = 1_700_000_000_000_000.0  # an epoch-microsecond origin, as real traces have
 

@@ -11,9 +11,9 @@ import numpy as np
 import orjson
 import pytest
 
-from gpuwatch.cli import main
-from gpuwatch.collector.efficiency.partition import CATEGORIES
-from gpuwatch.collector.efficiency.html import COLOURS
+from gpuwatch.apps.cli import main
+from gpuwatch.efficiency.partition import CATEGORIES
+from gpuwatch.efficiency.html import COLOURS
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):

@@ -6,11 +6,11 @@ import sys
 import pandas as pd
 import pytest
 
-from gpuwatch import cli
-from gpuwatch.collector.export import export_store
-from gpuwatch.errors import UserError
-from gpuwatch.recording import open_recording
-from gpuwatch.replay import replay_offline
+from gpuwatch.apps import cli
+from gpuwatch.apps.export import export_store
+from gpuwatch.core.errors import UserError
+from gpuwatch.core.recording import open_recording
+from gpuwatch.apps.replay import replay_offline
 from helpers import T0, CollectorProcess, sorted_samples, two_rank_spans, write_small_recording
 
 

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatch import fields
-from gpuwatch.collector import exporter
-from gpuwatch.collector.exporter import EXPORTED_METRICS, LatencyHistogram, build_registry, start_metrics_server
-from gpuwatch.errors import UserError
+from gpuwatch.core import fields
+from gpuwatch.core import prometheus as exporter
+from gpuwatch.core.prometheus import EXPORTED_METRICS, LatencyHistogram, build_registry, start_metrics_server
+from gpuwatch.core.errors import UserError
 
 PROMTOOL = shutil.which("promtool")
 TOKEN = "scrape-token"
@@ -210,7 +210,7 @@ def test_latency_histogram_is_cumulative():
 
 
 def test_xid_counters_carry_nvidias_name_of_the_code_from_a_bounded_set():
-    from gpuwatch import xids
+    from gpuwatch.core import xids
 
     text = _render(_snapshot() | {"gpus": [_gpu("n1", 0, xid_counts={79: 1, 13: 2, 9999: 1})]})
     names = {s.labels["xid"]: s.labels["xid_description"] for s in _samples(text) if s.name == "gpu_xid_errors_total"}

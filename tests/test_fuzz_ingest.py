@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuwatch import fields
-from gpuwatch.batches import SCHEMA_VERSION
-from gpuwatch.collector import client, query_cli
+from gpuwatch.core import fields
+from gpuwatch.core.batches import SCHEMA_VERSION
+from gpuwatch.collector import client
+from gpuwatch.apps import query_cli
 from gpuwatch.collector.server import serve
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb

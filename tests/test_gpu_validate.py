@@ -14,8 +14,8 @@ import pandas as pd
 import pynvml
 import pytest
 
-from gpuwatch.agent.simfleet import SimulatedFleet
-from gpuwatch.recording import open_recording
+from gpuwatch.simulator.fleet import SimulatedFleet
+from gpuwatch.core.recording import open_recording
 from helpers import KINETO_SAMPLED
 
 KIT = Path(__file__).resolve().parent.parent / "bench" / "gpu"

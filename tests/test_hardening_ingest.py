@@ -9,8 +9,8 @@ import threading
 import grpc
 import pytest
 
-from gpuwatch import cli
-from gpuwatch.batches import INSTANCE_METADATA, TimeWindow
+from gpuwatch.apps import cli
+from gpuwatch.core.batches import INSTANCE_METADATA, TimeWindow
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
 from gpuwatch.v1 import query_pb2 as q
@@ -107,7 +107,7 @@ def test_infinite_values_are_stored_as_missing_and_json_stays_valid(collector, c
 
 
 def test_query_json_never_prints_non_standard_numbers():
-    from gpuwatch.collector.query_cli import json_text
+    from gpuwatch.apps.query_cli import json_text
 
     text = json_text([{"a": math.inf, "b": [math.nan, 1.5], "c": {"d": -math.inf}}])
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON")) == [
@@ -189,7 +189,7 @@ def test_server_sets_per_connection_limits():
 def test_a_failed_token_check_is_logged_with_the_peer(tmp_path, caplog):
     server = serve("127.0.0.1:0", str(tmp_path / "t.duckdb"), token="right-token")
     try:
-        with caplog.at_level(logging.WARNING, logger="gpuwatch.security"), client.channel(server.address) as ch:
+        with caplog.at_level(logging.WARNING, logger="gpuwatch.core.security"), client.channel(server.address) as ch:
             with pytest.raises(grpc.RpcError):
                 client.push(ch, make_batch(1))
         assert any("refused /gpuwatch.v1.Ingest/Push from ipv4:127.0.0.1" in r.getMessage() and

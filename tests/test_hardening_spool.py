@@ -8,7 +8,7 @@ import pytest
 
 from gpuwatch.agent.spool import Spool, SpoolFull, encode_record
 from gpuwatch.agent.uplink import Uplink
-from gpuwatch.batches import BatchBuilder
+from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import T0_MS, fill_disk, small_filesystem
 
@@ -156,3 +156,15 @@ def test_the_store_file_is_private_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "c.duckdb").stat().st_mode) == 0o600
+
+
+def test_the_chdb_store_directory_is_private_whatever_the_umask(tmp_path):
+    from gpuwatch.collector.store import open_store
+
+    old = os.umask(0o022)
+    try:
+        store = open_store(f"chdb://{tmp_path / 'ch'}")
+        store.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "ch").stat().st_mode) == 0o700

@@ -6,11 +6,11 @@ import sys
 import pandas as pd
 import pytest
 
-from gpuwatch.errors import UserError
-from gpuwatch.importer import Columns, import_files
+from gpuwatch.core.errors import UserError
+from gpuwatch.apps.importer import Columns, import_files
 from gpuwatch.models.dataset import open_source
-from gpuwatch.recording import open_recording, ts_ms
-from gpuwatch.replay import replay_offline
+from gpuwatch.core.recording import open_recording, ts_ms
+from gpuwatch.apps.replay import replay_offline
 
 T0_S = 1_767_225_600  # 2026-01-01T00:00:00Z
 

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from gpuwatch import events as ev
-from gpuwatch.batches import BatchBuilder
+from gpuwatch.core import events as ev
+from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, list_alerts
 from gpuwatch.collector.alerts import AlertmanagerSender
-from gpuwatch import cli
+from gpuwatch.apps import cli
 from gpuwatch.collector import client
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.jobs import JobsMonitor, list_jobs_rpc

@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import gpuwatch.probe  # noqa: E402
-from gpuwatch import cli  # noqa: E402
-from gpuwatch.collector.cli import start_collector  # noqa: E402
-from gpuwatch.config import COLLECTOR_OPTIONS, load_config  # noqa: E402
+from gpuwatch.apps import cli  # noqa: E402
+from gpuwatch.apps.collector_cli import start_collector  # noqa: E402
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config  # noqa: E402
 from gloo_jobs import finish_rank, init_rank, pipeline_worker, run_job  # noqa: E402
 from helpers import SPAN_FIELDS, poll  # noqa: E402
 
@@ -51,7 +51,7 @@ def collector(tmp_path_factory):
 
 def _send(collector, rows: list[dict]) -> None:
     """The probe rows as one TelemetryBatch's SpanTable over the collector's gRPC Ingest (as the agent sends them)."""
-    from gpuwatch.batches import BatchBuilder
+    from gpuwatch.core.batches import BatchBuilder
     from gpuwatch.collector import client
     from gpuwatch.v1 import telemetry_pb2 as pb
 

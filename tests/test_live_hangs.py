@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from gpuwatch.collector.live import detect_hangs, job_summaries
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 
 T0 = 1.7e15  # epoch µs
 STEP_US = 100_000.0

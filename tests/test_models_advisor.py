@@ -1,4 +1,4 @@
-"""Checkpoint advisor against the worked numbers of failure-prediction.md §5 (M = 3.09 h)."""
+"""Checkpoint advisor against the worked numbers of docs/background.md §5 (M = 3.09 h)."""
 from __future__ import annotations
 
 import json
@@ -54,7 +54,7 @@ def test_advise_combines_them():
 
 
 def test_advise_cli_json_against_the_reference_numbers(capsys):
-    from gpuwatch.cli import main
+    from gpuwatch.apps.cli import main
 
     assert main(["advise", "--gpus", "16384", "--checkpoint-cost", "5m", "--recall", "0.95", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -69,8 +69,8 @@ def test_advise_cli_json_against_the_reference_numbers(capsys):
 
 
 def test_advise_rate_from_data_and_bad_input(tmp_path, capsys):
-    from gpuwatch.cli import main
-    from gpuwatch.models.failsim import FleetConfig, simulate_fleet
+    from gpuwatch.apps.cli import main
+    from gpuwatch.simulator.failing_fleet import FleetConfig, simulate_fleet
 
     simulate_fleet(FleetConfig(nodes=2, gpus_per_node=4, days=2, resolution_s=600, fault_rate_multiplier=2000,
                                seed=5), tmp_path / "rec", quiet=True)

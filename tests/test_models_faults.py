@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from gpuwatch import xids
+from gpuwatch.core import xids
 from gpuwatch.models.faults import FATAL_XIDS, PRECURSOR_XIDS, fault_events, xid_class
 from helpers import MIN, T0, event_rows, minute_samples
 

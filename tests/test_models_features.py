@@ -5,9 +5,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpuwatch.models.failsim import FaultPlan, FleetConfig, plan_effects, simulate_fleet
+from gpuwatch.simulator.failing_fleet import FaultPlan, FleetConfig, plan_effects, simulate_fleet
 from gpuwatch.models.features import feature_names, features
-from gpuwatch.recording import open_recording
+from gpuwatch.core.recording import open_recording
 from helpers import MIN, T0, event_rows, minute_samples
 
 

@@ -8,16 +8,16 @@ import pandas as pd
 import pytest
 import skops.io as sio
 
-from gpuwatch.cli import main
-from gpuwatch.errors import UserError
+from gpuwatch.apps.cli import main
+from gpuwatch.core.errors import UserError
 from gpuwatch.models.dataset import build_dataset
 from gpuwatch.models.evaluate import METRIC_KEYS, evaluate_model
-from gpuwatch.models.failsim import FleetConfig, simulate_fleet
+from gpuwatch.simulator.failing_fleet import FleetConfig, simulate_fleet
 from gpuwatch.models.features import feature_names
 from gpuwatch.models.labels import label, time_split
 from gpuwatch.models.model import default_model_path, load_model, save_model, score, top_signals
 from gpuwatch.models.train import train_model
-from gpuwatch.recording import SCHEMAS
+from gpuwatch.core.recording import SCHEMAS
 from helpers import run_on_terminal
 
 SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=400)

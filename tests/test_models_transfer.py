@@ -8,12 +8,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpuwatch.cli import main
+from gpuwatch.apps.cli import main
 from gpuwatch.models.dataset import build_dataset
-from gpuwatch.models.failsim import PROFILES, FleetConfig, simulate_fleet
+from gpuwatch.simulator.failing_fleet import PROFILES, FleetConfig, simulate_fleet
 from gpuwatch.models.faults import fault_events
 from gpuwatch.models.features import features
-from gpuwatch.recording import RecordingWriter, open_recording
+from gpuwatch.core.recording import RecordingWriter, open_recording
 from helpers import MIN, T0, event_rows, minute_samples
 
 SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=400)

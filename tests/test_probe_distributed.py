@@ -12,9 +12,9 @@ import torch.distributed as dist  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import gpuwatch.probe  # noqa: E402
-from gpuwatch.collector.efficiency.engine import analyze  # noqa: E402
+from gpuwatch.efficiency.engine import analyze  # noqa: E402
 from gpuwatch.collector.live import detect_hangs, job_summaries  # noqa: E402
-from gpuwatch.collector.traces.spans import timelines_from_spans  # noqa: E402
+from gpuwatch.efficiency.traces.spans import timelines_from_spans  # noqa: E402
 from gloo_jobs import PIPELINE_STEPS, finish_rank, init_rank, pipeline_worker, run_job  # noqa: E402
 
 STEPS = 4

@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpuwatch.errors import UserError
-from gpuwatch.fields import GPU_FIELD_NAMES
-from gpuwatch.recording import SCHEMAS, RecordingWriter, open_recording
+from gpuwatch.core.errors import UserError
+from gpuwatch.core.fields import GPU_FIELD_NAMES
+from gpuwatch.core.recording import SCHEMAS, RecordingWriter, open_recording
 
 T0 = 1_767_225_600_000
 

@@ -8,17 +8,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpuwatch import cli
-from gpuwatch.batches import validate
-from gpuwatch.collector.efficiency.engine import analyze
+from gpuwatch.apps import cli
+from gpuwatch.core.batches import validate
+from gpuwatch.efficiency.engine import analyze
 from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.collector.traces.spans import timelines_from_spans
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency.traces.spans import timelines_from_spans
+from gpuwatch.core.errors import UserError
 from gpuwatch.models.model import load_model
-from gpuwatch.recording import RecordingWriter, open_recording, ts_ms
-from gpuwatch.replay import (format_result, node_batches, recording_batches, recording_id, replay_agent_id,
+from gpuwatch.core.recording import RecordingWriter, open_recording, ts_ms
+from gpuwatch.apps.replay import (format_result, node_batches, recording_batches, recording_id, replay_agent_id,
                              replay_offline)
 from helpers import (T0, CollectorProcess, degrading_node, sim_batches, sorted_samples, two_rank_spans,
                      write_small_recording)
@@ -159,7 +159,7 @@ def test_offline_replay_computes_the_job_breakdown_from_replayed_spans(tmp_path)
 def test_speed_paces_batches_by_recorded_time(tmp_path, monkeypatch):
     """Paced: the last batch leaves no sooner than recorded time / speed (a floor that holds on any machine);
     unpaced: the replay never waits. No upper bound on time: a loaded machine may be slow."""
-    import gpuwatch.replay as replay_module
+    import gpuwatch.apps.replay as replay_module
     waits: list[float] = []
     real_sleep = replay_module.time.sleep
     monkeypatch.setattr(replay_module.time, "sleep", lambda s: (waits.append(s), real_sleep(s)))

@@ -8,10 +8,10 @@ import pytest
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
-from gpuwatch.recording import RecordingWriter, open_recording
-from gpuwatch.errors import UserError
-from gpuwatch.replay import _model, recording_id, replay, replay_offline, score_replayed
+from gpuwatch.core.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
+from gpuwatch.core.recording import RecordingWriter, open_recording
+from gpuwatch.core.errors import UserError
+from gpuwatch.apps.replay import _model, recording_id, replay, replay_offline, score_replayed
 from helpers import T0, degrading_node, two_rank_spans, write_small_recording
 
 _PER_GPU = ", ".join(f"count({name}) AS {name}" for name in GPU_FIELD_NAMES)

@@ -1,10 +1,10 @@
-"""gpuwatch.progress: draws on a terminal only, quiet on request."""
+"""gpuwatch.core.progress: draws on a terminal only, quiet on request."""
 import io
 import os
 import pty
 import select
 
-from gpuwatch.progress import Progress
+from gpuwatch.core.progress import Progress
 
 
 def _drawn(quiet: bool) -> str:

@@ -6,14 +6,14 @@ import time
 
 import pytest
 
-from gpuwatch import cli
+from gpuwatch.apps import cli
 from gpuwatch.collector.alert_hub import AlertHub, list_alerts
 from gpuwatch.collector.alerts import ALERT_NAME
-from gpuwatch.collector.cli import start_collector
+from gpuwatch.apps.collector_cli import start_collector
 from gpuwatch.collector.scoring import MinuteHistory, Scorer, observation, score_gpus
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.config import COLLECTOR_OPTIONS, load_config
-from gpuwatch.models.failsim import HOUR_MS
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+from gpuwatch.simulator.failing_fleet import HOUR_MS
 from gpuwatch.models.model import load_model
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.v1 import query_pb2 as q

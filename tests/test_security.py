@@ -7,8 +7,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from gpuwatch import security
-from gpuwatch.errors import UserError
+from gpuwatch.core import security
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import query_pb2, query_pb2_grpc
 from helpers import TOKEN
 

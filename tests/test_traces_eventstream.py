@@ -10,9 +10,9 @@ from dataclasses import fields
 import numpy as np
 import pytest
 
-from gpuwatch.collector.traces import eventstream, kineto
-from gpuwatch.collector.traces.eventstream import EventFilter, TraceEventStream
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency.traces import eventstream, kineto
+from gpuwatch.efficiency.traces.eventstream import EventFilter, TraceEventStream
+from gpuwatch.core.errors import UserError
 
 DATA = "/work/shared/data/kineto"
 REAL = [os.path.join(DATA, "control_rank3_of8", "rank3.json.gz"),
@@ -179,3 +179,101 @@ def test_select_agrees_with_a_piece_by_piece_reading(spacing):
         events = [pool[i] for i in rng.integers(0, len(pool), rng.integers(1, 12))]
         block = json.dumps(events, separators=spacing).encode()[1:-1]
         assert WANTED.select(block, separator) == _select_reference(block, separator, WANTED), block
+
+
+def _select_by_head_reference(block, separator, layout, wanted):
+    """The filter's rule with a layout, one piece at a time with plain bytes methods: a piece that starts
+    as the layout says is judged by its phase, category and name; any other by the key search."""
+    inner = block.strip()[1:-1].split(separator)
+    pieces = [b"{" + p + b"}" for p in inner]
+    by_keys = json.loads(wanted.select(block, separator))  # the key search alone (checked above)
+
+    def verdict(piece):
+        """True / False: wanted or not by its head; None: the head does not say."""
+        if not piece.startswith(layout.head):
+            return None
+        rest = piece[len(layout.head):]
+        if rest[:1] not in [bytes([p]) for p in wanted.phases] and rest[1:2] == b'"':
+            return False
+        if rest[:1] not in [bytes([p]) for p in wanted.phases] or not rest[1:].startswith(layout.to_cat):
+            return None
+        text = rest[1 + len(layout.to_cat):]
+        end = text.find(b'"')
+        if not 0 < end < 32 or b"\\" in text[:end] or not text[end:].startswith(layout.to_name):
+            return None
+        category, name = text[:end + 1], text[end + len(layout.to_name):]
+        skipped = category in wanted.skip_categories and name[:8] in wanted.skip_heads
+        return (category in wanted.categories and not skipped) or name.startswith(wanted.name_prefixes)
+
+    kept = [p for p in pieces if verdict(p) or (verdict(p) is None and json.loads(p) in by_keys)]
+    return b"[" + separator[1:-1].join(kept) + b"]"
+
+
+def test_select_by_event_heads_agrees_with_a_piece_by_piece_reading():
+    """Kineto's spelling: phase, category and name first, one event per piece (the separator holds a line
+    break). Flows and other phases, runtime calls that launch nothing, and unwanted CPU ops are dropped by
+    their heads; events whose heads are spelled otherwise go to the key search."""
+    rng = np.random.default_rng(11)
+    wanted = kineto._WANTED
+    pool = [
+        {"ph": "X", "cat": "kernel", "name": "void k<{lambda()#1}>}, {", "ts": 1, "dur": 2, "args": {"stream": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "args": {"correlation": 5}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventQuery", "ts": 1, "args": {"correlation": 6}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 1},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 1, "args": {"Seq": 3}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 2, "args": {"list": [{"cat": "kernel"}]}},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 4},
+        {"ph": "f", "id": 5, "ts": 4, "cat": "ac2g", "name": "ac2g"},
+        {"ph": "s", "cat": "kernel", "name": "not complete", "ts": 4},
+        {"ph": "M", "name": "process_name", "args": {"name": "python"}},
+        {"name": "ProfilerStep#4", "ph": "X", "cat": "user_annotation", "ts": 5},
+        {"ph": "X", "cat": "a\"quoted\"category", "name": "ProfilerStep#5", "ts": 6},
+        {"ph": "X", "cat": "c" * 40, "name": "aten::add", "ts": 6},
+    ]
+    for indent in (2, 4):
+        text = json.dumps({"traceEvents": pool}, indent=indent).encode()
+        spellings = eventstream._SEPARATOR.findall(text)
+        separator = max(set(spellings), key=spellings.count)
+        layout = eventstream.sniff_layout(text)
+        assert layout is not None and layout.head.startswith(b"{\n") and b"\n" in separator
+        for _ in range(100):
+            events = [pool[i] for i in rng.integers(0, len(pool), rng.integers(1, 12))]
+            doc = json.dumps({"traceEvents": events}, indent=indent).encode()
+            block = doc[doc.index(b"[") + 1:doc.rindex(b"]")].strip()
+            got = wanted.select(block, separator, layout)
+            assert got == _select_by_head_reference(block, separator, layout, wanted), block
+            names = [e["name"] for e in json.loads(got)]
+            assert "cudaEventQuery" not in names and "cudaStreamSynchronize" not in names
+            assert {"cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "nccl:all_reduce",
+                    "ProfilerStep#3"} & {e["name"] for e in events} <= set(names)
+
+
+def test_a_real_trace_keeps_every_launch_and_drops_other_runtime_calls():
+    kept = _all_events(REAL[0], kineto._WANTED)
+    every = _all_events(REAL[0])
+    runtime = [e["name"] for e in kept if e.get("cat") == "cuda_runtime"]
+    assert runtime and not [n for n in runtime if n.startswith(kineto._NOT_LAUNCHES)]
+    correlated = {e["args"]["correlation"] for e in every if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")}
+    launches = [e for e in every if e.get("cat") == "cuda_runtime" and e["args"].get("correlation") in correlated]
+    assert launches and all(e in kept for e in launches)
+    assert len(runtime) < 0.5 * sum(e.get("cat") == "cuda_runtime" for e in every)
+
+
+def test_skip_heads_are_eight_bytes():
+    with pytest.raises(ValueError, match="8 bytes"):
+        EventFilter.of(["cuda_runtime"], skip=(["cuda_runtime"], ["cudaEvent"]))
+
+
+def test_events_separated_two_ways_are_judged_by_their_keys(tmp_path):
+    """A pretty-printed trace in which two events are joined by `}, {`: a piece may then hold two events,
+    and its head says nothing of the second, so the heads are not trusted and no kernel is lost."""
+    cpu = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 1}
+    kernel = {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 2, "dur": 1, "args": {"stream": 7}}
+    pretty = [json.dumps(e, indent=4).replace("\n", "\n  ") for e in (cpu, kernel) * 20]
+    pretty[2] = pretty[0] + ", " + pretty[1]  # a CPU op and a kernel joined otherwise: 21 kernels
+    path = tmp_path / "t.json"
+    path.write_text('{"traceEvents": [\n  ' + ",\n  ".join(pretty) + "\n]}")
+    kept = _all_events(str(path), kineto._WANTED)
+    assert sum(e["name"] == "gemm" for e in kept) == 21

@@ -10,12 +10,12 @@ import os
 import orjson
 import pytest
 
-from gpuwatch.cli import main
-from gpuwatch.collector.efficiency import analyze, load_paths, whatif
-from gpuwatch.collector.efficiency.matching import match_collectives
-from gpuwatch.collector.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P
-from gpuwatch.collector.traces.kineto import load_kineto
-from gpuwatch.errors import UserError
+from gpuwatch.apps.cli import main
+from gpuwatch.efficiency import analyze, load_paths, whatif
+from gpuwatch.efficiency.matching import match_collectives
+from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P
+from gpuwatch.efficiency.traces.kineto import load_kineto
+from gpuwatch.core.errors import UserError
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):

@@ -1,4 +1,4 @@
-"""Kineto loading: real traces from ../shared/data/kineto (against HTA's numbers) and constructed ones."""
+"""Kineto loading: real traces from the shared data set (../shared/data/kineto) (against HTA's numbers) and constructed ones."""
 from __future__ import annotations
 
 import gzip
@@ -9,10 +9,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from gpuwatch.collector.efficiency import analyze, load_paths
-from gpuwatch.collector.efficiency.timeline import COLLECTIVE, P2P
-from gpuwatch.collector.traces.kineto import load_kineto
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency import analyze, load_paths
+from gpuwatch.efficiency.timeline import COLLECTIVE, P2P
+from gpuwatch.efficiency.traces.kineto import load_kineto
+from gpuwatch.core.errors import UserError
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):
@@ -54,7 +54,7 @@ def test_control_trace_partition_and_collective_types(control):
     (os.path.join(SAMPLED, "rank1.json.gz"), 1, 600.7, 54.72, 22.57, 20.05),
 ])
 def test_agrees_with_hta_temporal_breakdown(path, rank, window_ms, idle_pct, compute_pct, overlap_pct):
-    """trace-analysis.md section 7: HTA 0.5.0 numbers on the same window, within 0.5 % of the window."""
+    """HTA 0.5.0 numbers (docs/efficiency.md, "Agreement with HolisticTraceAnalysis") on the same window, within 0.5 % of the window."""
     entry = analyze([hta_window(load_kineto(path))])["ranks"][0]
     assert entry["rank"] == rank
     assert entry["window_us"] / 1000 == pytest.approx(window_ms, abs=0.05)
@@ -76,7 +76,7 @@ def test_sampled_ranks_matched_against_each_other():
 
 
 def test_small_blocks_stream_to_the_same_timeline(control, monkeypatch):
-    import gpuwatch.collector.traces.eventstream as eventstream
+    import gpuwatch.efficiency.traces.eventstream as eventstream
 
     monkeypatch.setattr(eventstream, "BLOCK_BYTES", 64 << 10)
     small = load_kineto(CONTROL)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from gpuwatch.collector.efficiency import analyze, load_paths
-from gpuwatch.collector.efficiency.timeline import COLLECTIVE, COMPUTE
-from gpuwatch.collector.traces.spans import timelines_from_spans
-from gpuwatch.errors import UserError
+from gpuwatch.efficiency import analyze, load_paths
+from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE
+from gpuwatch.efficiency.traces.spans import timelines_from_spans
+from gpuwatch.core.errors import UserError
 
 T0 = 1_700_000_000_000_000.0
 

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from gpuwatch.collector.efficiency import RankTimeline, analyze, load_paths
-from gpuwatch.collector.efficiency.timeline import COLLECTIVE, COMPUTE, P2P
+from gpuwatch.efficiency import RankTimeline, analyze, load_paths
+from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, P2P
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):

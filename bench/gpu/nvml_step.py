@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 import psutil
 
-from gpuwatch import events as ev
-from gpuwatch.fields import GPU_FIELDS, Tier
-from gpuwatch.recording import open_recording
+from gpuwatch.core import events as ev
+from gpuwatch.core.fields import GPU_FIELDS, Tier
+from gpuwatch.core.recording import open_recording
 
 HERE = Path(__file__).resolve().parent
 GPM_REPORTED = ("gpu_sm_active_ratio", "gpu_sm_occupancy_ratio", "gpu_tensor_active_ratio",
@@ -83,7 +83,7 @@ def run_agent_under_load(work: Path, phases: str, device: str, simulate: int | N
     """Two agents watch the GPU while loads.py runs ``phases``: one records (for the analysis), one streams
     to an in-process Ingest sink on loopback (the production setting, for its cost). Returns the phases,
     each agent's cost and exit, and the recording's path."""
-    from gpuwatch.agent.sink import IngestSink  # grpc: imported only for this step
+    from gpuwatch.simulator.collector_sink import IngestSink  # grpc: imported only for this step
 
     record, phases_json = work / "recording", work / "phases.json"
     sink = IngestSink()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatch.fields import BY_NAME
+from gpuwatch.core.fields import BY_NAME
 
 GPM_COLUMNS = (("gpu_sm_active_ratio", "SM active"), ("gpu_sm_occupancy_ratio", "SM occupancy"),
                ("gpu_tensor_active_ratio", "tensor active"), ("gpu_dram_bandwidth_utilization_ratio", "DRAM BW"),

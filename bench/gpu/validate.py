@@ -37,7 +37,7 @@ import nvml_step
 import probe_step
 import report
 import trace_step
-from gpuwatch.agent.simfleet import SimulatedFleet
+from gpuwatch.simulator.fleet import SimulatedFleet
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
 STEPS = ("machine", "nvml_latency", "capability", "nvml_agent", "trace", "probe")

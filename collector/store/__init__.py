@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from gpuwatch.collector.store.base import Store
-from gpuwatch.errors import UserError
+from gpuwatch.core.errors import UserError
 
 CLICKHOUSE_SCHEMES = ("chdb://", "clickhouse://", "clickhouses://")
 

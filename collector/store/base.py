@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from gpuwatch.columnar import ColumnarBatch
+from gpuwatch.core.columnar import ColumnarBatch
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 #: Default bounds of the collector's memory and raw data (docs/operations.md, "Memory").

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -30,13 +31,13 @@ import clickhouse_connect
 import pandas as pd
 import pyarrow as pa
 
-from gpuwatch import events as event_kinds
-from gpuwatch import fields
+from gpuwatch.core import events as event_kinds
+from gpuwatch.core import fields
 from gpuwatch.collector.store.base import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, DEFAULT_SPAN_TRIM_INTERVAL_S
 from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
-from gpuwatch.columnar import ColumnarBatch
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.core.columnar import ColumnarBatch
+from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ class ClickHouseStore(GroupWriter):
         self._clients_lock = threading.Lock()
         self.cluster = clickhouse_cluster
         try:
+            if url.startswith("chdb://"):
+                _private_directory(url.removeprefix("chdb://"))
             admin = clickhouse_connect.get_client(**self._connect_args)
             for statement in create_statements(self.database, retention_days, clickhouse_cluster):
                 admin.command(statement)
@@ -699,6 +702,16 @@ class ClickHouseStore(GroupWriter):
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def _private_directory(path: str) -> None:
+    """The in-process engine's directory holds telemetry and alert history: the collector's user only (0700).
+
+    Made before chdb opens it, so its files are never readable by others even for a moment; an existing
+    directory is narrowed too, whatever the umask made it.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
 def _connection(url: str) -> tuple[dict[str, Any], str]:
     """clickhouse-connect arguments and the database for a --store URL."""
     if url.startswith("chdb://"):
@@ -770,7 +783,7 @@ def _until(until_ms: int | None) -> int:
 
 def _check_field(name: str) -> None:
     if name not in fields.GPU_FIELD_NAMES:
-        raise UserError(f"unknown GPU field {name!r}; fields are listed in gpuwatch.fields")
+        raise UserError(f"unknown GPU field {name!r}; fields are listed in gpuwatch.core.fields")
 
 
 def _utc_now() -> dt.datetime:

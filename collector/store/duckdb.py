@@ -26,19 +26,19 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpuwatch import events as event_kinds
-from gpuwatch import fields
+from gpuwatch.core import events as event_kinds
+from gpuwatch.core import fields
 from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
                                            DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS)
 from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
                                              fingerprint)
-from gpuwatch.columnar import ColumnarBatch
-from gpuwatch.errors import NotFound, UserError
+from gpuwatch.core.columnar import ColumnarBatch
+from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# the kinds gpuwatch/events.py defines (its upper-case string constants): the wire contract of Event.kind
+# the kinds gpuwatch/core/events.py defines (its upper-case string constants): the wire contract of Event.kind
 KNOWN_EVENT_KINDS = frozenset(v for k, v in vars(event_kinds).items() if k.isupper() and isinstance(v, str))
 
 _chain = itertools.chain.from_iterable
@@ -281,7 +281,7 @@ class DuckDBStore(GroupWriter):
     ) -> pd.DataFrame:
         """One GPU field over time (columns ts_ms, value), oldest first; with ``limit``, the newest rows."""
         if field not in _GPU_FIELD_INDEX:
-            raise UserError(f"unknown GPU field {field!r}; fields are listed in gpuwatch.fields")
+            raise UserError(f"unknown GPU field {field!r}; fields are listed in gpuwatch.core.fields")
         df = self.query_df(f"""
             SELECT epoch_ms(ts) AS ts_ms, {field} AS value FROM gpu_samples
             WHERE node = $node AND gpu_index = $gpu AND {field} IS NOT NULL
@@ -672,7 +672,7 @@ def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> 
 
 def _value_arrays(matrices: list[np.ndarray], names: Sequence[str]) -> dict[str, pa.Array]:
     """One nullable Arrow column per field from the batches' (rows x fields) matrices: NaN becomes NULL
-    (not sampled, or ±inf, which gpuwatch.columnar turned into NaN: no gauge or counter is infinite)."""
+    (not sampled, or ±inf, which gpuwatch.core.columnar turned into NaN: no gauge or counter is infinite)."""
     by_field = np.concatenate(matrices).T.copy() if matrices else np.empty((len(names), 0))
     missing = np.isnan(by_field)
     return {name: pa.array(by_field[i], mask=missing[i]) for i, name in enumerate(names)}

@@ -19,10 +19,10 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatch.collector.exporter import LatencyHistogram
+from gpuwatch.core.prometheus import LatencyHistogram
 from gpuwatch.collector.store.base import StoreClosed, WriteResult
-from gpuwatch.columnar import ColumnarBatch, from_message
-from gpuwatch.errors import AgentIdConflict
+from gpuwatch.core.columnar import ColumnarBatch, from_message
+from gpuwatch.core.errors import AgentIdConflict
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)

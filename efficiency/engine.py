@@ -1,0 +1,250 @@
+"""`analyze()`: timelines of one job's ranks -> the efficiency document (spec efficiency.md v1).
+
+A pure function of its inputs, so the offline `gpuwatch analyze`, the collector and replay share it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gpuwatch.efficiency.matching import match_collectives
+from gpuwatch.efficiency.partition import (
+    CATEGORIES, COMPUTE_C, MEMCPY_C, Partition, StepSlice, partition,
+)
+from gpuwatch.efficiency.stragglers import find_stragglers
+from gpuwatch.efficiency.timeline import KIND_NAMES, RankTimeline
+from gpuwatch.efficiency.whatif import what_if
+from gpuwatch.efficiency.window import select_steps
+from gpuwatch.core.errors import UserError
+
+US_PER_HOUR = 3.6e9
+SPEC = "efficiency v1"
+# Longest span of one job's activity the engine reads: far beyond any run, far below the int64 nanoseconds
+# it partitions in (a broken exporter's timestamps would otherwise overflow them).
+MAX_SPAN_US = 365 * 24 * US_PER_HOUR
+
+
+def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_step: float | None = None,
+            peak_tflops: float | None = None, gpu_hour_price: float | None = None,
+            keep_segments: bool = False, steps: str | None = None, with_what_if: bool = True) -> dict:
+    """The breakdown document: per rank, per job, stragglers, matching, coverage, the analysed window and
+    the what-if (and per step when asked). `steps` picks the window (see window.py).
+
+    With `keep_segments`, the classified segments and the analysed timelines are kept in the private keys
+    `_partitions` and `_timelines` (for rendering timelines); drop them before serialising."""
+    _check_one_job(timelines)
+    ordered = sorted(timelines, key=lambda tl: tl.rank)
+    _check_times(ordered)
+    timelines, window = select_steps(ordered, steps)
+    origin = math.floor(min(float(tl.start_us.min()) for tl in timelines))
+    matching = match_collectives(timelines)
+    parts = [partition(tl, wait, origin, keep_segments=keep_segments)
+             for tl, wait in zip(timelines, matching.waits)]
+    mfu_of = _mfu_function(flops_per_step, peak_tflops)
+    ranks = [
+        _rank_entry(tl, part, matched, per_step, mfu_of)
+        for tl, part, matched in zip(timelines, parts, matching.matched_per_rank)
+    ]
+    busy = {entry["rank"]: entry["busy_per_step_us"] for entry in ranks}
+    stragglers, delayed = find_stragglers(matching, busy)
+    coverage = _coverage(timelines, matching.matched)
+    doc = {
+        "spec": SPEC,
+        "categories": list(CATEGORIES),
+        "ranks": ranks,
+        "job": _job_entry(timelines, parts, ranks, gpu_hour_price),
+        "stragglers": stragglers,
+        "delayed": delayed,
+        "matched_collectives": matching.matched,
+        "coverage": coverage,
+        "straggler_verdict": _verdict(stragglers, coverage),
+        "window": _window_entry(window, timelines, parts),
+        "what_if": what_if(timelines, matching) if with_what_if else None,
+        "top_kernels": top_kernels(timelines),
+        "trace_meta": next((tl.trace_meta for tl in timelines if tl.trace_meta), {}),
+    }
+    if keep_segments:
+        doc["_partitions"], doc["_timelines"] = parts, timelines
+    return doc
+
+
+def _check_times(timelines: list[RankTimeline]) -> None:
+    starts = [float(tl.start_us.min()) for tl in timelines]
+    ends = [float(np.max(tl.end_us)) for tl in timelines]
+    if not all(map(math.isfinite, starts + ends)):
+        raise UserError(f"{timelines[0].source}: activity times are not finite numbers")
+    span = max(ends) - min(starts)
+    if span > MAX_SPAN_US:
+        raise UserError(f"{timelines[0].source}: activity spans {span / US_PER_HOUR / 24:.0f} days; "
+                        "the timestamps are not microseconds of one run")
+
+
+def _coverage(timelines: list[RankTimeline], matched: int) -> dict:
+    """Which ranks of the job are here, and so what can be said about waiting for peers. Without every
+    rank, a collective's last arrival may be a rank that is not here: `comm_wait` is then a lower bound
+    (the rest of the wait is inside `comm_transfer`) and no rank can be cleared of straggling."""
+    present = [tl.rank for tl in timelines]
+    world = next((tl.world_size for tl in timelines if tl.world_size), None)
+    complete = len(present) >= world if world else (len(present) >= 2 and matched > 0)
+    sampled = [tl.events_sampled for tl in timelines]
+    return {
+        "ranks_present": len(present),
+        "world_size": world,
+        "ranks": present,
+        "complete": complete,
+        "events_sampled": True if any(s is True for s in sampled) else (None if None in sampled else False),
+        "comm_wait_lower_bound": not complete,
+    }
+
+
+def _verdict(stragglers: list[dict], coverage: dict) -> str:
+    """`undetermined` whenever peers are missing: a rank last among the ranks present may still be early
+    among all of them, and a rank that looks fine may be held back by one that is not here."""
+    if not coverage["complete"]:
+        return "undetermined"
+    return "found" if stragglers else "none"
+
+
+def _window_entry(window: dict, timelines: list[RankTimeline], parts: list[Partition]) -> dict:
+    steps = sorted({int(s) for tl in timelines for s in np.unique(tl.step) if s >= 0})
+    return {
+        **window,
+        "start_us": min(p.origin_us + _us(p.start_ns) for p in parts),
+        "end_us": max(p.origin_us + _us(p.start_ns + p.window_ns) for p in parts),
+        "steps": steps,
+        "activities": int(sum(len(tl) for tl in timelines)),
+    }
+
+
+def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> dict:
+    """The kernels that take the most GPU time, and the most frequent ones (with how many ran under
+    10 us: the small kernels behind `small_kernel_overhead`), over all ranks. Summed per timeline over
+    its name ids, then merged by name (names are few; kernels are many)."""
+    merged: dict[str, list] = {}
+    for tl in timelines:
+        if not len(tl):
+            continue
+        ids = np.where(tl.name >= 0, tl.name, len(tl.names))
+        dur = tl.end_us - tl.start_us
+        n = len(tl.names) + 1
+        time = np.bincount(ids, weights=dur, minlength=n)
+        count = np.bincount(ids, minlength=n)
+        short = np.bincount(ids, weights=dur < 10.0, minlength=n)
+        kind = np.zeros(n, np.int64)
+        kind[ids[::-1]] = tl.kind[::-1]  # the kind of its first activity
+        for i in np.flatnonzero(count):
+            name = tl.names[i] if i < len(tl.names) else ""
+            row = merged.setdefault(name, [0.0, 0, 0, int(kind[i])])
+            row[0] += float(time[i])
+            row[1] += int(count[i])
+            row[2] += int(short[i])
+
+    def rows(key) -> list[dict]:
+        ordered = sorted(merged.items(), key=key)[:limit]
+        return [{"name": name, "kind": KIND_NAMES[k], "count": c, "time_us": round(t, 3),
+                 "mean_us": round(t / c, 3), "short_count": sh} for name, (t, c, sh, k) in ordered]
+
+    return {"by_time": rows(lambda item: (-item[1][0], item[0])), "by_count": rows(lambda item: (-item[1][1], item[0]))}
+
+
+def _check_one_job(timelines: list[RankTimeline]) -> None:
+    if not timelines:
+        raise UserError("nothing to analyse: no rank timelines")
+    seen: dict[int, str] = {}
+    for tl in timelines:
+        if len(tl) == 0:
+            raise UserError(f"{tl.source or f'rank {tl.rank}'}: no GPU activity")
+        if tl.rank in seen:
+            raise UserError(f"rank {tl.rank} given twice: {seen[tl.rank]} and {tl.source}")
+        seen[tl.rank] = tl.source
+    jobs = {tl.job_id for tl in timelines if tl.job_id}
+    worlds = {tl.world_size for tl in timelines if tl.world_size}
+    if len(jobs) > 1 or len(worlds) > 1:
+        sources = ", ".join(f"{tl.source or tl.rank} (job {tl.job_id}, world {tl.world_size})" for tl in timelines)
+        raise UserError(f"inputs come from different jobs: {sources}")
+
+
+def _us(ns) -> float:
+    return float(ns) / 1000.0
+
+
+def _breakdown(totals_ns: np.ndarray) -> dict[str, float]:
+    return {name: _us(v) for name, v in zip(CATEGORIES, totals_ns)}
+
+
+def _fractions(totals_ns: np.ndarray, window_ns: int) -> dict[str, float]:
+    return {name: (float(v) / window_ns if window_ns else 0.0) for name, v in zip(CATEGORIES, totals_ns)}
+
+
+def _mfu_function(flops_per_step: float | None, peak_tflops: float | None):
+    if not flops_per_step or not peak_tflops:
+        return lambda steps, window_ns: None
+    return lambda steps, window_ns: flops_per_step * steps / (window_ns * 1e-9 * peak_tflops * 1e12)
+
+
+def _known_steps(part: Partition) -> list[StepSlice]:
+    return [s for s in part.steps if s.step is not None]
+
+
+def _rank_entry(tl: RankTimeline, part: Partition, matched: int, per_step: bool, mfu_of) -> dict:
+    steps = _known_steps(part)
+    busy_ns = int(part.totals_ns[COMPUTE_C] + part.totals_ns[MEMCPY_C])
+    entry = {
+        "rank": tl.rank,
+        "source": tl.source,
+        "window_start_us": part.origin_us + _us(part.start_ns),
+        "window_us": _us(part.window_ns),
+        "breakdown_us": _breakdown(part.totals_ns),
+        "breakdown_fraction": _fractions(part.totals_ns, part.window_ns),
+        "lost_us": _us(part.window_ns - part.totals_ns[COMPUTE_C]),
+        "comm_total_us": _us(part.comm_total_ns),
+        "comm_overlapped_us": _us(part.comm_overlapped_ns),
+        "overlap_ratio": part.comm_overlapped_ns / part.comm_total_ns if part.comm_total_ns else None,
+        "short_kernels": {"count": part.short_kernel_count, "time_us": _us(part.short_kernel_ns)},
+        "matched_collectives": matched,
+        "steps": len(steps),
+        "busy_per_step_us": _us(busy_ns) / max(len(steps), 1),
+        "mfu": mfu_of(len(steps), sum(s.window_ns for s in steps)) if steps else None,
+    }
+    if per_step:
+        entry["per_step"] = [
+            {
+                "step": s.step,
+                "start_us": part.origin_us + _us(s.start_ns),
+                "window_us": _us(s.window_ns),
+                "breakdown_us": _breakdown(s.totals_ns),
+                "lost_fraction": float(s.window_ns - s.totals_ns[COMPUTE_C]) / s.window_ns,
+                "mfu": mfu_of(1, s.window_ns) if s.step is not None else None,
+            }
+            for s in part.steps
+        ]
+    return entry
+
+
+def _job_entry(timelines: list[RankTimeline], parts: list[Partition], ranks: list[dict],
+               gpu_hour_price: float | None) -> dict:
+    totals = np.sum([p.totals_ns for p in parts], axis=0)
+    window = int(sum(p.window_ns for p in parts))
+    comm_total = sum(p.comm_total_ns for p in parts)
+    overlapped = sum(p.comm_overlapped_ns for p in parts)
+    lost_hours = _us(window - totals[COMPUTE_C]) / US_PER_HOUR
+    mfus = [r["mfu"] for r in ranks if r["mfu"] is not None]
+    return {
+        "ranks": len(timelines),
+        "world_size": next((tl.world_size for tl in timelines if tl.world_size), None),
+        "job_id": next((tl.job_id for tl in timelines if tl.job_id), None),
+        "window_us": _us(window),
+        "breakdown_us": _breakdown(totals),
+        "breakdown_fraction": _fractions(totals, window),
+        "lost_us": _us(window - totals[COMPUTE_C]),
+        "lost_gpu_hours": lost_hours,
+        "lost_cost": lost_hours * gpu_hour_price if gpu_hour_price is not None else None,
+        "comm_overlapped_us": _us(overlapped),
+        "overlap_ratio": overlapped / comm_total if comm_total else None,
+        "short_kernels": {
+            "count": sum(p.short_kernel_count for p in parts),
+            "time_us": _us(sum(p.short_kernel_ns for p in parts)),
+        },
+        "mfu": float(np.mean(mfus)) if mfus else None,
+    }

@@ -1,0 +1,95 @@
+"""Cross-rank matching of collective instances and the waiting-for-peers time of each.
+
+An instance is identified by (process group, seq) where the source gives them, else by (collective
+type, order of occurrence on the rank). Communication of unknown type (a kernel nothing in the trace
+types) is matched only by process group and seq: matching it by order could pair unrelated kernels.
+For an instance seen on two or more ranks, with s_r the start of its kernel on rank r and d_r its
+duration: wait_r = clamp(max(s) - s_r, 0, d_r).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpuwatch.efficiency.timeline import COLLECTIVE, RankTimeline
+
+
+@dataclass
+class Matching:
+    """`waits[i]` and `instance_of[i]` (the matched instance of each activity, -1 if none) are aligned with
+    timeline i's activities. The arrival columns (instance, rank, start_us) hold one row per rank and
+    matched instance (those seen on two or more ranks)."""
+
+    waits: list[np.ndarray]
+    instance_of: list[np.ndarray]
+    matched: int
+    matched_per_rank: list[int]
+    instance: np.ndarray
+    rank: np.ndarray
+    start_us: np.ndarray
+
+
+def match_collectives(timelines: list[RankTimeline]) -> Matching:
+    """Match collective kernels across ranks and compute each kernel's wait."""
+    waits = [np.zeros(len(tl)) for tl in timelines]
+    instance_of = [np.full(len(tl), -1, np.int64) for tl in timelines]
+    rows = [_collectives_of(i, tl) for i, tl in enumerate(timelines)]
+    owner = np.concatenate([r[0] for r in rows])
+    index = np.concatenate([r[1] for r in rows])
+    if len(owner) == 0:
+        return Matching(waits, instance_of, 0, [0] * len(timelines), *(np.empty(0, np.int64),) * 2, np.empty(0))
+    start = np.concatenate([tl.start_us[r[1]] for tl, r in zip(timelines, rows)])
+    dur = np.concatenate([tl.end_us[r[1]] for tl, r in zip(timelines, rows)]) - start
+    group = np.concatenate([r[2] for r in rows])
+    ctype = np.concatenate([r[3] for r in rows])
+    seq = np.concatenate([r[4] for r in rows])
+
+    by_group = (seq >= 0) & (group != "")
+    name = np.where(by_group, group, ctype)
+    _, name_code = np.unique(name.astype(str), return_inverse=True)
+    # Ordinal of each kernel among same-key kernels of its rank (rows are in start order per rank).
+    number = np.where(by_group, seq, 0)
+    ordinal = _cumcount(np.column_stack([owner, by_group, name_code, number]))
+    number = np.where(by_group, seq, ordinal)
+    sub = np.where(by_group, ordinal, 0)
+    keys = np.column_stack([by_group, name_code, number, sub]).astype(np.int64)
+    _, instance = np.unique(keys, axis=0, return_inverse=True)
+    instance = instance.ravel()
+
+    size = np.bincount(instance)
+    latest = np.full(len(size), -np.inf)
+    np.maximum.at(latest, instance, start)
+    matched_row = size[instance] >= 2
+    wait = np.where(matched_row, np.clip(latest[instance] - start, 0, dur), 0.0)
+    for i in range(len(timelines)):
+        mine = owner == i
+        waits[i][index[mine]] = wait[mine]
+        instance_of[i][index[mine]] = np.where(matched_row[mine], instance[mine], -1)
+    per_rank = np.bincount(owner[matched_row], minlength=len(timelines))
+    ranks = np.array([tl.rank for tl in timelines])
+    return Matching(
+        waits=waits, instance_of=instance_of, matched=int((size >= 2).sum()), matched_per_rank=[int(x) for x in per_rank],
+        instance=instance[matched_row], rank=ranks[owner[matched_row]], start_us=start[matched_row],
+    )
+
+
+def _collectives_of(i: int, tl: RankTimeline):
+    idx = np.flatnonzero(tl.kind == COLLECTIVE)
+    typed = tl.type_names()[idx] != "unknown"
+    idx = idx[typed | ((tl.seq[idx] >= 0) & (tl.process_group[idx] >= 0))]
+    idx = idx[np.argsort(tl.start_us[idx], kind="stable")]
+    return (np.full(len(idx), i), idx, tl.group_names()[idx], tl.type_names()[idx], tl.seq[idx])
+
+
+def _cumcount(keys: np.ndarray) -> np.ndarray:
+    """For each row, how many earlier rows have the same key (rows keep their order within a key)."""
+    _, code = np.unique(keys, axis=0, return_inverse=True)
+    code = code.ravel()
+    order = np.argsort(code, kind="stable")
+    sorted_code = code[order]
+    first = np.concatenate([[True], sorted_code[1:] != sorted_code[:-1]])
+    group_start = np.maximum.accumulate(np.where(first, np.arange(len(code)), 0))
+    out = np.empty(len(code), np.int64)
+    out[order] = np.arange(len(code)) - group_start
+    return out

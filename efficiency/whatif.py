@@ -1,0 +1,425 @@
+"""What-if: how much faster the job would run if no rank and no step were slower than the job's typical op.
+
+The method of "Understanding Stragglers in Large Model Training Using What-if Analysis" (OSDI'25), as the
+spec (efficiency.md, "What-if") defines it. The analysed ops of every rank become a dependency graph:
+- on a rank, op B depends, per stream, on the latest op A that started before B and ended no later than
+  `DELTA_US` after B started (the rest of "every such op" is implied through that stream's order);
+- a matched collective instance ends, on every rank, its transfer time after the last rank arrives;
+- a point-to-point pair (send/recv matched by process group and seq, else by order between the two ranks
+  of a two-rank group) ends its transfer time after both sides have started;
+- with launch delays kept, an op also waits the host stall the trace shows before it (the part of its
+  idle gap before which its launch call had not begun).
+
+The graph is replayed with chosen durations: "actual" (the check: it must reproduce the measured step
+times), "actual without launch delays", and "ideal" (compute and memory ops at the mean duration of their
+kernel name over all ranks and steps, communication transfers at the median of their collective type and
+group size). `slowdown` = actual-without-launch-delays ÷ ideal mean step time; attribution replays with
+one rank's (or one op kind's) actual durations and all else ideal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpuwatch.efficiency.matching import Matching
+from gpuwatch.efficiency.timeline import COLLECTIVE, KIND_NAMES, P2P, UNKNOWN, RankTimeline
+
+DELTA_US = 1000.0
+_NO_INSTANCE = -1
+
+
+@dataclass
+class _Graph:
+    """All ranks' ops (global op ids, each rank's ops in actual start order), and the graph the replay
+    walks: nodes, each one op or a chain of ops run back to back that nothing else waits on inside (a
+    stream's kernels between two cross-stream dependencies), which replays exactly as one op of their
+    summed duration and a fraction of the work."""
+
+    node: np.ndarray            # node of each op
+    head: np.ndarray            # first op of each node
+    order: list[int]            # nodes in the actual start order of their first op
+    deps: list[tuple[int, ...]] # nodes each node waits for
+    base: list[float]           # the rank's first actual start: a node with no dependency starts there
+    instance: list[int]         # cross-rank instance (collective or p2p pair) of each node, else -1
+    members: list[list[int]]    # nodes of each instance
+    start: np.ndarray           # actual start / end / duration (us, relative to the job origin)
+    end: np.ndarray
+    transfer: np.ndarray        # actual duration, minus the wait for peers for communication ops
+    delay: np.ndarray           # host launch delay before each op (0 where unknown)
+    rank_pos: np.ndarray        # index of each op's rank among the timelines
+    kind: np.ndarray
+    step: np.ndarray
+    key: np.ndarray             # what "the same op" is for the ideal: kernel name, or type and group size
+    comm: np.ndarray            # True for communication ops (their ideal is a median, not a mean)
+
+
+def what_if(timelines: list[RankTimeline], matching: Matching) -> dict | None:
+    """The `what_if` document entry (None when there is nothing to replay)."""
+    graph = _build(timelines, matching)
+    if graph is None:
+        return None
+    ideal = _ideal_durations(graph)
+    zero = np.zeros(len(graph.start))
+    node_step = graph.step[graph.head]
+    actual_steps = _step_times(graph.step, graph.start, graph.end)
+    replay = _step_times(node_step, *_simulate(graph, graph.transfer, graph.delay))
+    no_delay = _step_times(node_step, *_simulate(graph, graph.transfer, zero))
+    ideal_steps = _step_times(node_step, *_simulate(graph, ideal, zero))
+    t_actual, t_ideal = float(no_delay.mean()), float(ideal_steps.mean())
+    if not (t_ideal > 0 and t_actual > 0 and (actual_steps > 0).all()):
+        return None  # steps of zero length (a trace of zero-length work): no time to compare against
+    if replay.shape != actual_steps.shape:
+        return None  # a live window cut a step to nothing in the trace or in the replay: no step-by-step check
+
+    def slowdown_with(actual_mask: np.ndarray) -> float:
+        durations = np.where(actual_mask, graph.transfer, ideal)
+        return float(_step_times(node_step, *_simulate(graph, durations, zero)).mean()) / t_ideal
+
+    ranks = [tl.rank for tl in timelines]
+    if len(ranks) == 1:
+        per_rank = {ranks[0]: t_actual / t_ideal}
+    else:
+        per_rank = {rank: slowdown_with(graph.rank_pos == i) for i, rank in enumerate(ranks)}
+    kinds = [k for k in range(len(KIND_NAMES)) if (graph.kind == k).any()]
+    per_kind = {KIND_NAMES[k]: slowdown_with(graph.kind == k) for k in kinds}
+    slowdown = t_actual / t_ideal
+    excess = slowdown - 1.0
+
+    def share(s: float) -> float | None:
+        return round((s - 1.0) / excess, 4) if excess > 1e-9 else None
+
+    return {
+        "slowdown": round(max(1.0, slowdown), 4),
+        "slowdown_unclamped": round(slowdown, 4),
+        "actual_step_us": round(float(actual_steps.mean()), 3),
+        "replayed_step_us": round(float(replay.mean()), 3),
+        "replay_error": round(float(np.max(np.abs(replay - actual_steps) / actual_steps)), 4),
+        "no_launch_delay_step_us": round(t_actual, 3),
+        "actual_over_no_launch_delay": round(float(actual_steps.mean()) / t_actual, 4),
+        "ideal_step_us": round(t_ideal, 3),
+        "steps": len(actual_steps),
+        "ops": len(graph.start),
+        "replayed_nodes": len(graph.head),
+        "per_rank": [{"rank": r, "slowdown": round(s, 4), "share": share(s)} for r, s in per_rank.items()],
+        "per_op_kind": [{"kind": k, "slowdown": round(s, 4), "share": share(s)} for k, s in per_kind.items()],
+    }
+
+
+def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
+    origin = min(float(tl.start_us.min()) for tl in timelines if len(tl))
+    parts = []
+    offset = 0
+    for pos, tl in enumerate(timelines):
+        order = np.lexsort((tl.end_us, tl.start_us))
+        start, end = tl.start_us[order] - origin, tl.end_us[order] - origin
+        lane = np.where(tl.stream[order] >= 0, tl.stream[order], 1_000_000 + tl.kind[order].astype(np.int64))
+        deps, pred = _dependencies(start, end, lane)
+        launch = tl.launch_us[order] - origin
+        parts.append({
+            "order": order, "start": start, "end": end, "deps": deps, "pred": pred, "offset": offset, "pos": pos,
+            "delay": _launch_delays(start, end, launch, deps),
+        })
+        offset += len(order)
+    n = offset
+    start = np.concatenate([p["start"] for p in parts])
+    end = np.concatenate([p["end"] for p in parts])
+    if n == 0:
+        return None
+    kind = np.concatenate([tl.kind[p["order"]] for tl, p in zip(timelines, parts)])
+    instance, members, group_size = _instances(timelines, parts, matching, n)
+    transfer = end - start - _waits(instance, start, end)
+    key = _op_keys(timelines, parts, kind, group_size)
+    step = np.concatenate([tl.step[p["order"]] for tl, p in zip(timelines, parts)])
+    node = np.empty(n, np.int64)
+    heads, deps, base = [], [], []
+    for p in parts:
+        span = slice(p["offset"], p["offset"] + len(p["start"]))
+        local_node, local_heads = _chains(p["deps"], p["pred"], instance[span] < 0, step[span])
+        first = len(heads)
+        node[span] = local_node + first
+        heads.extend((local_heads + p["offset"]).tolist())
+        for row in p["deps"][local_heads].tolist():
+            deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
+        base.extend([float(p["start"][0])] * len(local_heads))
+    head = np.array(heads, dtype=np.int64)
+    return _Graph(
+        node=node, head=head, order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
+        instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
+        start=start, end=end, transfer=transfer, delay=np.concatenate([p["delay"] for p in parts]),
+        rank_pos=np.concatenate([np.full(len(p["start"]), p["pos"]) for p in parts]),
+        kind=kind, step=step, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
+    )
+
+
+def _chains(deps: np.ndarray, pred: np.ndarray, local: np.ndarray, step: np.ndarray):
+    """(node of each op, first op of each node) of one rank: an op joins its stream predecessor's node
+    when it waits for that op alone, neither is communication, they share a step, and nothing else
+    waits for the predecessor."""
+    n = len(deps)
+    has = deps >= 0
+    other = has & (deps != pred[:, None])
+    needed = np.zeros(n, dtype=bool)
+    needed[deps[other]] = True
+    single = (has.sum(axis=1) == 1) & (has & (deps == pred[:, None])).any(axis=1)
+    merge = single & local & (pred >= 0)
+    p = pred[merge]
+    merge[merge] = local[p] & (step[p] == step[merge]) & ~needed[p]
+    root = np.where(merge, pred, np.arange(n))
+    while True:
+        jumped = root[root]
+        if np.array_equal(jumped, root):
+            break
+        root = jumped
+    heads = np.flatnonzero(~merge)
+    return np.searchsorted(heads, root), heads
+
+
+def _waits(instance: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Each op's wait for its peers (the spec's clamp(max(s) - s_r, 0, d_r)), for matched collectives and
+    paired p2p alike; 0 for ops that are not part of a cross-rank instance."""
+    inside = instance >= 0
+    wait = np.zeros(len(start))
+    if inside.any():
+        latest = np.full(int(instance.max()) + 1, -np.inf)
+        np.maximum.at(latest, instance[inside], start[inside])
+        wait[inside] = np.clip(latest[instance[inside]] - start[inside], 0.0, end[inside] - start[inside])
+    return wait
+
+
+def _dependencies(start: np.ndarray, end: np.ndarray, lane: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per op (ops in start order), the ops it depends on, one column per lane (stream; -1: none): the
+    latest op of that lane that started before it and ended no later than DELTA_US after it started. A
+    dependency its predecessor on its own lane already has (or a later one on that lane) is implied, and
+    left out. Also each op's predecessor on its lane (-1 for the first)."""
+    n = len(start)
+    found = []
+    for ln in np.unique(lane):
+        on = np.flatnonzero(lane == ln)
+        p = np.searchsorted(start[on], start, side="left") - 1
+        ok = p >= 0
+        cand = np.where(ok, on[np.maximum(p, 0)], -1)
+        running = ok & (end[np.maximum(cand, 0)] > start + DELTA_US)
+        prev = np.where(p >= 1, on[np.maximum(p - 1, 0)], -1)
+        found.append(np.where(running, prev, cand))
+    dep = np.stack(found, axis=1) if found else np.empty((n, 0), np.int64)
+    # The same-lane predecessor of each op (already implies what it depends on).
+    pred = np.full(n, -1)
+    for ln in np.unique(lane):
+        on = np.flatnonzero(lane == ln)
+        pred[on[1:]] = on[:-1]
+    implied = np.zeros_like(dep, dtype=bool)
+    has_pred = pred >= 0
+    implied[has_pred] = (dep[pred[has_pred]] >= dep[has_pred]) & (dep[has_pred] != pred[has_pred, None])
+    return np.where(implied | (dep < 0), -1, dep), pred
+
+
+def _launch_delays(start: np.ndarray, end: np.ndarray, launch: np.ndarray, deps: np.ndarray) -> np.ndarray:
+    """The host stall before each op: from when its dependencies were done to when its launch call began
+    (never past its start); 0 where the launch time is unknown."""
+    ready = np.where(deps >= 0, end[np.maximum(deps, 0)], start[0]).max(axis=1, initial=start[0])
+    stall = np.minimum(launch, start) - ready
+    return np.where(np.isnan(stall), 0.0, np.maximum(stall, 0.0))
+
+
+def _instances(timelines, parts, matching: Matching, n: int):
+    """Cross-rank instance of each op (matched collectives, paired p2p), the ops of each, and each op's
+    group size (ranks in its instance, or the size of its process group where the trace lists it)."""
+    instance = np.full(n, _NO_INSTANCE, dtype=np.int64)
+    group_size = np.ones(n, dtype=np.int64)
+    rows: list[tuple[int, tuple]] = []  # (global op, instance key) for collectives and p2p
+    keys: dict = {}
+    for tl, p in zip(timelines, parts):
+        inverse = np.empty(len(p["order"]), np.int64)
+        inverse[p["order"]] = np.arange(len(p["order"]))
+        coll = matching.instance_of[p["pos"]]
+        for idx in np.flatnonzero(coll >= 0):
+            rows.append((p["offset"] + int(inverse[idx]), ("c", int(coll[idx]))))
+        for idx, key in _p2p_keys(tl):
+            rows.append((p["offset"] + int(inverse[idx]), key))
+    members: list[list[int]] = []
+    for op, key in rows:
+        k = keys.get(key)
+        if k is None:
+            k = keys[key] = len(members)
+            members.append([])
+        members[k].append(op)
+    for k, ops in enumerate(members):
+        if len(ops) >= 2:
+            instance[ops] = k
+            group_size[ops] = len(ops)
+    members = [ops if len(ops) >= 2 else [] for ops in members]
+    for tl, p in zip(timelines, parts):  # the group's own size where the trace lists its members
+        sizes = np.array([len(tl.group_ranks.get(g, ())) for g in tl.process_groups] + [0])
+        listed = sizes[tl.process_group[p["order"]]]
+        span = slice(p["offset"], p["offset"] + len(p["order"]))
+        group_size[span] = np.where(listed > 0, listed, group_size[span])
+    return instance, members, group_size
+
+
+def _p2p_keys(tl: RankTimeline):
+    """(activity index, pairing key) of each p2p op whose peer is known: the two ranks of its process
+    group; paired by (group, seq) when the trace has seq, else by order between the two ranks."""
+    out = []
+    p2p = np.flatnonzero(tl.kind == P2P)
+    p2p = p2p[np.argsort(tl.start_us[p2p], kind="stable")]
+    counts: dict = {}
+    for idx in p2p:
+        g = int(tl.process_group[idx])
+        if g == UNKNOWN:
+            continue
+        name = tl.process_groups[g]
+        ranks = tl.group_ranks.get(name, [])
+        if len(ranks) != 2 or tl.rank not in ranks:
+            continue
+        pair = tuple(sorted(ranks))
+        seq = int(tl.seq[idx])
+        if seq == UNKNOWN:
+            seq = counts.get(pair, 0)
+            counts[pair] = seq + 1
+            out.append((idx, ("p", pair, "order", seq)))
+        else:
+            out.append((idx, ("p", pair, name, seq)))
+    return out
+
+
+def _op_keys(timelines, parts, kind: np.ndarray, group_size: np.ndarray) -> np.ndarray:
+    """What counts as "the same op" for the ideal durations, as a dense integer per op: the kernel name
+    (and kind) for compute and memory ops, (collective type, group size) for communication. Built from
+    each timeline's small name tables, so no per-op string is made."""
+    ids: dict = {}
+    keys = []
+    for tl, p in zip(timelines, parts):
+        o = p["order"]
+        kinds = tl.kind[o].astype(np.int64)
+        comm = (kinds == COLLECTIVE) | (kinds == P2P)
+        size = group_size[p["offset"]: p["offset"] + len(o)]
+        names = list(tl.names) + [""]            # an unknown id (-1) reads as the last entry, ""
+        types = list(tl.coll_types) + [""]
+        name_id = np.where(tl.name[o] >= 0, tl.name[o], len(names) - 1).astype(np.int64)
+        type_id = np.where(tl.coll_type[o] >= 0, tl.coll_type[o], len(types) - 1).astype(np.int64)
+        sizes = int(size.max()) + 1
+        local = kinds * len(names) + name_id     # (kind, name) as one local code
+        comm_code = type_id * sizes + size       # (type, group size) as one local code
+        key = np.empty(len(o), np.int64)
+        for mask, code, label in ((~comm, local, lambda c: ("op", c // len(names), names[c % len(names)])),
+                                  (comm, comm_code, lambda c: ("comm", types[c // sizes], c % sizes))):
+            if not mask.any():
+                continue
+            uniq, inverse = np.unique(code[mask], return_inverse=True)
+            table = np.array([ids.setdefault(label(int(c)), len(ids)) for c in uniq], dtype=np.int64)
+            key[mask] = table[inverse.ravel()]
+        keys.append(key)
+    return np.concatenate(keys)
+
+
+def _ideal_durations(graph: _Graph) -> np.ndarray:
+    """Compute and memory ops: mean duration per kernel name; communication: median transfer per
+    (collective type, group size); over all ranks and steps."""
+    code = graph.key
+    ideal = np.empty(len(code))
+    local = ~graph.comm
+    if local.any():
+        sums = np.bincount(code[local], weights=graph.transfer[local], minlength=code.max() + 1)
+        counts = np.bincount(code[local], minlength=code.max() + 1)
+        ideal[local] = sums[code[local]] / counts[code[local]]
+    for c in np.unique(code[graph.comm]):
+        mine = graph.comm & (code == c)
+        ideal[mine] = np.median(graph.transfer[mine])
+    return ideal
+
+
+def _simulate(graph: _Graph, duration: np.ndarray, delay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Replay the graph with each op's `duration` and launch `delay`: (start, end) of every node. A node
+    runs its ops back to back: it starts after its first op's delay and lasts their durations plus the
+    delays of the others. Nodes are taken in their actual start order; one whose dependency is not yet
+    known (a collective whose last rank comes later in that order) waits for it. If
+    the graph holds a cycle (ranks that ran matched collectives in different orders), the instance that
+    began first is closed with the ranks that have arrived, and later arrivals end their own transfer
+    after max(that time, their arrival)."""
+    n = len(graph.head)
+    inner = np.bincount(graph.node, weights=delay, minlength=n) - delay[graph.head]
+    dur = (np.bincount(graph.node, weights=duration, minlength=n) + inner).tolist()
+    wait_before = delay[graph.head].tolist()
+    deps, base, instance, members = graph.deps, graph.base, graph.instance, graph.members
+    start: list[float] = [float("nan")] * n
+    end: list = [None] * n
+    arrived = [0] * len(members)
+    latest = [float("-inf")] * len(members)
+    closed = [False] * len(members)
+    waiters: dict[int, list[int]] = {}
+    stack: list[int] = []
+
+    def run(firsts) -> None:
+        """Process `firsts` in order, each with everything it unblocks (a stack of ready ops)."""
+        for first in firsts:
+            stack.append(first)
+            while stack:
+                i = stack.pop()
+                t = base[i]
+                blocked = False
+                for d in deps[i]:
+                    e = end[d]
+                    if e is None:
+                        waiters.setdefault(d, []).append(i)
+                        blocked = True
+                        break
+                    if e > t:
+                        t = e
+                if blocked:
+                    continue
+                t += wait_before[i]
+                start[i] = t
+                k = instance[i]
+                if k < 0:
+                    end[i] = t + dur[i]
+                    if i in waiters:
+                        stack.extend(waiters.pop(i))
+                    continue
+                arrived[k] += 1
+                if t > latest[k]:
+                    latest[k] = t
+                if closed[k]:
+                    done = (i,)
+                elif arrived[k] == len(members[k]):
+                    done = members[k]
+                else:
+                    continue
+                for m in done:
+                    end[m] = latest[k] + dur[m]
+                    if m in waiters:
+                        stack.extend(waiters.pop(m))
+
+    run(graph.order)
+    while True:  # break cycles, if any
+        pending = [k for k in range(len(members)) if 0 < arrived[k] < len(members[k]) and not closed[k]]
+        if not pending:
+            break
+        k = min(pending, key=lambda j: min(graph.start[graph.head[m]] for m in members[j]))
+        closed[k] = True
+        woken = []
+        for m in members[k]:
+            if start[m] == start[m] and end[m] is None:  # arrived (start set), not yet ended
+                end[m] = latest[k] + dur[m]
+                woken.extend(waiters.pop(m, []))
+        run(woken)
+    ends = np.array([np.nan if e is None else e for e in end])
+    return np.array(start), ends
+
+
+def _step_times(step: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Per analysed step, the job's step time: from the end of the previous step (the first step: its
+    first op's start) to the last end of its ops on any rank. No known steps: the whole window is one."""
+    known = step >= 0
+    if not known.any():
+        return np.array([np.nanmax(end) - np.nanmin(start)])
+    steps, code = np.unique(step[known], return_inverse=True)
+    last = np.full(len(steps), -np.inf)
+    np.maximum.at(last, code, np.nan_to_num(end[known], nan=-np.inf))
+    first = np.full(len(steps), np.inf)
+    np.minimum.at(first, code, np.nan_to_num(start[known], nan=np.inf))
+    order = np.argsort(first, kind="stable")
+    last = np.maximum.accumulate(last[order])
+    bounds = np.concatenate([[first[order][0]], last])
+    times = np.diff(bounds)
+    return times[times > 0] if (times > 0).any() else np.array([bounds[-1] - bounds[0]])

@@ -1,0 +1,169 @@
+"""`gpuwatch agent`: run the node agent (a thin layer over gpuwatch.agent.daemon.Agent), or `--check` a node.
+
+Settings come from ``--config FILE``, ``GPUWATCH_*`` variables and flags with the precedence and checks of
+:mod:`gpuwatch.core.settings` (AGENT_OPTIONS, the keys of deploy/agent.toml); the flags below them are for one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import socket
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from gpuwatch.core import settings as config
+from gpuwatch.agent.daemon import Agent, AgentConfig, default_spool_dir
+from gpuwatch.simulator.degrade import KINDS, FaultSpec, parse_fault_spec
+from gpuwatch.simulator.fleet import MODELS
+from gpuwatch.agent.uplink import ChannelSecurity
+from gpuwatch.core.errors import UserError
+from gpuwatch.core.security import read_token
+from gpuwatch.probe.endpoint import default_endpoint
+
+
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    config.add_arguments(parser, config.AGENT_OPTIONS)
+    parser.add_argument("--no-probe-socket", action="store_true",
+                        help="do not listen for training probes (default: listen on --probe-socket, else "
+                             f"{default_endpoint()} unless --simulate)")
+    parser.add_argument("--simulate", type=int, default=None, metavar="N",
+                        help="sample N simulated GPUs instead of the node's real ones")
+    parser.add_argument("--sim-model", default="H100", choices=sorted(MODELS), help="simulated GPU model")
+    parser.add_argument("--sim-speed", type=float, default=1.0, metavar="X",
+                        help="with --simulate: simulated seconds per real second (timestamps; ticks stay at "
+                             "--interval real seconds), default 1")
+    parser.add_argument("--sim-start", default=None, metavar="TIME",
+                        help="with --simulate: simulated time when the agent starts (epoch seconds or ISO 8601, "
+                             "default now)")
+    parser.add_argument("--sim-origin", type=float, default=None, metavar="EPOCH_S",
+                        help="with --simulate: wall-clock time at which the simulated clock reads --sim-start "
+                             "(default: the agent's start); agents given the same pair share one clock")
+    parser.add_argument("--sim-fault", action="append", default=[], metavar="SPEC",
+                        help="with --simulate, repeatable: script a GPU's degradation and failure, e.g. "
+                             f"gpu=3,kind=ecc,after=5m,fail=50m (kinds: {', '.join(KINDS)}; optional xid=, seed=); "
+                             "times count from --sim-start")
+    parser.add_argument("--sim-job", default=None, metavar="JOB_ID",
+                        help="with --simulate: run a synthetic training job JOB_ID on the simulated GPUs (one rank "
+                             "per GPU, one of them slow) and send its probe-style spans (docs/simfleet.md)")
+    parser.add_argument("--sim-job-step", type=float, default=1.0, metavar="SECONDS",
+                        help="with --sim-job: its step time in simulated seconds, default 1")
+    parser.add_argument("--ticks", type=int, default=None, metavar="K",
+                        help="sample K times, wait until the collector acknowledged everything, exit")
+    parser.add_argument("--drain-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="with --ticks: how long to wait for the collector before giving up")
+    parser.add_argument("--record", type=Path, default=None, metavar="DIR",
+                        help="also write every batch into this recording (record-only when no collector is set)")
+    parser.add_argument("--check", action="store_true",
+                        help="diagnose the node (NVML, supported fields, collector, spool) and exit 0 if all is well")
+    parser.add_argument("--json", action="store_true", help="with --check: print the report as JSON")
+    parser.add_argument("--new-agent-id", action="store_true",
+                        help="give the spool a new agent id (it was copied from another agent's: a cloned VM "
+                             "image or spool), renumber its unsent batches under it, and exit")
+
+
+def load_settings(args: argparse.Namespace) -> config.Config:
+    """The AGENT_OPTIONS merged from file, environment and flags (UserError naming key and source)."""
+    flags = dict(vars(args))
+    if flags.get("log_level"):
+        flags["log_level"] = flags["log_level"].lower()  # --log-level WARNING worked before the shared schema
+    return config.load_config(config.AGENT_OPTIONS, flags)
+
+
+def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None) -> AgentConfig:
+    """Settings plus the one-run flags as an AgentConfig; bad values raise UserError naming the flag."""
+    cfg = cfg if cfg is not None else load_settings(args)
+    if not args.drain_timeout > 0:
+        raise UserError(f"--drain-timeout {args.drain_timeout}: must be a positive number of seconds")
+    if args.simulate is not None and args.simulate < 1:
+        raise UserError(f"--simulate {args.simulate}: must be a number of GPUs (>= 1)")
+    if args.ticks is not None and args.ticks < 1:
+        raise UserError(f"--ticks {args.ticks}: must be >= 1")
+    record_only = args.record is not None and cfg.source("collector") == "default"
+    probe_socket = None
+    if not args.no_probe_socket and (cfg.probe_socket or not args.simulate):
+        probe_socket = cfg.probe_socket or default_endpoint()
+    return AgentConfig(
+        collector=None if record_only else cfg.collector, node=cfg.node or socket.gethostname(),
+        interval=cfg.interval, slow_interval=cfg.slow_interval, batch_interval=cfg.batch_interval,
+        spool_dir=Path(cfg.spool) if cfg.spool else default_spool_dir(), spool_max_bytes=cfg.spool_max_bytes,
+        job_label=cfg.job_label or "", simulate=args.simulate or 0, sim_model=args.sim_model,
+        drain_timeout=args.drain_timeout, probe_socket=probe_socket, record=args.record,
+        sim_speed=args.sim_speed, sim_start=_sim_start(args.sim_start), sim_origin=args.sim_origin,
+        sim_faults=_sim_faults(args), sim_job=args.sim_job or None, sim_job_step_s=args.sim_job_step,
+        channel_security=ChannelSecurity(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, cfg.token_file, cfg.insecure),
+        metrics_listen=cfg.metrics_listen, metrics_names=cfg.metrics_names, insecure=cfg.insecure,
+        metrics_token=read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None,
+    )
+
+
+def _sim_start(text: str | None) -> float | None:
+    """--sim-start as epoch seconds (a number, or ISO 8601 with UTC assumed when no offset is given)."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise UserError(f"--sim-start {text!r}: not epoch seconds or an ISO 8601 time") from None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _sim_faults(args: argparse.Namespace) -> tuple[FaultSpec, ...]:
+    """The --sim-fault specs, checked; the simulation flags need --simulate."""
+    if not args.simulate and (args.sim_fault or args.sim_speed != 1.0 or args.sim_start or args.sim_origin
+                              or args.sim_job):
+        raise UserError("--sim-speed, --sim-start, --sim-origin, --sim-fault and --sim-job need --simulate N")
+    if not args.sim_job_step > 0:
+        raise UserError(f"--sim-job-step {args.sim_job_step}: must be > 0 simulated seconds")
+    if not args.sim_speed > 0:
+        raise UserError(f"--sim-speed {args.sim_speed}: must be > 0 (simulated seconds per real second)")
+    specs = []
+    for text in args.sim_fault:
+        try:
+            specs.append(parse_fault_spec(text))
+        except ValueError as exc:
+            raise UserError(f"--sim-fault {text!r}: {exc}") from None
+    return tuple(specs)  # a GPU index beyond --simulate is refused by the agent when it builds the fleet
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    settings = load_settings(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(args, settings)
+    if args.check:
+        return _check(cfg, args.json)
+    if args.new_agent_id:
+        return _new_agent_id(cfg)
+    agent = Agent(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop())
+    agent.run(ticks=args.ticks)
+    return 0
+
+
+def _new_agent_id(cfg: AgentConfig) -> int:
+    from gpuwatch.agent.spool import Spool
+
+    spool = Spool(cfg.spool_dir, cfg.spool_max_bytes)
+    old = spool.agent_id
+    new = spool.renew_identity()
+    print(f"spool {cfg.spool_dir}: agent id {old} -> {new}; {len(spool.pending())} unsent batches renumbered")
+    return 0
+
+
+def _check(cfg: AgentConfig, as_json: bool) -> int:
+    from gpuwatch.apps.agent_check import check_node, format_check
+
+    report = check_node(cfg)
+    if as_json:
+        json.dump(report.to_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_check(report))
+    return 0 if report.ok else 1

@@ -1,0 +1,117 @@
+"""`gpuwatch analyze PATH...`: a thin layer over `load_paths()` and `analyze()`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import orjson
+
+from gpuwatch.efficiency.engine import analyze
+from gpuwatch.efficiency.load import load_paths
+from gpuwatch.efficiency.partition import CATEGORIES
+from gpuwatch.efficiency.traces.eventstream import BLOCK_BYTES
+from gpuwatch.efficiency.words import coverage_lines, what_if_lines
+from gpuwatch.core.errors import UserError
+
+_PROGRESS_BYTES = 64 << 20  # report reading progress on stderr past this many bytes per file
+
+
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="Kineto trace files (.json/.json.gz, one per rank), folders of them, or span tables (.csv/.parquet)")
+    parser.add_argument("--json", action="store_true", help="print the breakdown document as JSON")
+    parser.add_argument("--per-step", action="store_true", help="add a breakdown per step for each rank")
+    parser.add_argument("--steps", metavar="A:B|hta",
+                        help="analyse only steps A..B (either end may be empty), or 'hta': HolisticTraceAnalysis's "
+                             "window (work launched before the last ProfilerStep)")
+    parser.add_argument("--flops-per-step", type=float, help="model FLOPs per step and rank (for MFU)")
+    parser.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one GPU (for MFU)")
+    parser.add_argument("--gpu-hour-price", type=float, help="price of one GPU-hour (for lost cost)")
+    parser.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    parser.add_argument("--perfetto", metavar="FILE", help="write the classified timeline as a Chrome/Perfetto trace")
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    for name in ("flops_per_step", "peak_tflops", "gpu_hour_price"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if (args.flops_per_step is None) != (args.peak_tflops is None):
+        raise UserError("MFU needs both --flops-per-step and --peak-tflops; give both or neither")
+    timelines = load_paths(args.paths, progress=_progress)
+    doc = analyze(
+        timelines, per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
+        peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, keep_segments=bool(args.perfetto),
+        steps=args.steps,
+    )
+    if args.perfetto:
+        from gpuwatch.efficiency.perfetto import perfetto_trace
+
+        _write(args.perfetto, perfetto_trace(doc))
+    doc.pop("_partitions", None)
+    doc.pop("_timelines", None)
+    if args.html:
+        from gpuwatch.efficiency.html import html_report
+
+        _write(args.html, html_report(doc).encode())
+    if args.json:
+        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        sys.stdout.write(format_table(doc))
+    return 0
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write ({exc.strerror})") from None
+
+
+def _progress(path: str, nbytes: int) -> None:
+    if nbytes >= _PROGRESS_BYTES and nbytes % _PROGRESS_BYTES < BLOCK_BYTES:  # once per 64 MB (reads are blocks)
+        print(f"reading {path}: {nbytes >> 20} MB", file=sys.stderr, flush=True)
+
+
+def format_table(doc: dict) -> str:
+    """Human-readable breakdown, biggest loss first: the job, then ranks by lost time; after the window, the lost
+    time and compute, the lost categories ordered by the job's time in each (what to fix first is leftmost)."""
+    job = doc["job"]
+    lost = sorted((c for c in CATEGORIES if c != "compute"), key=lambda c: -job["breakdown_us"][c])
+    header = (f"{'':>8} {'window ms':>10} {'lost ms':>10} {'compute':>9} | "
+              + " ".join(f"{c[:13]:>13}" for c in lost))
+    lines = [header]
+
+    def row(label: str, entry: dict) -> str:
+        cells = " ".join(f"{100 * entry['breakdown_fraction'][c]:>12.2f}%" for c in lost)
+        return (f"{label:>8} {entry['window_us'] / 1000:>10.1f} {entry['lost_us'] / 1000:>10.1f} "
+                f"{100 * entry['breakdown_fraction']['compute']:>8.2f}% | {cells}")
+
+    lines.append(row("job", job))
+    lines += [row(f"rank {r['rank']}", r) for r in sorted(doc["ranks"], key=lambda r: (-r["lost_us"], r["rank"]))]
+    lines.append("")
+    lines.append(f"lost: {job['lost_us'] / 1e6:.3f} GPU-s = {job['lost_gpu_hours']:.5f} GPU-hours"
+                 + ("" if job["lost_cost"] is None else f", cost {job['lost_cost']:.2f}"))
+    if job["overlap_ratio"] is not None:
+        lines.append(f"communication hidden under compute: {100 * job['overlap_ratio']:.1f} %")
+    lines.append(f"short kernels (< 10 us): {job['short_kernels']['count']} taking {job['short_kernels']['time_us'] / 1000:.1f} ms")
+    lines.append(f"collectives matched across ranks: {doc['matched_collectives']}")
+    lines += coverage_lines(doc)
+    if job["mfu"] is not None:
+        lines.append(f"MFU: {100 * job['mfu']:.1f} %")
+    among = "" if doc["coverage"]["complete"] else " (among the ranks present)"
+    for label, entries in ((f"straggler{among}", doc["stragglers"]), ("delayed", doc["delayed"])):
+        for s in entries:
+            lines.append(f"{label}: rank {s['rank']} last at {100 * s['last_share']:.0f} % of {s['collectives']} "
+                         f"collectives (chance {100 * s['chance_share']:.0f} %), mean lateness {s['mean_lateness_us']:.0f} us, "
+                         f"busy {s['busy_per_step_us']:.0f} us/step vs peer median {s['peer_median_busy_per_step_us']:.0f}")
+    if doc["straggler_verdict"] == "none" and not doc["delayed"]:
+        lines.append("no stragglers")
+    lines += what_if_lines(doc.get("what_if"))
+    for r in doc["ranks"]:
+        for s in r.get("per_step", []):
+            lines.append(f"rank {r['rank']} step {s['step']}: {s['window_us'] / 1000:.1f} ms, "
+                         f"lost {100 * s['lost_fraction']:.1f} %" + ("" if s["mfu"] is None else f", MFU {100 * s['mfu']:.1f} %"))
+    return "\n".join(lines) + "\n"
+

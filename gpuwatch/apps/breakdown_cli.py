@@ -1,0 +1,88 @@
+"""`gpuwatch submit-trace --job J PATH...` and `gpuwatch breakdown JOB`: the collector's breakdowns.
+
+Thin over `submit_traces()` and `fetch_breakdown()`, which tests and scripts call with a Query stub.
+Plain JSON traces are gzipped on the way (Kineto JSON shrinks ~15x), so large traces fit in one message.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import sys
+from collections.abc import Callable
+
+import grpc
+import orjson
+
+from gpuwatch.collector.client import add_connection_arguments, connect_args
+from gpuwatch.apps.analyze_cli import format_table
+from gpuwatch.efficiency.load import expand_paths
+from gpuwatch.apps.query_cli import DEFAULT_COLLECTOR
+from gpuwatch.core.errors import UserError
+from gpuwatch.v1 import query_pb2 as q
+from gpuwatch.v1 import query_pb2_grpc
+
+_RPC_TIMEOUT_S = 600.0  # the collector parses and re-analyses the whole job
+
+
+def submit_traces(stub: query_pb2_grpc.QueryStub, job_id: str, paths: list[str],
+                  progress: Callable[[str, int], None] | None = None) -> dict:
+    """Send every trace file under `paths` (files or folders) for `job_id`, one call per file; return the
+    job's breakdown document after the last one (it covers every rank the collector has for the job)."""
+    reply = None
+    for path in expand_paths(paths):
+        content = _file_content(path)
+        if progress is not None:
+            progress(path, len(content))
+        reply = stub.SubmitTrace(q.SubmitTraceRequest(job_id=job_id, filename=path, content=content),
+                                 timeout=_RPC_TIMEOUT_S)
+    return orjson.loads(reply.json)
+
+
+def fetch_breakdown(stub: query_pb2_grpc.QueryStub, job_id: str, per_step: bool = False) -> dict:
+    """The job's breakdown document (the `gpuwatch analyze --json` shape plus `source`: traces or live)."""
+    reply = stub.Breakdown(q.BreakdownRequest(job_id=job_id, per_step=per_step), timeout=_RPC_TIMEOUT_S)
+    return orjson.loads(reply.json)
+
+
+def _file_content(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            content = f.read()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+    if path.endswith(".json") and not content.startswith(b"\x1f\x8b"):
+        content = gzip.compress(content, compresslevel=1)  # the collector detects gzip by its magic bytes
+    return content
+
+
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    add_connection_arguments(parser, DEFAULT_COLLECTOR)
+    parser.add_argument("--json", action="store_true", help="print the breakdown document as JSON")
+    if command == "submit-trace":
+        parser.add_argument("--job", required=True, help="job id the traces belong to")
+        parser.add_argument("paths", nargs="+", metavar="PATH",
+                            help="Kineto traces (.json/.json.gz, one per rank), span tables (.csv/.parquet), or folders")
+    else:
+        parser.add_argument("job", help="job id")
+        parser.add_argument("--per-step", action="store_true", help="add a breakdown per step for each rank")
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    stub = connect_args(args)
+    try:
+        if command == "submit-trace":
+            doc = submit_traces(stub, args.job, args.paths, progress=_progress)
+            print(f"job {args.job}: {len(doc['ranks'])} rank(s) analysed", file=sys.stderr)
+        else:
+            doc = fetch_breakdown(stub, args.job, args.per_step)
+    except grpc.RpcError as exc:
+        raise UserError(f"collector at {args.collector}: {exc.details()} ({exc.code().name})") from None
+    if args.json:
+        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        sys.stdout.write(f"job {args.job} (from {doc['source']})\n" + format_table(doc))
+    return 0
+
+
+def _progress(path: str, nbytes: int) -> None:
+    print(f"sending {path} ({nbytes / 1e6:.1f} MB)", file=sys.stderr, flush=True)

@@ -1,0 +1,154 @@
+"""A telemetry batch's bytes -> a checked batch with its sample values as numpy matrices, in one pass.
+
+The collector decodes every batch it receives; at thousands of agents that is the hottest Python code in
+the process. Reading a batch through ``pb.TelemetryBatch`` costs one Python object per column (8 GPUs x
+46 fields), once to check it and again to copy its values. Instead the bytes are parsed as
+``TelemetryBatchView`` (gpuwatch/v1/ingest_view.proto: the same wire format with each Column left as its
+bytes), and the field names and packed doubles are sliced out of those bytes in bulk: a column encoded as
+protobuf serializers write it (name, then the packed values) is ``0a <len> name 12 <varint 8n> <8n bytes>``.
+Any other valid encoding (unpacked doubles, fields out of order, unknown fields) takes the plain
+protobuf path, so every well-formed batch is read, only more slowly. The rules are gpuwatch.core.batches'
+:func:`validate`, with the same error messages.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpuwatch.core import fields
+from gpuwatch.core.batches import BatchError, TimeWindow, packed_head, validate, validate_envelope
+from gpuwatch.v1 import ingest_view_pb2 as view
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+_GPU_FIELDS = fields.GPU_FIELD_NAMES
+_HOST_FIELDS = fields.HOST_FIELD_NAMES
+
+
+@dataclass(frozen=True, eq=False)
+class ColumnarBatch:
+    """A validated batch: ``message`` for everything but the values, which are in the two matrices.
+
+    ``gpu_values`` has one row per GPU sample (the samples' ``ts_ms`` in order) and one column per
+    gpuwatch.core.fields GPU field; ``host_values`` likewise for host samples. NaN: not sent, or not a finite
+    number (±inf is not a reading: it is stored as missing, so queries and ``--json`` never print it).
+    """
+
+    message: view.TelemetryBatchView | pb.TelemetryBatch
+    gpu_values: np.ndarray
+    host_values: np.ndarray
+
+    @property
+    def agent_id(self) -> str:
+        return self.message.agent_id
+
+    @property
+    def sequence(self) -> int:
+        return self.message.sequence
+
+
+class _Layouts:
+    """Column order -> positions in the field catalogue, learnt once per distinct order (agents repeat theirs)."""
+
+    _MAX = 4096  # distinct orders kept; a client inventing new ones cannot grow memory without bound
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._index = {name.encode(): i for i, name in enumerate(names)}
+        self._known: dict[tuple[bytes, ...], np.ndarray | None] = {}
+
+    def positions(self, heads: tuple[bytes, ...], where: str) -> np.ndarray | None:
+        """Catalogue positions of the columns whose encoded heads (``0a <len> name``) are ``heads``;
+        None when a head is not in the canonical form; BatchError for an unknown or repeated field."""
+        found = self._known.get(heads, False)
+        if found is not False:
+            return found
+        if len(self._known) >= self._MAX:
+            self._known.clear()
+        positions: np.ndarray | None = np.empty(len(heads), np.intp)
+        seen: set[bytes] = set()
+        for i, head in enumerate(heads):
+            if head[:1] != b"\x0a" or head[1] >= 0x80 or len(head) != 2 + head[1]:
+                positions = None  # not canonical: the protobuf path reads (and checks) it
+                break
+            name = head[2:]
+            if name not in self._index:
+                raise BatchError(f"{where}: unknown field {name.decode('utf-8', 'replace')!r}")
+            if name in seen:
+                raise BatchError(f"{where}: field {name.decode('utf-8', 'replace')!r} appears twice")
+            seen.add(name)
+            positions[i] = self._index[name]
+        self._known[heads] = positions
+        return positions
+
+
+_GPU_LAYOUTS = _Layouts(_GPU_FIELDS)
+_HOST_LAYOUTS = _Layouts(_HOST_FIELDS)
+
+
+def _fill(out: np.ndarray, row: int, columns: Sequence[bytes], n: int, layouts: _Layouts, where: str) -> bool:
+    """Write one block's columns into ``out[row:row + n]``; False when they are not in the canonical form."""
+    if not columns:
+        return True
+    try:
+        heads = tuple([c[:2 + c[1]] for c in columns])
+    except IndexError:  # a column shorter than two bytes
+        return False
+    positions = layouts.positions(heads, where)
+    if positions is None:
+        return False
+    head = packed_head(n)
+    width = len(head) + 8 * n
+    body = b"".join([c[2 + c[1]:] for c in columns])
+    if len(body) != width * len(columns):
+        return False  # a column with another number of values (or another encoding): the slow path says which
+    cells = np.frombuffer(body, np.uint8).reshape(len(columns), width)
+    if head and not (cells[:, :len(head)] == np.frombuffer(head, np.uint8)).all():
+        return False
+    values = cells[:, len(head):].copy().view("<f8")  # (columns, n)
+    out[row:row + n, positions] = values.T
+    return True
+
+
+def _finite(values: np.ndarray) -> np.ndarray:
+    """``values`` with ±inf replaced by NaN (in place, one pass over the whole matrix)."""
+    values[np.isinf(values)] = np.nan
+    return values
+
+
+def decode(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
+    """Parse and check one batch's bytes (times within ``window`` when given). Raises google.protobuf
+    DecodeError (not a TelemetryBatch) or BatchError (breaks the contract of gpuwatch.core.batches.validate)."""
+    batch = view.TelemetryBatchView.FromString(raw)
+    validate_envelope(batch, window)
+    samples = batch.samples
+    counts = [len(s.ts_ms) for s in samples]
+    gpu_values = np.full((sum(counts), len(_GPU_FIELDS)), np.nan)
+    row = 0
+    for s, n in zip(samples, counts):
+        if not _fill(gpu_values, row, s.columns, n, _GPU_LAYOUTS, f"samples for GPU {s.gpu_index}"):
+            return from_message(pb.TelemetryBatch.FromString(raw), window)
+        row += n
+    host_values = np.full((len(batch.host.ts_ms), len(_HOST_FIELDS)), np.nan)
+    if not _fill(host_values, 0, batch.host.columns, len(batch.host.ts_ms), _HOST_LAYOUTS, "host samples"):
+        return from_message(pb.TelemetryBatch.FromString(raw), window)
+    return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values))
+
+
+def from_message(batch: pb.TelemetryBatch, window: TimeWindow | None = None) -> ColumnarBatch:
+    """Check a batch message and copy its values column by column (tools and tests that hold messages,
+    and batches whose columns are not in the canonical encoding)."""
+    validate(batch, window)
+    counts = [len(s.ts_ms) for s in batch.samples]
+    gpu_values = np.full((sum(counts), len(_GPU_FIELDS)), np.nan)
+    gpu_index = {name: i for i, name in enumerate(_GPU_FIELDS)}
+    row = 0
+    for s, n in zip(batch.samples, counts):
+        for c in s.columns:
+            gpu_values[row:row + n, gpu_index[c.field]] = c.values
+        row += n
+    host_values = np.full((len(batch.host.ts_ms), len(_HOST_FIELDS)), np.nan)
+    host_index = {name: i for i, name in enumerate(_HOST_FIELDS)}
+    for c in batch.host.columns:
+        host_values[:, host_index[c.field]] = c.values
+    return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values))

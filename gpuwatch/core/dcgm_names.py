@@ -1,0 +1,153 @@
+"""dcgm-exporter's metric names, units and labels for gpuwatch's per-GPU values (``--metrics-names dcgm``).
+
+Sites that already run NVIDIA's dcgm-exporter have its Grafana dashboard (NVIDIA/dcgm-exporter
+``grafana/dcgm-exporter-dashboard.json``) and alert rules written against ``DCGM_FI_*`` names. With this
+naming an agent serves the same names, in dcgm-exporter's units (MiB, MHz, %, mJ, µs), with the labels
+dcgm-exporter puts on every GPU series: ``gpu``, ``UUID``, ``pci_bus_id``, ``device``, ``modelName``,
+``Hostname``, ``DCGM_FI_DRIVER_VERSION`` (and ``hpc_job`` when a job owns the GPU, like its HPC job
+mapping). ``DCGM_FI_DEV_XID_ERRORS`` is, as there, a gauge holding the last XID, labelled ``err_code`` and
+``err_msg`` (0 / "No Error" before the first). Which DCGM field comes from which NVML call, and which have
+no equivalent, is in docs/dcgm-compatibility.md; :data:`DCGM_FIELDS` is that table in code.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from gpuwatch.core import xids
+
+DCGM_LABELS: tuple[str, ...] = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname",
+                                "DCGM_FI_DRIVER_VERSION")
+MIB = float(2**20)
+
+
+@dataclass(frozen=True)
+class DcgmField:
+    name: str            # dcgm-exporter's metric name
+    kind: str            # "gauge" | "counter", as in dcgm-exporter's counters CSV
+    source: str          # the gpuwatch.core.fields value it is computed from
+    scale: float         # dcgm value = gpuwatch value * scale
+    help: str
+
+
+def _d(name: str, kind: str, source: str, scale: float, help_text: str) -> DcgmField:
+    return DcgmField(name, kind, source, scale, help_text)
+
+
+#: dcgm-exporter's default counters first (etc/default-counters.csv), then the ones it ships commented out.
+DCGM_FIELDS: tuple[DcgmField, ...] = (
+    _d("DCGM_FI_DEV_SM_CLOCK", "gauge", "gpu_sm_clock_hertz", 1e-6, "SM clock frequency (in MHz)."),
+    _d("DCGM_FI_DEV_MEM_CLOCK", "gauge", "gpu_memory_clock_hertz", 1e-6, "Memory clock frequency (in MHz)."),
+    _d("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "gpu_memory_temperature_celsius", 1.0, "Memory temperature (in C)."),
+    _d("DCGM_FI_DEV_GPU_TEMP", "gauge", "gpu_temperature_celsius", 1.0, "GPU temperature (in C)."),
+    _d("DCGM_FI_DEV_POWER_USAGE", "gauge", "gpu_power_watts", 1.0, "Power draw (in W)."),
+    _d("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "counter", "gpu_energy_joules_total", 1e3,
+       "Total energy consumption since boot (in mJ)."),
+    _d("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", "gpu_pcie_replay_total", 1.0, "Total number of PCIe retries."),
+    _d("DCGM_FI_DEV_GPU_UTIL", "gauge", "gpu_utilization_ratio", 100.0, "GPU utilization (in %)."),
+    _d("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "gpu_memory_utilization_ratio", 100.0, "Memory utilization (in %)."),
+    _d("DCGM_FI_DEV_FB_USED", "gauge", "gpu_memory_used_bytes", 1 / MIB, "Framebuffer memory used (in MiB)."),
+    _d("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "counter", "gpu_remapped_rows_uncorrectable", 1.0,
+       "Number of remapped rows for uncorrectable errors"),
+    _d("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", "gpu_remapped_rows_correctable", 1.0,
+       "Number of remapped rows for correctable errors"),
+    _d("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "gpu_remapped_rows_failure", 1.0,
+       "Whether remapping of rows has failed"),
+    _d("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "gpu_utilization_ratio", 1.0,
+       "Ratio of time the graphics engine is active (NVML utilization.gpu, not DCP)."),
+    _d("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "gpu_tensor_active_ratio", 1.0,
+       "Ratio of cycles the tensor (HMMA) pipe is active."),
+    _d("DCGM_FI_PROF_DRAM_ACTIVE", "gauge", "gpu_dram_bandwidth_utilization_ratio", 1.0,
+       "Ratio of cycles the device memory interface is active sending or receiving data."),
+    _d("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge", "gpu_pcie_tx_bytes_per_second", 1.0,
+       "The rate of data transmitted over the PCIe bus, in bytes per second."),
+    _d("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge", "gpu_pcie_rx_bytes_per_second", 1.0,
+       "The rate of data received over the PCIe bus, in bytes per second."),
+    # shipped commented out in dcgm-exporter's CSV; served because gpuwatch samples them anyway
+    _d("DCGM_FI_DEV_FB_TOTAL", "gauge", "gpu_memory_total_bytes", 1 / MIB, "Framebuffer memory total (in MiB)."),
+    _d("DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "gauge", "gpu_power_limit_watts", 1.0, "Enforced power limit (in W)."),
+    _d("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "gauge", "gpu_clock_event_reasons", 1.0,
+       "Current clock event (throttle) reasons, NVML bitmask."),
+    _d("DCGM_FI_DEV_POWER_VIOLATION", "counter", "gpu_throttle_power_seconds_total", 1e6,
+       "Throttling duration due to power constraints (in us)."),
+    _d("DCGM_FI_DEV_THERMAL_VIOLATION", "counter", "gpu_throttle_thermal_seconds_total", 1e6,
+       "Throttling duration due to thermal constraints (in us)."),
+    _d("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", "gpu_ecc_sbe_volatile_total", 1.0,
+       "Total number of single-bit volatile ECC errors."),
+    _d("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "gpu_ecc_dbe_volatile_total", 1.0,
+       "Total number of double-bit volatile ECC errors."),
+    _d("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "counter", "gpu_ecc_sbe_aggregate_total", 1.0,
+       "Total number of single-bit persistent ECC errors."),
+    _d("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "counter", "gpu_ecc_dbe_aggregate_total", 1.0,
+       "Total number of double-bit persistent ECC errors."),
+    _d("DCGM_FI_DEV_RETIRED_SBE", "counter", "gpu_retired_pages_sbe", 1.0,
+       "Total number of retired pages due to single-bit errors."),
+    _d("DCGM_FI_DEV_RETIRED_DBE", "counter", "gpu_retired_pages_dbe", 1.0,
+       "Total number of retired pages due to double-bit errors."),
+    _d("DCGM_FI_DEV_RETIRED_PENDING", "counter", "gpu_retired_pages_pending", 1.0,
+       "Total number of pages pending retirement."),
+    _d("DCGM_FI_DEV_ROW_REMAP_PENDING", "gauge", "gpu_remapped_rows_pending", 1.0, "Whether a row remap is pending."),
+    _d("DCGM_FI_DEV_PCIE_LINK_GEN", "gauge", "gpu_pcie_link_gen", 1.0, "PCIe current link generation."),
+    _d("DCGM_FI_DEV_PCIE_LINK_WIDTH", "gauge", "gpu_pcie_link_width", 1.0, "PCIe current link width."),
+    _d("DCGM_FI_DEV_PCIE_MAX_LINK_GEN", "gauge", "gpu_pcie_link_gen_max", 1.0, "PCIe maximum link generation."),
+    _d("DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH", "gauge", "gpu_pcie_link_width_max", 1.0, "PCIe maximum link width."),
+    _d("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "counter", "gpu_nvlink_crc_flit_errors_total", 1.0,
+       "Total number of NVLink flow-control CRC errors."),
+    _d("DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", "counter", "gpu_nvlink_crc_data_errors_total", 1.0,
+       "Total number of NVLink data CRC errors."),
+    _d("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "counter", "gpu_nvlink_replay_errors_total", 1.0,
+       "Total number of NVLink retries."),
+    _d("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "counter", "gpu_nvlink_recovery_errors_total", 1.0,
+       "Total number of NVLink recovery errors."),
+    _d("DCGM_FI_PROF_SM_ACTIVE", "gauge", "gpu_sm_active_ratio", 1.0,
+       "The ratio of cycles an SM has at least 1 warp assigned."),
+    _d("DCGM_FI_PROF_SM_OCCUPANCY", "gauge", "gpu_sm_occupancy_ratio", 1.0,
+       "The ratio of number of warps resident on an SM."),
+    _d("DCGM_FI_PROF_NVLINK_TX_BYTES", "gauge", "gpu_nvlink_tx_bytes_per_second", 1.0,
+       "The rate of data transmitted over NVLink, in bytes per second."),
+    _d("DCGM_FI_PROF_NVLINK_RX_BYTES", "gauge", "gpu_nvlink_rx_bytes_per_second", 1.0,
+       "The rate of data received over NVLink, in bytes per second."),
+)
+XID_ERRORS = "DCGM_FI_DEV_XID_ERRORS"
+FB_FREE = "DCGM_FI_DEV_FB_FREE"
+#: Every name this naming serves, with its type (the catalogue tests check DCGM-named rules against).
+DCGM_METRICS: dict[str, str] = {
+    **{f.name: f.kind for f in DCGM_FIELDS}, XID_ERRORS: "gauge", FB_FREE: "gauge"}
+
+
+def dcgm_labels(gpu: Mapping[str, Any]) -> dict[str, str]:
+    """dcgm-exporter's identity labels of one GPU snapshot (plus ``hpc_job`` when a job owns the GPU)."""
+    labels = dict(zip(DCGM_LABELS, (str(gpu["gpu"]), gpu.get("gpu_uuid", ""), gpu.get("pci_bus_id", ""),
+                                    f"nvidia{gpu['gpu']}", gpu.get("model", ""), gpu["node"],
+                                    gpu.get("driver_version", ""))))
+    if gpu.get("job_id"):
+        labels["hpc_job"] = gpu["job_id"]
+    return labels
+
+
+def dcgm_families(gpus: Sequence[Mapping[str, Any]]) -> list[Metric]:
+    """The DCGM-named families of every GPU snapshot (``GpuSnapshot`` of gpuwatch.core.prometheus).
+
+    Built as plain :class:`Metric` objects: a GPU with a job carries one label more than one without.
+    """
+    # prometheus_client writes a counter's TYPE line as NAME_total, which would not match dcgm-exporter's bare
+    # counter names; they go out typed gauge (PromQL's rate() and increase() do not read the type).
+    families = {f.name: Metric(f.name, f.help, "gauge") for f in DCGM_FIELDS}
+    families[FB_FREE] = Metric(FB_FREE, "Framebuffer memory free (in MiB).", "gauge")
+    families[XID_ERRORS] = Metric(XID_ERRORS, "Value of the last XID error encountered.", "gauge")
+    for gpu in gpus:
+        labels, values = dcgm_labels(gpu), gpu.get("values", {})
+        for f in DCGM_FIELDS:
+            value = values.get(f.source)
+            if value is not None and value == value:  # NaN: not sampled
+                families[f.name].add_sample(f.name, labels, float(value) * f.scale)
+        used, total = values.get("gpu_memory_used_bytes"), values.get("gpu_memory_total_bytes")
+        if used is not None and total is not None:
+            families[FB_FREE].add_sample(FB_FREE, labels, max(0.0, total - used) / MIB)
+        last = int(gpu.get("last_xid") or 0)
+        err = {"err_code": str(last), "err_msg": xids.describe(last).description if last else "No Error"}
+        families[XID_ERRORS].add_sample(XID_ERRORS, {**labels, **err}, float(last))
+    return [family for family in families.values() if family.samples]
