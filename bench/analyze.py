@@ -84,7 +84,7 @@ print(json.dumps(df.to_dict(orient="records")))
 GPUWATCH_WINDOW = """
 import json, sys
 from gpuwatch.efficiency import analyze, load_paths
-print(json.dumps([analyze([tl], steps="hta")["ranks"][0] for tl in load_paths(sys.argv[1:])]))
+print(json.dumps([analyze([tl], steps="hta").to_json()["ranks"][0] for tl in load_paths(sys.argv[1:])]))
 """
 
 # Where gpuwatch's time goes on one trace file (each phase timed alone, best of 3).

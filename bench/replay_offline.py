@@ -32,10 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpuwatch.apps.replay import replay
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
 from gpuwatch.core.recording import open_recording
-from gpuwatch.apps.replay import replay
 
 _HEADER = (f"{'way':<52}{'load':>5}{'replay s':>9}{'replay samples/s':>18}{'scoring s':>10}{'wall s':>8}{'cpu s':>7}"
            f"{'samples/s (wall)':>18}{'failed GPUs':>12}")

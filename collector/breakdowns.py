@@ -12,8 +12,6 @@ a bounded window only) and adds the per-step totals the jobs monitor aggregated 
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 from collections.abc import Callable
 
@@ -22,6 +20,7 @@ import pandas as pd
 
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.load import SPAN_ENDINGS, TRACE_ENDINGS, load_file
+from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.collector.live import probe_timelines
 from gpuwatch.collector.store.base import Store
@@ -68,41 +67,31 @@ class BreakdownService:
     def _store_submission(self, store: Store, job_id: str, filename: str,
                           new: list[RankTimeline]) -> q.SubmitTraceResponse:
         kept = [tl for tl in stored_timelines(store, job_id) if tl.rank not in {n.rank for n in new}]
-        doc = _analyze(job_id, kept + new, TRACES)
+        analysis = _analyze(job_id, kept + new)
+        doc = _document(analysis, TRACES)
         timelines = pd.DataFrame({"job_id": job_id, "rank": pd.array([tl.rank for tl in new], "int32"),
                                   "filename": filename, "timeline": [tl.to_bytes() for tl in new]})
-        store.save_submission(job_id, timelines, breakdown_rows(doc), _dumps(doc), TRACES)
-        return q.SubmitTraceResponse(job_id=job_id, ranks=len(doc["ranks"]), json=_dumps(without_steps(doc)))
+        store.save_submission(job_id, timelines, breakdown_rows(analysis), _dumps(doc), TRACES)
+        return q.SubmitTraceResponse(job_id=job_id, ranks=len(analysis.ranks), json=_dumps(without_steps(doc)))
 
     def breakdown(self, request: q.BreakdownRequest, store: Store) -> q.JsonResponse:
         """The job's breakdown from its submitted traces, else live from its recent probe spans (and stored)."""
         job_id = _job_id(request.job_id)
         doc = stored_doc(store, job_id, TRACES)
         if doc is None:
-            doc = _analyze(job_id, live_timelines(store, job_id, self.live_window_s), LIVE)
-            doc["history"] = step_history(store, job_id)
-            store.save_breakdown(job_id, LIVE, breakdown_rows(doc), _dumps(doc))
+            analysis = _analyze(job_id, live_timelines(store, job_id, self.live_window_s))
+            doc = {**_document(analysis, LIVE), "history": step_history(store, job_id)}
+            store.save_breakdown(job_id, LIVE, breakdown_rows(analysis), _dumps(doc))
         return q.JsonResponse(json=_dumps(doc if request.per_step else without_steps(doc)))
 
 
 # ------------------------------------------------------------------------------------------ inputs
 def load_submitted(filename: str, content: bytes) -> list[RankTimeline]:
-    """Rank timelines of one submitted file, parsed by the same loaders as `gpuwatch analyze`; errors name
-    `filename` (the loaders read a temporary copy)."""
-    base = os.path.basename(filename)
-    if not base.endswith(TRACE_ENDINGS + SPAN_ENDINGS):
+    """Rank timelines of one submitted file, parsed from memory by the same loaders as `gpuwatch analyze`;
+    errors and sources name `filename`."""
+    if not filename.endswith(TRACE_ENDINGS + SPAN_ENDINGS):
         raise UserError(f"{filename}: unknown format (expected {', '.join(TRACE_ENDINGS + SPAN_ENDINGS)})")
-    with tempfile.TemporaryDirectory(prefix="gpuwatch-trace-") as folder:
-        path = os.path.join(folder, base)
-        with open(path, "wb") as f:
-            f.write(content)
-        try:
-            timelines = load_file(path, default_rank=0)
-        except UserError as exc:
-            raise UserError(str(exc).replace(path, filename)) from None
-    for tl in timelines:
-        tl.source = tl.source.replace(path, filename)
-    return timelines
+    return load_file(filename, default_rank=0, content=content)
 
 
 def stored_timelines(store: Store, job_id: str) -> list[RankTimeline]:
@@ -139,27 +128,31 @@ def step_history(store: Store, job_id: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ results
 def without_steps(doc: dict) -> dict:
-    """The document without the per-step slices (what `analyze --json` prints without --per-step)."""
+    """A breakdown document without the per-step slices (what `analyze --json` prints without --per-step)."""
     return {**doc, "ranks": [{k: v for k, v in r.items() if k != "per_step"} for r in doc["ranks"]]}
 
 
-def breakdown_rows(doc: dict) -> pd.DataFrame:
+def breakdown_rows(analysis: Analysis) -> pd.DataFrame:
     """One row per rank, step (NA: the rank's window, -1 the slice before its first known step) and
     category, in µs: columns rank, step, category, us."""
     rows = []
-    for rank in doc["ranks"]:
-        slices = [(None, rank["breakdown_us"])]
-        slices += [(UNKNOWN_STEP if s["step"] is None else s["step"], s["breakdown_us"]) for s in rank.get("per_step", [])]
-        rows += [(rank["rank"], step, category, us) for step, values in slices for category, us in values.items()]
+    for rank in analysis.ranks:
+        slices = [(None, rank.breakdown_us)]
+        slices += [(UNKNOWN_STEP if s.step is None else s.step, s.breakdown_us) for s in rank.per_step or []]
+        rows += [(rank.rank, step, category, us) for step, values in slices for category, us in values.items()]
     return pd.DataFrame(rows, columns=["rank", "step", "category", "us"]).astype({"step": "Int64"})
 
 
-def _analyze(job_id: str, timelines: list[RankTimeline], source: str) -> dict:
+def _analyze(job_id: str, timelines: list[RankTimeline]) -> Analysis:
     try:
-        doc = analyze(timelines, per_step=True)
+        return analyze(timelines, per_step=True)
     except UserError as exc:
         raise type(exc)(f"job {job_id!r}: {exc}") from None  # keeps NotFound a NOT_FOUND
-    return {**doc, "source": source}
+
+
+def _document(analysis: Analysis, source: str) -> dict:
+    """The stored and answered document: the engine's, and where its input came from."""
+    return {**analysis.to_json(), "source": source}
 
 
 def _job_id(job_id: str) -> str:

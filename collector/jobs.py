@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 import orjson
@@ -26,6 +27,7 @@ import pandas as pd
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, JobFinding
 from gpuwatch.collector.breakdowns import breakdown_rows
 from gpuwatch.efficiency.engine import analyze
+from gpuwatch.efficiency.result import Analysis
 from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
 from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.core.times import iso_utc
@@ -123,8 +125,8 @@ def _json_response(jobs: list[dict[str, Any]]) -> q.JsonResponse:
     return q.JsonResponse(json=orjson.dumps(jobs, option=orjson.OPT_NON_STR_KEYS).decode())
 
 
-def analyse_spans(rows: pd.DataFrame, job_id: str, per_step: bool = False) -> dict | None:
-    """The engine's document for some of a job's span rows; None when they hold nothing it can analyse."""
+def analyse_spans(rows: pd.DataFrame, job_id: str, per_step: bool = False) -> Analysis | None:
+    """The engine's analysis of some of a job's span rows; None when they hold nothing it can analyse."""
     try:
         timelines = probe_timelines(rows, source=f"job {job_id} probe spans")
         return analyze(timelines, per_step=per_step) if timelines is not None else None
@@ -211,24 +213,22 @@ class JobsMonitor(PeriodicService):
         if fresh:  # the per-step aggregates that outlive the raw spans
             steps = breakdown_rows(fresh)
             self._store.add_step_breakdowns(steps[steps["step"].notna() & (steps["us"] > 0)].assign(job_id=job_id))
-        lost = self._lost_s.get(job_id, 0.0) + (fresh["job"]["lost_us"] / 1e6 if fresh else 0.0)
+        lost = self._lost_s.get(job_id, 0.0) + (fresh.job.lost_us / 1e6 if fresh else 0.0)
         self._lost_s[job_id] = lost
         stragglers = []
-        for s in doc["stragglers"] if doc else []:
-            first = self._since.setdefault((job_id, s["rank"]), int(now_us / 1000))
-            stragglers.append({**s, "node": _node_of(rows, s["rank"]), "since": iso_utc(first)})
+        for s in doc.stragglers if doc else []:
+            first = self._since.setdefault((job_id, s.rank), int(now_us / 1000))
+            stragglers.append({**asdict(s), "node": _node_of(rows, s.rank), "since": iso_utc(first)})
         flagged = {(job_id, s["rank"]) for s in stragglers}
         for key in [k for k in self._since if k[0] == job_id and k not in flagged]:
             del self._since[key]
         return {
-            "breakdown": doc["job"]["breakdown_fraction"] if doc else {},
-            "lost_fraction": doc["job"]["lost_us"] / doc["job"]["window_us"] if doc and doc["job"]["window_us"]
-            else None,
-            "rank_lost_ratio": {r["rank"]: r["lost_us"] / r["window_us"] for r in doc["ranks"] if r["window_us"]}
-            if doc else {},
+            "breakdown": doc.job.breakdown_fraction if doc else {},
+            "lost_fraction": doc.job.lost_us / doc.job.window_us if doc and doc.job.window_us else None,
+            "rank_lost_ratio": {r.rank: r.lost_us / r.window_us for r in doc.ranks if r.window_us} if doc else {},
             "lost_gpu_seconds_total": lost,
             "stragglers": stragglers,
-            "delayed": doc["delayed"] if doc else [],
+            "delayed": [asdict(d) for d in doc.delayed] if doc else [],
             "hang": hang,
         }
 

@@ -1,7 +1,7 @@
 """The collector's live view of training jobs from probe span rows: per-job summaries and hang detection.
 
-Pure functions over a span DataFrame with the SpanTable columns (job_id, rank, step, kind, name, start_us,
-dur_us, process_group, seq, bytes, world_size, node, peer). Probe conventions used here: a row with
+Pure functions over a span DataFrame with the span catalogue's columns (gpuwatch.core.spans; :data:`COLUMNS`
+are those read here). Probe conventions used here: a row with
 dur_us == -1 is an op that was still running when the probe reported it; kind "end" marks a rank whose
 probe closed (the job finished there, it is not hanging).
 """
@@ -79,10 +79,10 @@ def _lost_fraction(rows: pd.DataFrame, job_id: str) -> float | None:
         timelines = probe_timelines(rows, source=f"job {job_id}")
         if timelines is None:
             return None
-        job = analyze(timelines)["job"]
+        job = analyze(timelines).job
     except UserError:
         return None
-    return job["lost_us"] / job["window_us"] if job["window_us"] else None
+    return job.lost_us / job.window_us if job.window_us else None
 
 
 def _finished_ranks(rows: pd.DataFrame) -> set:

@@ -2,6 +2,7 @@
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.load import load_paths
 from gpuwatch.efficiency.partition import CATEGORIES
+from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.timeline import RankTimeline
 
-__all__ = ["CATEGORIES", "RankTimeline", "analyze", "load_paths"]
+__all__ = ["CATEGORIES", "Analysis", "RankTimeline", "analyze", "load_paths"]

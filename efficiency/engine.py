@@ -1,4 +1,5 @@
-"""`analyze()`: timelines of one job's ranks -> the efficiency document (spec efficiency.md v1).
+"""`analyze()`: timelines of one job's ranks -> their :class:`~gpuwatch.efficiency.result.Analysis`, whose
+`to_json()` is the efficiency document (spec efficiency.md v1).
 
 A pure function of its inputs, so the offline `gpuwatch analyze`, the collector and replay share it.
 """
@@ -11,6 +12,10 @@ import numpy as np
 from gpuwatch.efficiency.matching import match_collectives
 from gpuwatch.efficiency.partition import (
     CATEGORIES, COMPUTE_C, MEMCPY_C, Partition, StepSlice, partition,
+)
+from gpuwatch.efficiency.result import (
+    Analysis, Coverage, JobBreakdown, KernelStat, RankBreakdown, ShortKernels, StepBreakdown, Straggler,
+    TopKernels, Window,
 )
 from gpuwatch.efficiency.stragglers import find_stragglers
 from gpuwatch.efficiency.timeline import KIND_NAMES, RankTimeline
@@ -27,12 +32,12 @@ MAX_SPAN_US = 365 * 24 * US_PER_HOUR
 
 def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_step: float | None = None,
             peak_tflops: float | None = None, gpu_hour_price: float | None = None,
-            keep_segments: bool = False, steps: str | None = None, with_what_if: bool = True) -> dict:
-    """The breakdown document: per rank, per job, stragglers, matching, coverage, the analysed window and
-    the what-if (and per step when asked). `steps` picks the window (see window.py).
+            keep_segments: bool = False, steps: str | None = None, with_what_if: bool = True) -> Analysis:
+    """The breakdown: per rank, per job, stragglers, matching, coverage, the analysed window and the what-if
+    (and per step when asked). `steps` picks the window (see window.py).
 
-    With `keep_segments`, the classified segments and the analysed timelines are kept in the private keys
-    `_partitions` and `_timelines` (for rendering timelines); drop them before serialising."""
+    With `keep_segments`, the classified segments and the analysed timelines are kept in the result's
+    `partitions` and `timelines` (for rendering timelines; never part of its document)."""
     _check_one_job(timelines)
     ordered = sorted(timelines, key=lambda tl: tl.rank)
     _check_times(ordered)
@@ -46,27 +51,26 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
         _rank_entry(tl, part, matched, per_step, mfu_of)
         for tl, part, matched in zip(timelines, parts, matching.matched_per_rank)
     ]
-    busy = {entry["rank"]: entry["busy_per_step_us"] for entry in ranks}
+    busy = {entry.rank: entry.busy_per_step_us for entry in ranks}
     stragglers, delayed = find_stragglers(matching, busy)
     coverage = _coverage(timelines, matching.matched)
-    doc = {
-        "spec": SPEC,
-        "categories": list(CATEGORIES),
-        "ranks": ranks,
-        "job": _job_entry(timelines, parts, ranks, gpu_hour_price),
-        "stragglers": stragglers,
-        "delayed": delayed,
-        "matched_collectives": matching.matched,
-        "coverage": coverage,
-        "straggler_verdict": _verdict(stragglers, coverage),
-        "window": _window_entry(window, timelines, parts),
-        "what_if": what_if(timelines, matching) if with_what_if else None,
-        "top_kernels": top_kernels(timelines),
-        "trace_meta": next((tl.trace_meta for tl in timelines if tl.trace_meta), {}),
-    }
-    if keep_segments:
-        doc["_partitions"], doc["_timelines"] = parts, timelines
-    return doc
+    return Analysis(
+        spec=SPEC,
+        categories=list(CATEGORIES),
+        ranks=ranks,
+        job=_job_entry(timelines, parts, ranks, gpu_hour_price),
+        stragglers=stragglers,
+        delayed=delayed,
+        matched_collectives=matching.matched,
+        coverage=coverage,
+        straggler_verdict=_verdict(stragglers, coverage),
+        window=_window_entry(window, timelines, parts),
+        what_if=what_if(timelines, matching) if with_what_if else None,
+        top_kernels=top_kernels(timelines),
+        trace_meta=next((tl.trace_meta for tl in timelines if tl.trace_meta), {}),
+        partitions=parts if keep_segments else None,
+        timelines=timelines if keep_segments else None,
+    )
 
 
 def _check_times(timelines: list[RankTimeline]) -> None:
@@ -80,7 +84,7 @@ def _check_times(timelines: list[RankTimeline]) -> None:
                         "the timestamps are not microseconds of one run")
 
 
-def _coverage(timelines: list[RankTimeline], matched: int) -> dict:
+def _coverage(timelines: list[RankTimeline], matched: int) -> Coverage:
     """Which ranks of the job are here, and so what can be said about waiting for peers. Without every
     rank, a collective's last arrival may be a rank that is not here: `comm_wait` is then a lower bound
     (the rest of the wait is inside `comm_transfer`) and no rank can be cleared of straggling."""
@@ -88,36 +92,36 @@ def _coverage(timelines: list[RankTimeline], matched: int) -> dict:
     world = next((tl.world_size for tl in timelines if tl.world_size), None)
     complete = len(present) >= world if world else (len(present) >= 2 and matched > 0)
     sampled = [tl.events_sampled for tl in timelines]
-    return {
-        "ranks_present": len(present),
-        "world_size": world,
-        "ranks": present,
-        "complete": complete,
-        "events_sampled": True if any(s is True for s in sampled) else (None if None in sampled else False),
-        "comm_wait_lower_bound": not complete,
-    }
+    return Coverage(
+        ranks_present=len(present),
+        world_size=world,
+        ranks=present,
+        complete=complete,
+        events_sampled=True if any(s is True for s in sampled) else (None if None in sampled else False),
+        comm_wait_lower_bound=not complete,
+    )
 
 
-def _verdict(stragglers: list[dict], coverage: dict) -> str:
+def _verdict(stragglers: list[Straggler], coverage: Coverage) -> str:
     """`undetermined` whenever peers are missing: a rank last among the ranks present may still be early
     among all of them, and a rank that looks fine may be held back by one that is not here."""
-    if not coverage["complete"]:
+    if not coverage.complete:
         return "undetermined"
     return "found" if stragglers else "none"
 
 
-def _window_entry(window: dict, timelines: list[RankTimeline], parts: list[Partition]) -> dict:
+def _window_entry(window: dict, timelines: list[RankTimeline], parts: list[Partition]) -> Window:
     steps = sorted({int(s) for tl in timelines for s in np.unique(tl.step) if s >= 0})
-    return {
+    return Window(
         **window,
-        "start_us": min(p.origin_us + _us(p.start_ns) for p in parts),
-        "end_us": max(p.origin_us + _us(p.start_ns + p.window_ns) for p in parts),
-        "steps": steps,
-        "activities": int(sum(len(tl) for tl in timelines)),
-    }
+        start_us=min(p.origin_us + _us(p.start_ns) for p in parts),
+        end_us=max(p.origin_us + _us(p.start_ns + p.window_ns) for p in parts),
+        steps=steps,
+        activities=int(sum(len(tl) for tl in timelines)),
+    )
 
 
-def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> dict:
+def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> TopKernels:
     """The kernels that take the most GPU time, and the most frequent ones (with how many ran under
     10 us: the small kernels behind `small_kernel_overhead`), over all ranks. Summed per timeline over
     its name ids, then merged by name (names are few; kernels are many)."""
@@ -140,12 +144,13 @@ def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> dict:
             row[1] += int(count[i])
             row[2] += int(short[i])
 
-    def rows(key) -> list[dict]:
+    def rows(key) -> list[KernelStat]:
         ordered = sorted(merged.items(), key=key)[:limit]
-        return [{"name": name, "kind": KIND_NAMES[k], "count": c, "time_us": round(t, 3),
-                 "mean_us": round(t / c, 3), "short_count": sh} for name, (t, c, sh, k) in ordered]
+        return [KernelStat(name=name, kind=KIND_NAMES[k], count=c, time_us=round(t, 3), mean_us=round(t / c, 3),
+                           short_count=sh) for name, (t, c, sh, k) in ordered]
 
-    return {"by_time": rows(lambda item: (-item[1][0], item[0])), "by_count": rows(lambda item: (-item[1][1], item[0]))}
+    return TopKernels(by_time=rows(lambda item: (-item[1][0], item[0])),
+                      by_count=rows(lambda item: (-item[1][1], item[0])))
 
 
 def _check_one_job(timelines: list[RankTimeline]) -> None:
@@ -187,64 +192,62 @@ def _known_steps(part: Partition) -> list[StepSlice]:
     return [s for s in part.steps if s.step is not None]
 
 
-def _rank_entry(tl: RankTimeline, part: Partition, matched: int, per_step: bool, mfu_of) -> dict:
+def _rank_entry(tl: RankTimeline, part: Partition, matched: int, per_step: bool, mfu_of) -> RankBreakdown:
     steps = _known_steps(part)
     busy_ns = int(part.totals_ns[COMPUTE_C] + part.totals_ns[MEMCPY_C])
-    entry = {
-        "rank": tl.rank,
-        "source": tl.source,
-        "window_start_us": part.origin_us + _us(part.start_ns),
-        "window_us": _us(part.window_ns),
-        "breakdown_us": _breakdown(part.totals_ns),
-        "breakdown_fraction": _fractions(part.totals_ns, part.window_ns),
-        "lost_us": _us(part.window_ns - part.totals_ns[COMPUTE_C]),
-        "comm_total_us": _us(part.comm_total_ns),
-        "comm_overlapped_us": _us(part.comm_overlapped_ns),
-        "overlap_ratio": part.comm_overlapped_ns / part.comm_total_ns if part.comm_total_ns else None,
-        "short_kernels": {"count": part.short_kernel_count, "time_us": _us(part.short_kernel_ns)},
-        "matched_collectives": matched,
-        "steps": len(steps),
-        "busy_per_step_us": _us(busy_ns) / max(len(steps), 1),
-        "mfu": mfu_of(len(steps), sum(s.window_ns for s in steps)) if steps else None,
-    }
-    if per_step:
-        entry["per_step"] = [
-            {
-                "step": s.step,
-                "start_us": part.origin_us + _us(s.start_ns),
-                "window_us": _us(s.window_ns),
-                "breakdown_us": _breakdown(s.totals_ns),
-                "lost_fraction": float(s.window_ns - s.totals_ns[COMPUTE_C]) / s.window_ns,
-                "mfu": mfu_of(1, s.window_ns) if s.step is not None else None,
-            }
+    return RankBreakdown(
+        rank=tl.rank,
+        source=tl.source,
+        window_start_us=part.origin_us + _us(part.start_ns),
+        window_us=_us(part.window_ns),
+        breakdown_us=_breakdown(part.totals_ns),
+        breakdown_fraction=_fractions(part.totals_ns, part.window_ns),
+        lost_us=_us(part.window_ns - part.totals_ns[COMPUTE_C]),
+        comm_total_us=_us(part.comm_total_ns),
+        comm_overlapped_us=_us(part.comm_overlapped_ns),
+        overlap_ratio=part.comm_overlapped_ns / part.comm_total_ns if part.comm_total_ns else None,
+        short_kernels=ShortKernels(count=part.short_kernel_count, time_us=_us(part.short_kernel_ns)),
+        matched_collectives=matched,
+        steps=len(steps),
+        busy_per_step_us=_us(busy_ns) / max(len(steps), 1),
+        mfu=mfu_of(len(steps), sum(s.window_ns for s in steps)) if steps else None,
+        per_step=[
+            StepBreakdown(
+                step=s.step,
+                start_us=part.origin_us + _us(s.start_ns),
+                window_us=_us(s.window_ns),
+                breakdown_us=_breakdown(s.totals_ns),
+                lost_fraction=float(s.window_ns - s.totals_ns[COMPUTE_C]) / s.window_ns,
+                mfu=mfu_of(1, s.window_ns) if s.step is not None else None,
+            )
             for s in part.steps
-        ]
-    return entry
+        ] if per_step else None,
+    )
 
 
-def _job_entry(timelines: list[RankTimeline], parts: list[Partition], ranks: list[dict],
-               gpu_hour_price: float | None) -> dict:
+def _job_entry(timelines: list[RankTimeline], parts: list[Partition], ranks: list[RankBreakdown],
+               gpu_hour_price: float | None) -> JobBreakdown:
     totals = np.sum([p.totals_ns for p in parts], axis=0)
     window = int(sum(p.window_ns for p in parts))
     comm_total = sum(p.comm_total_ns for p in parts)
     overlapped = sum(p.comm_overlapped_ns for p in parts)
     lost_hours = _us(window - totals[COMPUTE_C]) / US_PER_HOUR
-    mfus = [r["mfu"] for r in ranks if r["mfu"] is not None]
-    return {
-        "ranks": len(timelines),
-        "world_size": next((tl.world_size for tl in timelines if tl.world_size), None),
-        "job_id": next((tl.job_id for tl in timelines if tl.job_id), None),
-        "window_us": _us(window),
-        "breakdown_us": _breakdown(totals),
-        "breakdown_fraction": _fractions(totals, window),
-        "lost_us": _us(window - totals[COMPUTE_C]),
-        "lost_gpu_hours": lost_hours,
-        "lost_cost": lost_hours * gpu_hour_price if gpu_hour_price is not None else None,
-        "comm_overlapped_us": _us(overlapped),
-        "overlap_ratio": overlapped / comm_total if comm_total else None,
-        "short_kernels": {
-            "count": sum(p.short_kernel_count for p in parts),
-            "time_us": _us(sum(p.short_kernel_ns for p in parts)),
-        },
-        "mfu": float(np.mean(mfus)) if mfus else None,
-    }
+    mfus = [r.mfu for r in ranks if r.mfu is not None]
+    return JobBreakdown(
+        ranks=len(timelines),
+        world_size=next((tl.world_size for tl in timelines if tl.world_size), None),
+        job_id=next((tl.job_id for tl in timelines if tl.job_id), None),
+        window_us=_us(window),
+        breakdown_us=_breakdown(totals),
+        breakdown_fraction=_fractions(totals, window),
+        lost_us=_us(window - totals[COMPUTE_C]),
+        lost_gpu_hours=lost_hours,
+        lost_cost=lost_hours * gpu_hour_price if gpu_hour_price is not None else None,
+        comm_overlapped_us=_us(overlapped),
+        overlap_ratio=overlapped / comm_total if comm_total else None,
+        short_kernels=ShortKernels(
+            count=sum(p.short_kernel_count for p in parts),
+            time_us=_us(sum(p.short_kernel_ns for p in parts)),
+        ),
+        mfu=float(np.mean(mfus)) if mfus else None,
+    )

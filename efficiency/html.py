@@ -1,4 +1,4 @@
-"""A self-contained HTML report of an `analyze()` document: inline CSS and SVG, no scripts, no network.
+"""A self-contained HTML report of an `analyze()` result: inline CSS and SVG, no scripts, no network.
 
 Top to bottom, what a reader needs first: the headline numbers, what was analysed (coverage and window,
 in the same words as the text report), where each rank's time went (stragglers marked), how it moved
@@ -11,6 +11,7 @@ import math
 from html import escape
 
 from gpuwatch.efficiency.partition import CATEGORIES
+from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.words import coverage_lines, what_if_lines
 
 COLOURS = ("#2e7d32", "#81c784", "#1565c0", "#ef6c00", "#8e24aa", "#fbc02d", "#e53935", "#9e9e9e")
@@ -34,7 +35,7 @@ _CSS = (
 )
 
 
-def html_report(doc: dict) -> str:
+def html_report(doc: Analysis) -> str:
     """The report page (per-step entries in `doc` feed the trend chart)."""
     body = [
         f"<h1>Where the GPU time went</h1><p class='note'>{escape(_subtitle(doc))}</p>",
@@ -55,30 +56,30 @@ def _section(title: str, content: str) -> str:
     return f"<section><h2>{escape(title)}</h2>{content}</section>"
 
 
-def _subtitle(doc: dict) -> str:
-    job = doc["job"]
-    return (f"{job['ranks']} rank(s), {doc['window']['activities']} GPU activities, "
-            f"{doc['matched_collectives']} collective(s) matched across ranks; spec {doc['spec']}")
+def _subtitle(doc: Analysis) -> str:
+    job = doc.job
+    return (f"{job.ranks} rank(s), {doc.window.activities} GPU activities, "
+            f"{doc.matched_collectives} collective(s) matched across ranks; spec {doc.spec}")
 
 
-def _cards(doc: dict) -> str:
-    job, cov, w = doc["job"], doc["coverage"], doc.get("what_if")
-    verdict = doc["straggler_verdict"]
+def _cards(doc: Analysis) -> str:
+    job, cov, w = doc.job, doc.coverage, doc.what_if
+    verdict = doc.straggler_verdict
     cards = [
-        ("compute", f"{100 * job['breakdown_fraction']['compute']:.1f} %", ""),
-        ("lost GPU-hours", f"{job['lost_gpu_hours']:.4f}" + ("" if job["lost_cost"] is None else f" ({job['lost_cost']:.2f})"), ""),
-        ("window (all ranks)", f"{job['window_us'] / 1e6:.3f} GPU-s", ""),
-        ("ranks present", f"{cov['ranks_present']} of {cov['world_size'] or '?'}", "" if cov["complete"] else "warn"),
+        ("compute", f"{100 * job.breakdown_fraction['compute']:.1f} %", ""),
+        ("lost GPU-hours", f"{job.lost_gpu_hours:.4f}" + ("" if job.lost_cost is None else f" ({job.lost_cost:.2f})"), ""),
+        ("window (all ranks)", f"{job.window_us / 1e6:.3f} GPU-s", ""),
+        ("ranks present", f"{cov.ranks_present} of {cov.world_size or '?'}", "" if cov.complete else "warn"),
         ("stragglers", verdict, {"found": "bad", "undetermined": "warn"}.get(verdict, "")),
     ]
     if w:
-        cards.append(("what-if slowdown", f"{w['slowdown']:.3f}x", "bad" if w["slowdown"] > 1.05 else ""))
+        cards.append(("what-if slowdown", f"{w.slowdown:.3f}x", "bad" if w.slowdown > 1.05 else ""))
     return "<div class='cards'>" + "".join(
         f"<div class='card {cls}'><b>{escape(value)}</b><span>{escape(label)}</span></div>"
         for label, value, cls in cards) + "</div>"
 
 
-def _coverage(doc: dict) -> str:
+def _coverage(doc: Analysis) -> str:
     return "<ul>" + "".join(f"<li>{escape(line)}</li>" for line in coverage_lines(doc)) + "</ul>"
 
 
@@ -88,11 +89,11 @@ def _legend() -> str:
     ) + "</p>"
 
 
-def _bars(doc: dict) -> str:
-    marked = {s["rank"]: "straggler" for s in doc["stragglers"]}
-    marked.update({s["rank"]: "delayed" for s in doc["delayed"]})
-    rows = [("job", doc["job"]["breakdown_fraction"], None)] + [
-        (f"rank {r['rank']}", r["breakdown_fraction"], marked.get(r["rank"])) for r in doc["ranks"]]
+def _bars(doc: Analysis) -> str:
+    marked = {s.rank: "straggler" for s in doc.stragglers}
+    marked.update({s.rank: "delayed" for s in doc.delayed})
+    rows = [("job", doc.job.breakdown_fraction, None)] + [
+        (f"rank {r.rank}", r.breakdown_fraction, marked.get(r.rank)) for r in doc.ranks]
     height = _ROW * len(rows) + 34
     svg = [f"<svg width='{_W + _LABEL + 20}' height='{height}' role='img'>"]
     for pct in range(0, 101, 25):
@@ -116,30 +117,30 @@ def _bars(doc: dict) -> str:
     return "".join(svg) + "</svg>" + note
 
 
-def _stragglers(doc: dict) -> str:
-    items = [("straggler", s) for s in doc["stragglers"]] + [("delayed", s) for s in doc["delayed"]]
+def _stragglers(doc: Analysis) -> str:
+    items = [("straggler", s) for s in doc.stragglers] + [("delayed", s) for s in doc.delayed]
     if not items:
         return ""
     return "<ul>" + "".join(
-        f"<li><b>{label} rank {s['rank']}</b>: last at {100 * s['last_share']:.0f} % of {s['collectives']} collectives "
-        f"(chance {100 * s['chance_share']:.0f} %), mean lateness {s['mean_lateness_us'] / 1000:.2f} ms, "
-        f"busy {s['busy_per_step_us'] / 1000:.2f} ms/step vs peers {s['peer_median_busy_per_step_us'] / 1000:.2f}</li>"
+        f"<li><b>{label} rank {s.rank}</b>: last at {100 * s.last_share:.0f} % of {s.collectives} collectives "
+        f"(chance {100 * s.chance_share:.0f} %), mean lateness {s.mean_lateness_us / 1000:.2f} ms, "
+        f"busy {s.busy_per_step_us / 1000:.2f} ms/step vs peers {s.peer_median_busy_per_step_us / 1000:.2f}</li>"
         for label, s in items) + "</ul>"
 
 
-def _trend(doc: dict) -> str:
-    series = [(r["rank"], [s for s in r.get("per_step", []) if s["step"] is not None]) for r in doc["ranks"]]
+def _trend(doc: Analysis) -> str:
+    series = [(r.rank, [s for s in (r.per_step or []) if s.step is not None]) for r in doc.ranks]
     series = [(rank, steps) for rank, steps in series if steps]
     if not series:
         return "<p class='note'>No step annotations in the analysed window (or run with --per-step).</p>"
-    step_ids = sorted({s["step"] for _, steps in series for s in steps})
+    step_ids = sorted({s.step for _, steps in series for s in steps})
     h, left, bottom = 220, 50, 40
     n = len(step_ids)
 
     def x_of(step: int) -> float:
         return left + (step_ids.index(step) + 0.5) * _W / n
 
-    top = max(s["lost_fraction"] for _, steps in series for s in steps)
+    top = max(s.lost_fraction for _, steps in series for s in steps)
     y_max = min(1.0, max(0.2, math.ceil((top + 0.02) * 5) / 5))  # a multiple of 20 %: round ticks
     svg = [f"<svg width='{_W + left + 20}' height='{h + bottom}' role='img'>"]
     for k in range(5):
@@ -155,11 +156,11 @@ def _trend(doc: dict) -> str:
                f"<text x='{left + _W / 2}' y='{h + 34}' font-size='12' text-anchor='middle'>step</text>")
     for k, (rank, steps) in enumerate(series):
         colour = _PALETTE[k % len(_PALETTE)]
-        pts = [(x_of(s["step"]), h - s["lost_fraction"] / y_max * (h - 10), s) for s in steps]
+        pts = [(x_of(s.step), h - s.lost_fraction / y_max * (h - 10), s) for s in steps]
         svg.append(f"<polyline points='{' '.join(f'{x:.1f},{y:.1f}' for x, y, _ in pts)}' fill='none' "
                    f"stroke='{colour}' stroke-width='2'/>")
-        svg += [f"<circle cx='{x:.1f}' cy='{y:.1f}' r='3' fill='{colour}'><title>rank {rank} step {s['step']}: "
-                f"lost {100 * s['lost_fraction']:.1f} % of {s['window_us'] / 1000:.1f} ms</title></circle>" for x, y, s in pts]
+        svg += [f"<circle cx='{x:.1f}' cy='{y:.1f}' r='3' fill='{colour}'><title>rank {rank} step {s.step}: "
+                f"lost {100 * s.lost_fraction:.1f} % of {s.window_us / 1000:.1f} ms</title></circle>" for x, y, s in pts]
     legend = "".join(f"<span class='k' style='background:{_PALETTE[k % len(_PALETTE)]}'></span>rank {rank}"
                      for k, (rank, _) in enumerate(series))
     return ("<p class='note'>Share of each step's window not spent computing (lost), per rank.</p>"
@@ -169,16 +170,16 @@ def _trend(doc: dict) -> str:
 _PALETTE = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#e16f24", "#57606a", "#1b7c83")
 
 
-def _what_if(doc: dict) -> str:
-    w = doc.get("what_if")
+def _what_if(doc: Analysis) -> str:
+    w = doc.what_if
     if not w:
         return "<p class='note'>No what-if (nothing to replay).</p>"
     text = "<ul>" + "".join(f"<li>{escape(line.strip())}</li>" for line in what_if_lines(w)) + "</ul>"
-    rows = [(f"rank {r['rank']}", r["slowdown"]) for r in w["per_rank"]] + [
-        (k["kind"], k["slowdown"]) for k in w["per_op_kind"]]
-    top = max([w["slowdown"]] + [s for _, s in rows] + [1.0])
+    rows = [(f"rank {r.rank}", r.slowdown) for r in w.per_rank] + [
+        (k.kind, k.slowdown) for k in w.per_op_kind]
+    top = max([w.slowdown] + [s for _, s in rows] + [1.0])
     svg = [f"<svg width='{_W + _LABEL + 60}' height='{_ROW * (len(rows) + 1) + 10}' role='img'>"]
-    for i, (label, s) in enumerate([("whole job", w["slowdown"])] + rows):
+    for i, (label, s) in enumerate([("whole job", w.slowdown)] + rows):
         y = 4 + i * _ROW
         width = max(0.0, (s - 1.0)) / max(top - 1.0, 1e-9) * _W
         svg.append(f"<text x='4' y='{y + 14}' font-size='12'>{escape(label)}</text>"
@@ -188,15 +189,14 @@ def _what_if(doc: dict) -> str:
             "everything else runs at the job's typical duration (1.000x: no excess).</p>" + "".join(svg) + "</svg>")
 
 
-def _top_kernels(doc: dict) -> str:
-    top = doc.get("top_kernels") or {}
+def _top_kernels(doc: Analysis) -> str:
     out = []
-    for key, title in (("by_time", "by GPU time"), ("by_count", "by count (short = under 10 µs)")):
-        rows = top.get(key) or []
+    for rows, title in ((doc.top_kernels.by_time, "by GPU time"),
+                        (doc.top_kernels.by_count, "by count (short = under 10 µs)")):
         head = "<tr><th class='n'>kernel</th><th>kind</th><th>count</th><th>short</th><th>time ms</th><th>mean µs</th></tr>"
         body = "".join(
-            f"<tr><td class='n' title='{escape(k['name'])}'>{escape(_short(k['name']))}</td><td>{k['kind']}</td>"
-            f"<td>{k['count']}</td><td>{k['short_count']}</td><td>{k['time_us'] / 1000:.2f}</td><td>{k['mean_us']:.1f}</td></tr>"
+            f"<tr><td class='n' title='{escape(k.name)}'>{escape(_short(k.name))}</td><td>{k.kind}</td>"
+            f"<td>{k.count}</td><td>{k.short_count}</td><td>{k.time_us / 1000:.2f}</td><td>{k.mean_us:.1f}</td></tr>"
             for k in rows)
         out.append(f"<h3>{escape(title)}</h3><table>{head}{body}</table>")
     return "".join(out)
@@ -206,19 +206,19 @@ def _short(name: str, limit: int = 90) -> str:
     return name if len(name) <= limit else name[: limit - 1] + "…"
 
 
-def _table(doc: dict) -> str:
+def _table(doc: Analysis) -> str:
     head = "<tr><th class='n'>rank</th><th>window ms</th>" + "".join(f"<th>{n}</th>" for n in CATEGORIES) + "</tr>"
     rows = [
-        f"<tr><td class='n'>{r['rank']}</td><td>{r['window_us'] / 1000:.1f}</td>"
-        + "".join(f"<td>{100 * r['breakdown_fraction'][n]:.2f} %</td>" for n in CATEGORIES) + "</tr>"
-        for r in doc["ranks"]
+        f"<tr><td class='n'>{r.rank}</td><td>{r.window_us / 1000:.1f}</td>"
+        + "".join(f"<td>{100 * r.breakdown_fraction[n]:.2f} %</td>" for n in CATEGORIES) + "</tr>"
+        for r in doc.ranks
     ]
     return "<table>" + head + "".join(rows) + "</table>"
 
 
-def _metadata(doc: dict) -> str:
-    meta = dict(doc.get("trace_meta") or {})
-    meta["sources"] = ", ".join(r["source"] for r in doc["ranks"])
+def _metadata(doc: Analysis) -> str:
+    meta = dict(doc.trace_meta)
+    meta["sources"] = ", ".join(r.source for r in doc.ranks)
     return "<table>" + "".join(
         f"<tr><th class='n'>{escape(str(k))}</th><td class='n'>{escape(str(v))}</td></tr>" for k, v in meta.items()
     ) + "</table>"

@@ -4,9 +4,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.core.errors import UserError
+
+if TYPE_CHECKING:
+    from gpuwatch.efficiency.traces.eventstream import TraceContent
 
 TRACE_ENDINGS = (".json", ".json.gz")
 SPAN_ENDINGS = (".csv", ".parquet", ".pq")
@@ -62,14 +66,15 @@ def _load_one(job: tuple[str, Callable[[int], None] | None], default_rank: int |
 
 
 def load_file(path: str, *, progress: Callable[[int], None] | None = None,
-              default_rank: int | None = None) -> list[RankTimeline]:
+              default_rank: int | None = None, content: TraceContent | None = None) -> list[RankTimeline]:
     """The rank timelines of one file: a span table (by extension: every rank in it) or a Kineto trace (one
-    rank: `default_rank` when the trace does not say which). Loaders are imported on use, so a Kineto run
+    rank: `default_rank` when the trace does not say which). With `content` (an upload: bytes or a seekable
+    binary file) that is read instead, and `path` only names it. Loaders are imported on use, so a Kineto run
     never imports pandas."""
     if path.endswith(SPAN_ENDINGS):
         from gpuwatch.efficiency.traces.spans import read_span_table, timelines_from_spans
 
-        return timelines_from_spans(read_span_table(path), source=path)
+        return timelines_from_spans(read_span_table(path, content), source=path)
     from gpuwatch.efficiency.traces.kineto import load_kineto
 
-    return [load_kineto(path, progress=progress, default_rank=default_rank)]
+    return [load_kineto(path, progress=progress, default_rank=default_rank, content=content)]

@@ -7,16 +7,19 @@ import numpy as np
 import orjson
 
 from gpuwatch.efficiency.partition import CATEGORIES, Partition
+from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.timeline import KIND_NAMES, UNKNOWN, RankTimeline
 
 _STREAM_TID = 100  # stream tracks follow the category tracks
 
 
-def perfetto_trace(doc: dict) -> bytes:
+def perfetto_trace(analysis: Analysis) -> bytes:
     """Chrome-trace JSON of what `analyze(..., keep_segments=True)` kept."""
+    if analysis.partitions is None or analysis.timelines is None:
+        raise ValueError("perfetto_trace needs analyze(..., keep_segments=True)")
     events: list[dict] = []
-    for entry, part, tl in zip(doc["ranks"], doc["_partitions"], doc["_timelines"]):
-        events.extend(_category_events(entry["rank"], part))
+    for entry, part, tl in zip(analysis.ranks, analysis.partitions, analysis.timelines):
+        events.extend(_category_events(entry.rank, part))
         events.extend(_activity_events(tl))
     return orjson.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 

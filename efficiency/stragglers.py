@@ -13,12 +13,13 @@ from math import exp, lgamma, log
 import numpy as np
 
 from gpuwatch.efficiency.matching import Matching
+from gpuwatch.efficiency.result import Straggler
 
 BUSY_EXCESS = 1.10
 P_VALUE = 0.05
 
 
-def find_stragglers(matching: Matching, busy_per_step_us: dict[int, float]) -> tuple[list[dict], list[dict]]:
+def find_stragglers(matching: Matching, busy_per_step_us: dict[int, float]) -> tuple[list[Straggler], list[Straggler]]:
     """(stragglers, delayed), each a list of evidence objects, from matched arrivals and per-rank busy time."""
     inst, rank, start = matching.instance, matching.rank, matching.start_us
     if not len(inst):
@@ -44,17 +45,17 @@ def find_stragglers(matching: Matching, busy_per_step_us: dict[int, float]) -> t
             continue
         peer_median = float(np.median(peer_busy))
         busy = busy_per_step_us.get(int(r), 0.0)
-        evidence = {
-            "rank": int(r),
-            "last_share": round(share, 4),
-            "chance_share": round(chance, 4),
-            "collectives": n,
-            "last_count": last,
-            "mean_lateness_us": round(float(np.mean(start[mine] - median[inst[mine]])), 3),
-            "busy_per_step_us": round(busy, 3),
-            "peer_median_busy_per_step_us": round(peer_median, 3),
-            "busy_ratio": round(busy / peer_median, 4) if peer_median > 0 else None,
-        }
+        evidence = Straggler(
+            rank=int(r),
+            last_share=round(share, 4),
+            chance_share=round(chance, 4),
+            collectives=n,
+            last_count=last,
+            mean_lateness_us=round(float(np.mean(start[mine] - median[inst[mine]])), 3),
+            busy_per_step_us=round(busy, 3),
+            peer_median_busy_per_step_us=round(peer_median, 3),
+            busy_ratio=round(busy / peer_median, 4) if peer_median > 0 else None,
+        )
         (stragglers if busy >= BUSY_EXCESS * peer_median else delayed).append(evidence)
     return stragglers, delayed
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuwatch.efficiency.matching import Matching
+from gpuwatch.efficiency.result import KindSlowdown, RankSlowdown, WhatIf
 from gpuwatch.efficiency.timeline import COLLECTIVE, KIND_NAMES, P2P, UNKNOWN, RankTimeline
 
 DELTA_US = 1000.0
@@ -54,8 +55,8 @@ class _Graph:
     comm: np.ndarray            # True for communication ops (their ideal is a median, not a mean)
 
 
-def what_if(timelines: list[RankTimeline], matching: Matching) -> dict | None:
-    """The `what_if` document entry (None when there is nothing to replay)."""
+def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
+    """The analysis's what-if (None when there is nothing to replay)."""
     graph = _build(timelines, matching)
     if graph is None:
         return None
@@ -89,21 +90,21 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> dict | None:
     def share(s: float) -> float | None:
         return round((s - 1.0) / excess, 4) if excess > 1e-9 else None
 
-    return {
-        "slowdown": round(max(1.0, slowdown), 4),
-        "slowdown_unclamped": round(slowdown, 4),
-        "actual_step_us": round(float(actual_steps.mean()), 3),
-        "replayed_step_us": round(float(replay.mean()), 3),
-        "replay_error": round(float(np.max(np.abs(replay - actual_steps) / actual_steps)), 4),
-        "no_launch_delay_step_us": round(t_actual, 3),
-        "actual_over_no_launch_delay": round(float(actual_steps.mean()) / t_actual, 4),
-        "ideal_step_us": round(t_ideal, 3),
-        "steps": len(actual_steps),
-        "ops": len(graph.start),
-        "replayed_nodes": len(graph.head),
-        "per_rank": [{"rank": r, "slowdown": round(s, 4), "share": share(s)} for r, s in per_rank.items()],
-        "per_op_kind": [{"kind": k, "slowdown": round(s, 4), "share": share(s)} for k, s in per_kind.items()],
-    }
+    return WhatIf(
+        slowdown=round(max(1.0, slowdown), 4),
+        slowdown_unclamped=round(slowdown, 4),
+        actual_step_us=round(float(actual_steps.mean()), 3),
+        replayed_step_us=round(float(replay.mean()), 3),
+        replay_error=round(float(np.max(np.abs(replay - actual_steps) / actual_steps)), 4),
+        no_launch_delay_step_us=round(t_actual, 3),
+        actual_over_no_launch_delay=round(float(actual_steps.mean()) / t_actual, 4),
+        ideal_step_us=round(t_ideal, 3),
+        steps=len(actual_steps),
+        ops=len(graph.start),
+        replayed_nodes=len(graph.head),
+        per_rank=[RankSlowdown(rank=r, slowdown=round(s, 4), share=share(s)) for r, s in per_rank.items()],
+        per_op_kind=[KindSlowdown(kind=k, slowdown=round(s, 4), share=share(s)) for k, s in per_kind.items()],
+    )
 
 
 def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:

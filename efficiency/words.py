@@ -1,34 +1,36 @@
-"""The coverage, window and what-if of an `analyze()` document in words, for the text and HTML reports."""
+"""The coverage, window and what-if of an `analyze()` result in words, for the text and HTML reports."""
 from __future__ import annotations
 
+from gpuwatch.efficiency.result import Analysis, WhatIf
 
-def coverage_lines(doc: dict) -> list[str]:
+
+def coverage_lines(doc: Analysis) -> list[str]:
     """Coverage and window in words (the text and HTML reports say the same)."""
-    cov, win = doc["coverage"], doc["window"]
-    world = cov["world_size"] or "?"
-    lines = [f"analysed window: {win['rule']}; {win['activities']} GPU activities"
-             + (f", steps {win['steps'][0]}..{win['steps'][-1]}" if win["steps"] else ", no step annotations")]
-    lines.append(f"coverage: {cov['ranks_present']} of {world} rank(s) present"
+    cov, win = doc.coverage, doc.window
+    world = cov.world_size or "?"
+    lines = [f"analysed window: {win.rule}; {win.activities} GPU activities"
+             + (f", steps {win.steps[0]}..{win.steps[-1]}" if win.steps else ", no step annotations")]
+    lines.append(f"coverage: {cov.ranks_present} of {world} rank(s) present"
                  + {True: "; events were sampled", None: "; some GPU activities have no launch record (partial recording)",
-                    False: ""}[cov["events_sampled"]])
-    if cov["comm_wait_lower_bound"]:
+                    False: ""}[cov.events_sampled])
+    if cov.comm_wait_lower_bound:
         lines.append("comm_wait is a lower bound: ranks are missing, so the last arrival at a collective may be a rank "
                      "not here (that waiting is counted in comm_transfer)")
-    if doc["straggler_verdict"] == "undetermined":
+    if doc.straggler_verdict == "undetermined":
         lines.append("stragglers: undetermined (peers missing: no rank can be cleared or blamed)")
     return lines
 
 
-def what_if_lines(w: dict | None) -> list[str]:
+def what_if_lines(w: WhatIf | None) -> list[str]:
     if not w:
         return []
-    ranks = sorted(w["per_rank"], key=lambda r: -r["slowdown"])[:3]
-    kinds = sorted(w["per_op_kind"], key=lambda r: -r["slowdown"])
+    ranks = sorted(w.per_rank, key=lambda r: -r.slowdown)[:3]
+    kinds = sorted(w.per_op_kind, key=lambda r: -r.slowdown)
     return [
-        f"what-if: {w['slowdown']:.3f}x slower than with every op at its typical duration "
-        f"(step {w['no_launch_delay_step_us'] / 1000:.2f} ms without launch delays vs ideal {w['ideal_step_us'] / 1000:.2f} ms)",
-        f"  replay check: replayed step {w['replayed_step_us'] / 1000:.2f} ms vs measured {w['actual_step_us'] / 1000:.2f} ms "
-        f"(error {100 * w['replay_error']:.1f} %); measured / no-launch-delay {w['actual_over_no_launch_delay']:.3f}",
-        "  by rank: " + ", ".join(f"rank {r['rank']} {r['slowdown']:.3f}x" for r in ranks),
-        "  by op kind: " + ", ".join(f"{k['kind']} {k['slowdown']:.3f}x" for k in kinds),
+        f"what-if: {w.slowdown:.3f}x slower than with every op at its typical duration "
+        f"(step {w.no_launch_delay_step_us / 1000:.2f} ms without launch delays vs ideal {w.ideal_step_us / 1000:.2f} ms)",
+        f"  replay check: replayed step {w.replayed_step_us / 1000:.2f} ms vs measured {w.actual_step_us / 1000:.2f} ms "
+        f"(error {100 * w.replay_error:.1f} %); measured / no-launch-delay {w.actual_over_no_launch_delay:.3f}",
+        "  by rank: " + ", ".join(f"rank {r.rank} {r.slowdown:.3f}x" for r in ranks),
+        "  by op kind: " + ", ".join(f"{k.kind} {k.slowdown:.3f}x" for k in kinds),
     ]

@@ -209,6 +209,6 @@ def test_sim_job_sends_probe_style_spans_with_a_slow_rank(tmp_path, sink):
     assert rows["step"].max() >= 10  # ~50 simulated seconds of 1.29 s steps, minus the last unfinished one
     gpu_jobs = {j for b in batches for s in b.samples for j in s.job_id}
     assert gpu_jobs == {"job-n1"}  # the GPU rows name the same job, so spans and telemetry join
-    doc = analyze(probe_timelines(rows, "sim job"))
+    doc = analyze(probe_timelines(rows, "sim job")).to_json()
     assert doc["job"]["breakdown_fraction"]["comm_wait"] > 0.05
     assert [s["rank"] for s in doc["stragglers"]] == [7]

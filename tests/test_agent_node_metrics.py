@@ -14,7 +14,7 @@ import pytest
 
 from gpuwatch.agent.daemon import Agent, AgentConfig
 from gpuwatch.simulator.fleet import SimulatedFleet
-from gpuwatch.apps.collector_cli import start_collector
+from gpuwatch.collector.assembly import start_collector
 from gpuwatch.core.prometheus import EXPORTED_METRICS
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config

@@ -117,7 +117,7 @@ def test_dead_receiver_does_not_block_and_queue_is_bounded():
 
 def test_collector_gives_the_alerts_advice_for_its_configured_job(tmp_path):
     from gpuwatch.collector.alert_hub import AlertHub
-    from gpuwatch.apps.collector_cli import start_collector
+    from gpuwatch.collector.assembly import start_collector
     from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),

@@ -37,7 +37,7 @@ def collector(tmp_path):
 
 def _analyzed(paths, per_step=False):
     """`gpuwatch analyze --json` of the files, as the JSON text round-trips it."""
-    return orjson.loads(orjson.dumps(analyze(load_paths(paths), per_step=per_step)))
+    return orjson.loads(orjson.dumps(analyze(load_paths(paths), per_step=per_step).to_json()))
 
 
 def test_ranks_submitted_one_by_one_give_the_analyze_document(collector):
@@ -99,7 +99,7 @@ def test_live_breakdown_from_probe_spans(collector):
     assert doc.pop("source") == "live"
     assert doc.pop("history") == {"steps": 0, "ranks": 0, "breakdown_us": {}}  # no jobs-monitor round yet
     expected = orjson.loads(orjson.dumps(analyze(timelines_from_spans(rows, source="job L probe spans"),
-                                                 per_step=True)))
+                                                 per_step=True).to_json()))
     assert doc == expected
     assert doc["ranks"][0]["breakdown_us"]["comm_wait"] == pytest.approx(3 * 2_000)
     stored = server.store.query_df("SELECT DISTINCT source, rank FROM breakdowns WHERE job_id = 'L' ORDER BY rank")

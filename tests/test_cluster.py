@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gpuwatch.apps.collector_cli import start_collector
+from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.lease import ClusterLease
 from gpuwatch.collector.store import open_store
 from gpuwatch.core.columnar import from_message

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from gpuwatch.apps.collector_cli import start_collector
+from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from gpuwatch.simulator.failing_fleet import HOUR_MS

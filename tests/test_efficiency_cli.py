@@ -6,6 +6,7 @@ import os
 
 from gpuwatch.apps.cli import main
 from gpuwatch.apps.analyze_cli import format_table
+from gpuwatch.efficiency.result import Analysis
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
 if not os.path.isdir(DATA):
@@ -83,5 +84,6 @@ def test_table_ranks_the_rank_that_lost_most_first(capsys):
     assert main(["analyze", SAMPLED, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     doc["ranks"][1]["lost_us"] = doc["ranks"][0]["lost_us"] + 1000.0  # rank 1 now loses more than rank 0
-    rows = [line.split()[1] for line in format_table(doc).splitlines() if line.strip().startswith("rank ")]
+    table = format_table(Analysis.from_json(doc))
+    rows = [line.split()[1] for line in table.splitlines() if line.strip().startswith("rank ")]
     assert rows[:2] == ["1", "0"]

@@ -13,7 +13,7 @@ import torch.distributed as dist  # noqa: E402
 
 import gpuwatch.probe  # noqa: E402
 from gpuwatch.apps import cli  # noqa: E402
-from gpuwatch.apps.collector_cli import start_collector  # noqa: E402
+from gpuwatch.collector.assembly import start_collector  # noqa: E402
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config  # noqa: E402
 from gloo_jobs import finish_rank, init_rank, pipeline_worker, run_job  # noqa: E402
 from helpers import SPAN_FIELDS, poll  # noqa: E402

@@ -99,7 +99,7 @@ def test_collectives_of_four_ranks_align_and_show_the_slow_rank(tmp_path):
     assert summary["steps"] == STEPS and summary["finished"] and summary["ranks"] == world
     assert 0 < summary["lost_fraction"] < 1
     assert detect_hangs(frame, now_us + 3600e6, threshold_s=60) == []
-    doc = analyze(timelines_from_spans(frame[frame["kind"] != "end"]))
+    doc = analyze(timelines_from_spans(frame[frame["kind"] != "end"])).to_json()
     wait = {r["rank"]: r["breakdown_us"]["comm_wait"] for r in doc["ranks"]}
     assert all(wait[rank] > STEPS * SLOW_S * 1e6 / 2 for rank in range(world) if rank != SLOW_RANK)
     assert wait[SLOW_RANK] < min(wait[rank] for rank in range(world) if rank != SLOW_RANK) / 3

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from gpuwatch.agent.daemon import Agent, AgentConfig
-from gpuwatch.apps.collector_cli import start_collector
+from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from helpers import PROMETHEUS, alertmanager_alerts, free_port, get_json, poll, start_alertmanager

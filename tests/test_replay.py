@@ -151,7 +151,7 @@ def test_offline_replay_computes_the_job_breakdown_from_replayed_spans(tmp_path)
     write_small_recording(tmp_path / "R", spans)
     result = replay_offline(tmp_path / "R", quiet=True)
     assert result["nodes"]["n1"]["spans"] == len(spans)  # spans without a node travel with n1
-    expected = analyze(timelines_from_spans(spans.assign(world_size=2.0), source="spans"))["job"]
+    expected = analyze(timelines_from_spans(spans.assign(world_size=2.0), source="spans")).to_json()["job"]
     got = result["store"]["breakdowns"]["J"]
     assert got["ranks"] == 2 and got["breakdown_fraction"] == pytest.approx(expected["breakdown_fraction"])
 

@@ -5,13 +5,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from gpuwatch.apps.replay import recording_id, replay, replay_offline, score_replayed
 from gpuwatch.collector import client
+from gpuwatch.collector.assembly import failure_model
 from gpuwatch.collector.server import serve
 from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.core.errors import UserError
 from gpuwatch.core.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
 from gpuwatch.core.recording import RecordingWriter, open_recording
-from gpuwatch.core.errors import UserError
-from gpuwatch.apps.replay import _model, recording_id, replay, replay_offline, score_replayed
 from helpers import T0, degrading_node, two_rank_spans, write_small_recording
 
 _PER_GPU = ", ".join(f"count({name}) AS {name}" for name in GPU_FIELD_NAMES)
@@ -65,7 +66,7 @@ def _streamed(path, db) -> tuple[dict, dict, dict]:
             ch.close()
         server.store.flush()
         scoring = score_replayed(server.store, int(rec.manifest["start_ms"]), int(rec.manifest["end_ms"]),
-                                 model=_model(None), quiet=True)
+                                 model=failure_model(None), quiet=True)
         return streamed, _stored(server.store), scoring
     finally:
         server.stop()

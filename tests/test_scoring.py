@@ -9,7 +9,7 @@ import pytest
 from gpuwatch.apps import cli
 from gpuwatch.collector.alert_hub import AlertHub, list_alerts
 from gpuwatch.collector.alerts import ALERT_NAME
-from gpuwatch.apps.collector_cli import start_collector
+from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.scoring import MinuteHistory, Scorer, observation, score_gpus
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config

@@ -43,8 +43,8 @@ def test_old_kineto_categories_read_like_the_new_ones(tmp_path):
     for e in doc["traceEvents"]:
         e["cat"] = OLD_CATEGORIES.get(e.get("cat"), e.get("cat"))
     doc["traceEvents"] += [{"ph": "s", "cat": "async_gpu", "name": "cudaLaunchKernel", "id": 1, "pid": 1, "tid": 1, "ts": 1}]
-    old = analyze([load_kineto(_write(tmp_path / "old_rank0.json", doc))])
-    new = analyze([load_kineto(os.path.join(SAMPLED, "rank0.json.gz"))])
+    old = analyze([load_kineto(_write(tmp_path / "old_rank0.json", doc))]).to_json()
+    new = analyze([load_kineto(os.path.join(SAMPLED, "rank0.json.gz"))]).to_json()
     assert old["ranks"][0]["breakdown_us"] == new["ranks"][0]["breakdown_us"]
     assert old["window"]["activities"] == new["window"]["activities"] > 1000
 
@@ -67,7 +67,7 @@ def test_mtia_trace(tmp_path):
     assert list(tl.kind) == [COMPUTE, MEMCPY, COMPUTE]
     assert list(tl.kernel_names()) == ["fc-dtype_Float", "dma_request", "add-dtype_Float"]
     assert tl.launch_us[0] == 90
-    b = analyze([tl])["ranks"][0]["breakdown_us"]
+    b = analyze([tl]).to_json()["ranks"][0]["breakdown_us"]
     assert b["compute"] == 70 and b["memcpy"] == 10 and b["idle_other"] == 40
 
 
@@ -95,7 +95,7 @@ def test_launchless_sendrecv_is_never_a_bubble(tmp_path):
     assert not (tl.kind == P2P).any()
     assert sorted(set(types[comm])) == ["all_reduce", "all_to_all", "unknown"]
     assert (types == "unknown").sum() == 1
-    result = analyze([tl])
+    result = analyze([tl]).to_json()
     assert result["ranks"][0]["breakdown_us"]["bubble"] == 0
 
 
@@ -127,7 +127,7 @@ def test_complete_job_gives_a_verdict(tmp_path):
         doc = _read(os.path.join(SAMPLED, f"rank{rank}.json.gz"))
         doc["distributedInfo"]["world_size"] = 2
         _write(tmp_path / f"rank{rank}.json", doc)
-    result = analyze(load_paths([str(tmp_path)]))
+    result = analyze(load_paths([str(tmp_path)])).to_json()
     assert result["coverage"]["complete"] and not result["coverage"]["comm_wait_lower_bound"]
     assert result["straggler_verdict"] in ("none", "found")
     assert result["straggler_verdict"] == ("found" if result["stragglers"] else "none")
@@ -175,7 +175,7 @@ def test_p2p_paired_by_process_group_ranks_and_seq(tmp_path):
     timelines = load_paths(paths)
     assert all(tl.group_ranks == {"pp": [0, 1]} for tl in timelines)
     assert all((tl.kind == P2P).sum() == 2 for tl in timelines)
-    w = analyze(timelines)["what_if"]
+    w = analyze(timelines).to_json()["what_if"]
     assert w["replay_error"] == pytest.approx(0.0, abs=1e-4)
     # Paired, the receive's transfer is 300 us like every other (its 1000 us wait emerges): nothing to gain.
     assert w["slowdown_unclamped"] == pytest.approx(1.0, abs=1e-4)

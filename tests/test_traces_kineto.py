@@ -43,7 +43,7 @@ def test_control_trace_partition_and_collective_types(control):
     assert Counter(control.type_names()[comm]) == {"all_to_all": 42, "all_reduce": 18}
     assert not (control.kind == P2P).any()  # SendRecv under nccl:all_to_all is a collective
     assert set(control.step.tolist()) == {1009, 1010, 1011, 1012, 1013, 1014}
-    entry = analyze([control], per_step=True)["ranks"][0]
+    entry = analyze([control], per_step=True).to_json()["ranks"][0]
     assert sum(entry["breakdown_us"].values()) == entry["window_us"]
     assert len(entry["per_step"]) == 6
 
@@ -55,7 +55,7 @@ def test_control_trace_partition_and_collective_types(control):
 ])
 def test_agrees_with_hta_temporal_breakdown(path, rank, window_ms, idle_pct, compute_pct, overlap_pct):
     """HTA 0.5.0 numbers (docs/efficiency.md, "Agreement with HolisticTraceAnalysis") on the same window, within 0.5 % of the window."""
-    entry = analyze([hta_window(load_kineto(path))])["ranks"][0]
+    entry = analyze([hta_window(load_kineto(path))]).to_json()["ranks"][0]
     assert entry["rank"] == rank
     assert entry["window_us"] / 1000 == pytest.approx(window_ms, abs=0.05)
     idle, compute = idle_and_compute_pct(entry)
@@ -67,7 +67,7 @@ def test_agrees_with_hta_temporal_breakdown(path, rank, window_ms, idle_pct, com
 def test_sampled_ranks_matched_against_each_other():
     tls = load_paths([SAMPLED])
     assert [tl.rank for tl in tls] == [0, 1]
-    doc = analyze(tls)
+    doc = analyze(tls).to_json()
     assert doc["matched_collectives"] == 10  # 4 all_to_all + 4 all_reduce + 2 all_gather, by order
     waits = [r["breakdown_us"]["comm_wait"] for r in doc["ranks"]]
     assert all(w > 0 for w in waits)

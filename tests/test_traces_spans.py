@@ -32,7 +32,7 @@ def test_probe_steps_minus_communication_is_compute():
     compute = tl0.kind == COMPUTE
     assert list(tl0.end_us[compute] - tl0.start_us[compute]) == [600, 100, 600, 100, 600, 100]
     assert set(tl0.step[compute].tolist()) == {0, 1, 2}
-    doc = analyze(tls, per_step=True)
+    doc = analyze(tls, per_step=True).to_json()
     assert doc["matched_collectives"] == 3  # by process group + seq
     r0, r1 = doc["ranks"]
     assert r0["breakdown_us"]["comm_wait"] == 3 * 200  # rank 0 arrives 200 us before rank 1
@@ -50,7 +50,7 @@ def test_csv_and_parquet_files(tmp_path):
     tls = load_paths([str(tmp_path)])
     assert sorted(tl.rank for tl in tls) == [0, 1]
     assert list(tls[0].type_names()[tls[0].kind == COLLECTIVE]) == ["all_gather"]
-    b = analyze(tls)["ranks"][0]["breakdown_us"]
+    b = analyze(tls).to_json()["ranks"][0]["breakdown_us"]
     assert (b["compute"], b["memcpy"], b["comm_transfer"], b["small_kernel_overhead"], b["idle_other"]) == (50, 10, 20, 10, 30)
 
 

@@ -55,7 +55,7 @@ def _data_parallel(compute_us: list[float], transfer_us: float = 3000.0, steps: 
 
 
 def test_balanced_job_has_no_slowdown_and_replays_exactly():
-    w = analyze(_data_parallel([10_000.0] * 4))["what_if"]
+    w = analyze(_data_parallel([10_000.0] * 4)).to_json()["what_if"]
     assert w["slowdown"] == pytest.approx(1.0, abs=1e-4)
     assert w["replay_error"] == pytest.approx(0.0, abs=1e-4)
     assert w["actual_step_us"] == pytest.approx(13_000.0)
@@ -67,7 +67,7 @@ def test_balanced_job_has_no_slowdown_and_replays_exactly():
 def test_one_rank_slowed_by_a_known_factor(factor):
     c, transfer, ranks = 10_000.0, 3_000.0, 4
     compute = [c] * (ranks - 1) + [c * factor]
-    w = analyze(_data_parallel(compute, transfer))["what_if"]
+    w = analyze(_data_parallel(compute, transfer)).to_json()["what_if"]
     ideal = np.mean(compute) + transfer  # every "gemm" at the job's mean, the all-reduce at its transfer time
     assert w["ideal_step_us"] == pytest.approx(ideal)
     assert w["slowdown"] == pytest.approx((c * factor + transfer) / ideal, abs=1e-4)
@@ -112,7 +112,7 @@ def _pipeline(stage_us: tuple[float, float], micro: int = 4, transfer: float = 2
 def test_pipeline_stage_imbalance(with_seq):
     timelines, actual = _pipeline((14_000.0, 6_000.0), with_seq=with_seq)
     _, balanced = _pipeline((10_000.0, 10_000.0))  # both stages at the mean "layer" duration
-    w = analyze(timelines)["what_if"]
+    w = analyze(timelines).to_json()["what_if"]
     assert w["actual_step_us"] == pytest.approx(actual)
     assert w["replay_error"] == pytest.approx(0.0, abs=1e-4)
     assert w["ideal_step_us"] == pytest.approx(balanced)
@@ -135,7 +135,7 @@ def test_launch_delays_are_replayed_then_removed():
         rows.append((t, 10_000.0, COMPUTE, STREAM_COMPUTE, "gemm", step, "", "", -1))
         launch.append(t)  # launched when it ran: the GPU waited for the host
         t += 10_000.0
-    w = analyze([_timeline(0, rows, world=1, launch=launch)])["what_if"]
+    w = analyze([_timeline(0, rows, world=1, launch=launch)]).to_json()["what_if"]
     assert w["replay_error"] == pytest.approx(0.0, abs=1e-4)
     actual = (10_000.0 + 4 * 14_000.0) / 5  # a step runs from the previous step's end (the first: its start)
     assert w["actual_step_us"] == pytest.approx(actual)
@@ -145,7 +145,7 @@ def test_launch_delays_are_replayed_then_removed():
 
 
 def test_real_trace_replay_is_close_and_slowdown_at_least_one():
-    doc = analyze(load_paths([os.path.join(DATA, "control_rank3_of8")]))
+    doc = analyze(load_paths([os.path.join(DATA, "control_rank3_of8")])).to_json()
     w = doc["what_if"]
     assert w["slowdown"] >= 1.0 and w["ops"] == doc["window"]["activities"]
     assert w["steps"] == 6

@@ -38,6 +38,7 @@ from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_
 from gpuwatch.collector.store.writer import GroupWriter
 from gpuwatch.core.columnar import ColumnarBatch
 from gpuwatch.core.errors import NotFound, UserError
+from gpuwatch.core.spans import SPAN_COLUMNS, TEXT_SPAN_COLUMNS
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,16 @@ _COUNTER = "Nullable(Float64) CODEC(Delta, ZSTD(1))"  # counters only grow: delt
 def _value_columns(names: Sequence[str]) -> str:
     return ",\n    ".join(f"{name} {_COUNTER if fields.BY_NAME[name].kind == fields.Kind.COUNTER else _GAUGE}"
                            for name in names)
+
+
+def _span_columns() -> str:
+    """The span catalogue's columns (gpuwatch.core.spans); steps, times and sequence numbers grow by small
+    deltas within a rank's rows, durations are similar floats."""
+    types = {"string": "LowCardinality(String)", "int32": "Int32", "int64": "Int64", "double": "Float64"}
+    codecs = {"step": "Delta, ZSTD(1)", "start_us": "Delta, ZSTD(1)", "dur_us": "Gorilla, ZSTD(1)",
+              "seq": "Delta, ZSTD(1)", "bytes": "ZSTD(1)"}
+    return ", ".join(f"{c.name} {types[c.type]}" + (f" CODEC({codecs[c.name]})" if c.name in codecs else "")
+                     for c in SPAN_COLUMNS)
 
 
 def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
@@ -69,10 +80,7 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
     code Nullable(Int64), message String CODEC(ZSTD(3)), attrs String CODEC(ZSTD(3))""",
                    f"Replacing{{engine}} PARTITION BY toDate(ts) ORDER BY (node, gpu_index, ts, kind, ifNull(code, 0), "
                    f"message){ttl}"),
-        "spans": (f"""job_id LowCardinality(String), rank Int32, step Int64 CODEC(Delta, ZSTD(1)),
-    kind LowCardinality(String), name LowCardinality(String), start_us Float64 CODEC(Delta, ZSTD(1)),
-    dur_us Float64 CODEC(Gorilla, ZSTD(1)), process_group LowCardinality(String), seq Int64 CODEC(Delta, ZSTD(1)),
-    bytes Int64 CODEC(ZSTD(1)), world_size Int32, node LowCardinality(String), peer Int32, ts {_TS}""",
+        "spans": (f"""{_span_columns()}, ts {_TS}""",
                   f"Replacing{{engine}} PARTITION BY toDate(ts) "
                   f"ORDER BY (job_id, rank, start_us, kind, name, seq){ttl}"),
         "job_steps": (f"""job_id LowCardinality(String), rank Int32, step Int64 CODEC(Delta, ZSTD(1)),
@@ -770,7 +778,7 @@ def _agents_frame(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.Data
 
 def _spans_frame(df: pd.DataFrame) -> pd.DataFrame:
     """Span rows typed as the DuckDB store returns them (plain object strings)."""
-    for column in ("job_id", "kind", "name", "process_group", "node"):
+    for column in TEXT_SPAN_COLUMNS:
         if column in df.columns:
             df[column] = df[column].astype(object)
     return df

@@ -34,6 +34,7 @@ from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreC
                                              fingerprint)
 from gpuwatch.core.columnar import ColumnarBatch
 from gpuwatch.core.errors import NotFound, UserError
+from gpuwatch.core.spans import SPAN_COLUMNS, SPAN_UNSET, span_arrow_schema
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ _chain = itertools.chain.from_iterable
 
 def _value_columns(names: Iterable[str]) -> str:
     return ",\n    ".join(f"{name} DOUBLE" for name in names)
+
+
+def _span_columns() -> str:
+    types = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE"}
+    return ", ".join(f"{c.name} {types[c.type]}" for c in SPAN_COLUMNS)
 
 
 # Every table of the store, created in order when a database is opened. New features append here.
@@ -69,10 +75,7 @@ DDL: list[str] = [
     last_seen TIMESTAMP NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS ingested (
     agent_id VARCHAR NOT NULL, sequence UBIGINT NOT NULL, ingested_at TIMESTAMP NOT NULL, fingerprint VARCHAR)""",
-    """CREATE TABLE IF NOT EXISTS spans (
-    job_id VARCHAR, rank INTEGER, step BIGINT, kind VARCHAR, name VARCHAR, start_us DOUBLE, dur_us DOUBLE,
-    process_group VARCHAR, seq BIGINT, bytes BIGINT, world_size INTEGER, node VARCHAR, peer INTEGER,
-    ts TIMESTAMP NOT NULL)""",
+    f"""CREATE TABLE IF NOT EXISTS spans ({_span_columns()}, ts TIMESTAMP NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS alerts (
     id VARCHAR PRIMARY KEY, alertname VARCHAR NOT NULL, subject VARCHAR NOT NULL, status VARCHAR NOT NULL,
     starts_at TIMESTAMP NOT NULL, ends_at TIMESTAMP, updated_at TIMESTAMP NOT NULL, doc JSON NOT NULL)""",
@@ -115,13 +118,8 @@ RETENTION: dict[str, str] = {
     "job_steps": "ts", "step_breakdowns": "ts",
 }
 
-# SpanTable column -> (Arrow type, value used when a batch leaves the column empty).
-_SPAN_COLUMNS: dict[str, tuple[pa.DataType, Any]] = {
-    "job_id": (pa.string(), ""), "rank": (pa.int32(), -1), "step": (pa.int64(), -1), "kind": (pa.string(), ""),
-    "name": (pa.string(), ""), "start_us": (pa.float64(), np.nan), "dur_us": (pa.float64(), np.nan),
-    "process_group": (pa.string(), ""), "seq": (pa.int64(), -1), "bytes": (pa.int64(), -1),
-    "world_size": (pa.int32(), -1), "node": (pa.string(), ""), "peer": (pa.int32(), -1),
-}
+# SpanTable column (gpuwatch.core.spans) -> (Arrow type, value used when a batch leaves the column empty).
+_SPAN_COLUMNS: dict[str, tuple[pa.DataType, Any]] = {f.name: (f.type, SPAN_UNSET[f.name]) for f in span_arrow_schema()}
 
 _GPU_FIELD_INDEX = {name: i for i, name in enumerate(fields.GPU_FIELD_NAMES)}
 _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes", "architecture", "gpm_supported")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import io
 import queue
 import re
 import threading
@@ -38,6 +39,8 @@ from gpuwatch.core.errors import UserError
 _T = TypeVar("_T")
 _END = object()
 BLOCK_BYTES = 1 << 20
+#: A trace given in memory (an upload) instead of a path: its bytes, or a seekable binary file.
+TraceContent = bytes | BinaryIO
 _ARRAY_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _HEAD_LIMIT = 256 << 20
 _CUT_TRIES = 64
@@ -276,8 +279,9 @@ class TraceEventStream:
 
     def __init__(self, path: str, *, block_bytes: int | None = None,
                  progress: Callable[[int], None] | None = None, only: EventFilter | None = None,
-                 watch: tuple[bytes, ...] = ()) -> None:
-        self.path = path
+                 watch: tuple[bytes, ...] = (), content: TraceContent | None = None) -> None:
+        self.path = path  # the file read, else the name of `content` in messages
+        self.content = content
         # Whether any of `watch` occurs in the raw text (a check for events the filter drops; an occurrence
         # cut by a block boundary is missed). One regular expression reads a block once for all patterns,
         # and the search stops at the first hit (counting every pattern's occurrences took a quarter of
@@ -294,7 +298,7 @@ class TraceEventStream:
 
     def __iter__(self) -> Iterator[list[dict]]:
         try:
-            with _open(self.path) as f:
+            with _opened(self.path, self.content) as f:
                 blocks = read_ahead(iter(functools.partial(f.read, self.block_bytes), b""))
                 try:
                     yield from self._events(blocks)
@@ -451,10 +455,18 @@ def read_ahead(items: Iterator[_T], depth: int = 2) -> Generator[_T, None, None]
         worker.join()
 
 
-def _open(path: str) -> BinaryIO:
-    with open(path, "rb") as probe:
-        magic = probe.read(2)
-    return igzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+@contextlib.contextmanager
+def _opened(path: str, content: TraceContent | None) -> Iterator[BinaryIO]:
+    """The trace's bytes, gunzipped (ISA-L) when they begin with the gzip magic: the file at `path`, else
+    `content` (bytes, or a seekable binary file that the caller closes)."""
+    with contextlib.ExitStack() as stack:
+        if content is None:
+            f: BinaryIO = stack.enter_context(open(path, "rb"))
+        else:
+            f = io.BytesIO(content) if isinstance(content, bytes) else content
+        magic = f.read(2)
+        f.seek(-len(magic), io.SEEK_CUR)
+        yield stack.enter_context(igzip.IGzipFile(fileobj=f, mode="rb")) if magic == b"\x1f\x8b" else f
 
 
 def _parse_head(path: str, head: bytes) -> dict:

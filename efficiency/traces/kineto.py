@@ -30,7 +30,7 @@ import numpy as np
 
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P, UNKNOWN, RankTimeline
 from gpuwatch.efficiency.traces.collectives import P2P_TYPES, canonical_type, is_comm_kernel
-from gpuwatch.efficiency.traces.eventstream import EventFilter, TraceEventStream
+from gpuwatch.efficiency.traces.eventstream import EventFilter, TraceContent, TraceEventStream
 from gpuwatch.core.errors import UserError
 
 _BY_NAME = -3  # an MTIA device event: its kind follows from its name (see `_mtia_kind`)
@@ -223,12 +223,12 @@ class _Collected:
 
 
 def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
-                default_rank: int | None = None) -> RankTimeline:
-    """One rank's timeline from a Kineto trace file (plain or .gz).
+                default_rank: int | None = None, content: TraceContent | None = None) -> RankTimeline:
+    """One rank's timeline from a Kineto trace file (plain or .gz), or from its `content` named `path`.
 
     The rank comes from `distributedInfo.rank`, else from a `rank<N>` in the file name, else
     `default_rank`; without any of them the file is rejected."""
-    stream = TraceEventStream(path, progress=progress, only=_WANTED, watch=_LAUNCH_FLOWS)
+    stream = TraceEventStream(path, progress=progress, only=_WANTED, watch=_LAUNCH_FLOWS, content=content)
     got = _Collected()
     for events in stream:
         try:

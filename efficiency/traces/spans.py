@@ -1,7 +1,7 @@
 """Op-level span tables (CSV, Parquet, or the probe's `SpanTable` rows) -> one `RankTimeline` per rank.
 
-Columns are those of the `SpanTable` message (proto/gpuwatch/v1/telemetry.proto): rank, kind, start_us and
-dur_us are required; step, name, process_group, seq, bytes, job_id, world_size, node, peer are optional.
+Columns are those of the span catalogue (gpuwatch.core.spans, the `SpanTable` message): rank, kind, start_us
+and dur_us are required; the others are optional, and a missing one reads as its "unset" value.
 Kinds: compute, memcpy (memset counts as memcpy), collective, p2p, step.
 
 The in-process probe times on the host: it writes one `step` row per step and rank plus its
@@ -10,25 +10,29 @@ the step intervals minus that rank's communication intervals.
 """
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pandas as pd
 
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P, UNKNOWN, RankTimeline
 from gpuwatch.efficiency.traces.collectives import canonical_type
+from gpuwatch.efficiency.traces.eventstream import TraceContent
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.spans import SPAN_UNSET
 
 REQUIRED = ("rank", "kind", "start_us", "dur_us")
 _KINDS = {"compute": COMPUTE, "memcpy": MEMCPY, "memset": MEMCPY, "collective": COLLECTIVE, "p2p": P2P, "step": -1}
-_DEFAULTS = {"step": UNKNOWN, "name": "", "process_group": "", "seq": UNKNOWN, "bytes": UNKNOWN,
-             "job_id": "", "world_size": 0}
+_DEFAULTS = {name: unset for name, unset in SPAN_UNSET.items() if name not in REQUIRED}
 
 
-def read_span_table(path: str) -> pd.DataFrame:
-    """A span table file as a DataFrame (Parquet by extension, else CSV)."""
+def read_span_table(path: str, content: TraceContent | None = None) -> pd.DataFrame:
+    """A span table file, or its `content` named `path`, as a DataFrame (Parquet by extension, else CSV)."""
+    source = path if content is None else io.BytesIO(content) if isinstance(content, bytes) else content
     try:
         if path.endswith((".parquet", ".pq")):
-            return pd.read_parquet(path)
-        return pd.read_csv(path)
+            return pd.read_parquet(source)
+        return pd.read_csv(source)
     except (OSError, ValueError, pd.errors.ParserError) as exc:
         raise UserError(f"{path}: cannot read the span table ({exc})") from None
 
@@ -94,11 +98,11 @@ def _rank_timeline(rank: int, rows: pd.DataFrame, source: str, job: str | None) 
     op_names = _derived_names(op_names, kind, start, step)
     names = sorted(set(op_names))
     name_id = {n: i for i, n in enumerate(names)}
-    world = int(rows["world_size"].max()) if rows["world_size"].notna().any() else 0
+    world = int(rows["world_size"].max()) if rows["world_size"].notna().any() else SPAN_UNSET["world_size"]
     marks = np.column_stack([step_ids, step_start, step_end]) if len(step_start) else np.empty((0, 3))
     return RankTimeline.build(
         rank, start, end, kind, step=step, coll_type=coll_type, process_group=process_group, seq=seq,
-        nbytes=nbytes, coll_types=type_names, process_groups=group_names, world_size=world or None,
+        nbytes=nbytes, coll_types=type_names, process_groups=group_names, world_size=world if world > 0 else None,
         name=np.array([name_id[n] for n in op_names], dtype=np.int32) if op_names else None, names=names,
         job_id=job, source=f"{source} rank {rank}", step_marks=marks,
     )

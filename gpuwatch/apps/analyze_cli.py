@@ -9,6 +9,7 @@ import orjson
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.load import load_paths
 from gpuwatch.efficiency.partition import CATEGORIES
+from gpuwatch.efficiency.result import Analysis, JobBreakdown, RankBreakdown
 from gpuwatch.efficiency.traces.eventstream import BLOCK_BYTES
 from gpuwatch.efficiency.words import coverage_lines, what_if_lines
 from gpuwatch.core.errors import UserError
@@ -48,14 +49,12 @@ def run(command: str, args: argparse.Namespace) -> int:
         from gpuwatch.efficiency.perfetto import perfetto_trace
 
         _write(args.perfetto, perfetto_trace(doc))
-    doc.pop("_partitions", None)
-    doc.pop("_timelines", None)
     if args.html:
         from gpuwatch.efficiency.html import html_report
 
         _write(args.html, html_report(doc).encode())
     if args.json:
-        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(orjson.dumps(doc.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         sys.stdout.write(format_table(doc))
     return 0
@@ -74,44 +73,44 @@ def _progress(path: str, nbytes: int) -> None:
         print(f"reading {path}: {nbytes >> 20} MB", file=sys.stderr, flush=True)
 
 
-def format_table(doc: dict) -> str:
+def format_table(doc: Analysis) -> str:
     """Human-readable breakdown, biggest loss first: the job, then ranks by lost time; after the window, the lost
     time and compute, the lost categories ordered by the job's time in each (what to fix first is leftmost)."""
-    job = doc["job"]
-    lost = sorted((c for c in CATEGORIES if c != "compute"), key=lambda c: -job["breakdown_us"][c])
+    job = doc.job
+    lost = sorted((c for c in CATEGORIES if c != "compute"), key=lambda c: -job.breakdown_us[c])
     header = (f"{'':>8} {'window ms':>10} {'lost ms':>10} {'compute':>9} | "
               + " ".join(f"{c[:13]:>13}" for c in lost))
     lines = [header]
 
-    def row(label: str, entry: dict) -> str:
-        cells = " ".join(f"{100 * entry['breakdown_fraction'][c]:>12.2f}%" for c in lost)
-        return (f"{label:>8} {entry['window_us'] / 1000:>10.1f} {entry['lost_us'] / 1000:>10.1f} "
-                f"{100 * entry['breakdown_fraction']['compute']:>8.2f}% | {cells}")
+    def row(label: str, entry: JobBreakdown | RankBreakdown) -> str:
+        cells = " ".join(f"{100 * entry.breakdown_fraction[c]:>12.2f}%" for c in lost)
+        return (f"{label:>8} {entry.window_us / 1000:>10.1f} {entry.lost_us / 1000:>10.1f} "
+                f"{100 * entry.breakdown_fraction['compute']:>8.2f}% | {cells}")
 
     lines.append(row("job", job))
-    lines += [row(f"rank {r['rank']}", r) for r in sorted(doc["ranks"], key=lambda r: (-r["lost_us"], r["rank"]))]
+    lines += [row(f"rank {r.rank}", r) for r in sorted(doc.ranks, key=lambda r: (-r.lost_us, r.rank))]
     lines.append("")
-    lines.append(f"lost: {job['lost_us'] / 1e6:.3f} GPU-s = {job['lost_gpu_hours']:.5f} GPU-hours"
-                 + ("" if job["lost_cost"] is None else f", cost {job['lost_cost']:.2f}"))
-    if job["overlap_ratio"] is not None:
-        lines.append(f"communication hidden under compute: {100 * job['overlap_ratio']:.1f} %")
-    lines.append(f"short kernels (< 10 us): {job['short_kernels']['count']} taking {job['short_kernels']['time_us'] / 1000:.1f} ms")
-    lines.append(f"collectives matched across ranks: {doc['matched_collectives']}")
+    lines.append(f"lost: {job.lost_us / 1e6:.3f} GPU-s = {job.lost_gpu_hours:.5f} GPU-hours"
+                 + ("" if job.lost_cost is None else f", cost {job.lost_cost:.2f}"))
+    if job.overlap_ratio is not None:
+        lines.append(f"communication hidden under compute: {100 * job.overlap_ratio:.1f} %")
+    lines.append(f"short kernels (< 10 us): {job.short_kernels.count} taking {job.short_kernels.time_us / 1000:.1f} ms")
+    lines.append(f"collectives matched across ranks: {doc.matched_collectives}")
     lines += coverage_lines(doc)
-    if job["mfu"] is not None:
-        lines.append(f"MFU: {100 * job['mfu']:.1f} %")
-    among = "" if doc["coverage"]["complete"] else " (among the ranks present)"
-    for label, entries in ((f"straggler{among}", doc["stragglers"]), ("delayed", doc["delayed"])):
+    if job.mfu is not None:
+        lines.append(f"MFU: {100 * job.mfu:.1f} %")
+    among = "" if doc.coverage.complete else " (among the ranks present)"
+    for label, entries in ((f"straggler{among}", doc.stragglers), ("delayed", doc.delayed)):
         for s in entries:
-            lines.append(f"{label}: rank {s['rank']} last at {100 * s['last_share']:.0f} % of {s['collectives']} "
-                         f"collectives (chance {100 * s['chance_share']:.0f} %), mean lateness {s['mean_lateness_us']:.0f} us, "
-                         f"busy {s['busy_per_step_us']:.0f} us/step vs peer median {s['peer_median_busy_per_step_us']:.0f}")
-    if doc["straggler_verdict"] == "none" and not doc["delayed"]:
+            lines.append(f"{label}: rank {s.rank} last at {100 * s.last_share:.0f} % of {s.collectives} "
+                         f"collectives (chance {100 * s.chance_share:.0f} %), mean lateness {s.mean_lateness_us:.0f} us, "
+                         f"busy {s.busy_per_step_us:.0f} us/step vs peer median {s.peer_median_busy_per_step_us:.0f}")
+    if doc.straggler_verdict == "none" and not doc.delayed:
         lines.append("no stragglers")
-    lines += what_if_lines(doc.get("what_if"))
-    for r in doc["ranks"]:
-        for s in r.get("per_step", []):
-            lines.append(f"rank {r['rank']} step {s['step']}: {s['window_us'] / 1000:.1f} ms, "
-                         f"lost {100 * s['lost_fraction']:.1f} %" + ("" if s["mfu"] is None else f", MFU {100 * s['mfu']:.1f} %"))
+    lines += what_if_lines(doc.what_if)
+    for r in doc.ranks:
+        for s in r.per_step or []:
+            lines.append(f"rank {r.rank} step {s.step}: {s.window_us / 1000:.1f} ms, "
+                         f"lost {100 * s.lost_fraction:.1f} %" + ("" if s.mfu is None else f", MFU {100 * s.mfu:.1f} %"))
     return "\n".join(lines) + "\n"
 

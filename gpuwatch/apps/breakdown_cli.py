@@ -15,6 +15,7 @@ import orjson
 
 from gpuwatch.collector.client import add_connection_arguments, connect_args
 from gpuwatch.apps.analyze_cli import format_table
+from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.load import expand_paths
 from gpuwatch.apps.query_cli import DEFAULT_COLLECTOR
 from gpuwatch.core.errors import UserError
@@ -80,7 +81,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        sys.stdout.write(f"job {args.job} (from {doc['source']})\n" + format_table(doc))
+        sys.stdout.write(f"job {args.job} (from {doc['source']})\n" + format_table(Analysis.from_json(doc)))
     return 0
 
 

@@ -151,20 +151,18 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[DemoView], None],
              model: dict | None = None) -> DemoResult:
     """Run the simulated fleet into a fresh collector, score on the data clock, call ``show`` with each
     fleet view, and return what the store holds. ``model``: the failure model (default: the shipped one)."""
-    from gpuwatch.collector.alert_hub import AlertHub
-    from gpuwatch.collector.jobs import JobsMonitor
-    from gpuwatch.collector.scoring import Scorer
-    from gpuwatch.collector.server import serve
+    from gpuwatch.collector.assembly import build_engines
     from gpuwatch.models.model import load_model
-    from gpuwatch.models.policy import AlertPolicy
+    from gpuwatch.collector.server import serve
 
     model = model if model is not None else load_model(None)
-    hub = AlertHub(AlertPolicy(model["threshold"]))
-    # The jobs monitor runs on the data clock too, over the last JOBS_WINDOW_S of simulated time, so each job's
-    # breakdown follows what its ranks do now rather than averaging the whole run.
-    jobs = JobsMonitor(None, window_s=JOBS_WINDOW_S, hang_threshold_s=2 * plan.sim_span_s)
-    server = serve("127.0.0.1:0", str(workdir / "gpuwatch.duckdb"), services=[hub])
-    scorer = Scorer(model, hub, clock="data")  # "now" is the agents' simulated time
+    # "now" is the agents' simulated time. The jobs monitor runs on the data clock too, over the last
+    # JOBS_WINDOW_S of simulated time, so each job's breakdown follows what its ranks do now rather than
+    # averaging the whole run; it shows job findings on screen and raises no job alerts.
+    engines = build_engines(model=model, score_clock="data", jobs_window_s=JOBS_WINDOW_S,
+                            hang_threshold_s=2 * plan.sim_span_s, job_alerts=False)
+    scorer, jobs = engines.scorer, engines.jobs
+    server = serve("127.0.0.1:0", str(workdir / "gpuwatch.duckdb"), services=[engines.hub])
     scorer.bind(server.store)  # no periodic threads: the demo scores and checks jobs before each view below
     jobs.bind(server.store)
     origin = time.time()

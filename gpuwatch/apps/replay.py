@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +249,7 @@ def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: flo
     """Replay into a collector store opened here (``db``, else a temporary one; see :func:`replay_into_store`)
     and report what it stored and computed: the replay counts plus ``store`` (see :func:`store_results`) and
     ``scoring`` (see :func:`score_replayed`, with the model at ``model_path``, default the shipped one)."""
+    from gpuwatch.collector.assembly import failure_model
     from gpuwatch.collector.store import open_store
 
     rec = open_recording(path)
@@ -262,7 +263,7 @@ def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: flo
             m = rec.manifest
             if m.get("start_ms") is not None:
                 with Progress("loading the failure model", total=1, unit="models", quiet=quiet) as progress:
-                    model = _model(model_path)
+                    model = failure_model(model_path)
                     progress.advance()
                 started = time.monotonic()
                 result["scoring"] = score_replayed(store, int(m["start_ms"]), int(m["end_ms"]),
@@ -277,6 +278,7 @@ def store_results(store: Any) -> dict[str, Any]:
     """What the collector holds after a replay: per node counts, and each job's efficiency breakdown
     computed by the collector's own Breakdown handler over the stored probe spans."""
     from gpuwatch.collector.breakdowns import BreakdownService
+    from gpuwatch.efficiency.result import Analysis
     from gpuwatch.v1 import query_pb2 as q
 
     counts = store.event_counts_by_node()
@@ -286,13 +288,14 @@ def store_results(store: Any) -> dict[str, Any]:
     breakdowns = {}
     for job_id in store.span_job_ids():
         try:
-            doc = json.loads(service.breakdown(q.BreakdownRequest(job_id=job_id), store).json)
+            found = Analysis.from_json(json.loads(service.breakdown(q.BreakdownRequest(job_id=job_id), store).json))
         except UserError as exc:
             breakdowns[job_id] = {"error": str(exc)}
             continue
-        breakdowns[job_id] = {"ranks": doc["job"]["ranks"], "window_us": doc["job"]["window_us"],
-                              "breakdown_fraction": doc["job"]["breakdown_fraction"],
-                              "lost_gpu_hours": doc["job"]["lost_gpu_hours"], "stragglers": doc["stragglers"]}
+        breakdowns[job_id] = {"ranks": found.job.ranks, "window_us": found.job.window_us,
+                              "breakdown_fraction": found.job.breakdown_fraction,
+                              "lost_gpu_hours": found.job.lost_gpu_hours,
+                              "stragglers": [asdict(s) for s in found.stragglers]}
     return {"nodes": nodes, "breakdowns": breakdowns}
 
 
@@ -306,22 +309,19 @@ def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None
     (:func:`gpuwatch.collector.scoring.score_history`, the times the evaluation scores at) and the jobs monitor
     runs once per step; with ``interval_s``, one live scorer round every ``interval_s`` of recorded time, each
     re-reading its day of history (exact live cadence, much slower)."""
-    from gpuwatch.collector.alert_hub import AlertHub, list_alerts
+    from gpuwatch.collector.alert_hub import list_alerts
+    from gpuwatch.collector.assembly import build_engines
     from gpuwatch.collector.failed import failed_gpus
-    from gpuwatch.collector.jobs import JobsMonitor
-    from gpuwatch.collector.scoring import Scorer, observation, score_history
+    from gpuwatch.collector.scoring import observation, score_history
     from gpuwatch.models.features import DEFAULT_STEP_S
-    from gpuwatch.models.policy import AlertPolicy
     from gpuwatch.v1 import query_pb2 as q
 
     if interval_s is not None and interval_s <= 0:
         raise UserError(f"--score-interval {interval_s:g}: must be > 0 seconds")
     step_s = interval_s or (int(model["step_s"]) if model else DEFAULT_STEP_S)
-    hub = AlertHub(AlertPolicy(model["threshold"]) if model else None)
-    hub.start(store)
-    scorer, monitor = Scorer(model, hub, interval_s=step_s), JobsMonitor(hub, interval_s=step_s)
-    scorer.bind(store)
-    monitor.bind(store)
+    engines = build_engines(model=model, score_interval_s=step_s, jobs_interval_s=step_s)
+    engines.drive(store)
+    hub, scorer, monitor = engines.hub, engines.scorer, engines.jobs
     rounds = list(range(start_ms + int(step_s * 1000), end_ms, int(step_s * 1000))) + [end_ms]
     peak: dict[str, float] = {}
 
@@ -353,21 +353,12 @@ def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None
         gpus = scorer.score_once(end_ms)  # the last round: exactly what the collector shows at the end
         keep_peak(gpus)
     finally:
-        hub.stop()
+        engines.stop()
     alerts = json.loads(list_alerts(q.AlertsRequest(include_resolved=True), store).json)
     failed = [{"node": f.node, "gpu_index": f.gpu_index, "since_ms": f.since_ms, "reason": f.reason}
               for f in failed_gpus(store, end_ms).values()]
     return {"model": bool(model), "rounds": len(rounds), "gpus": gpus, "peak_risk": peak, "failed": failed,
             "alerts": alerts}
-
-
-def _model(path: str | None) -> dict | None:
-    """The model at ``path``, else the shipped one; None when neither exists (health states, no risk)."""
-    from gpuwatch.models.model import default_model_path, load_model
-
-    if path is None and not default_model_path().is_file():
-        return None
-    return load_model(path)
 
 
 # ------------------------------------------------------------------------------------------ CLI

@@ -18,14 +18,13 @@ from gpuwatch import __version__
 from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.core.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
 from gpuwatch.core.recording import conform, ts_ms
+from gpuwatch.core.spans import SPAN_COLUMNS, SPAN_COLUMN_NAMES, SPAN_UNSET
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 #: Sample ticks per batch: a 1 Hz agent recording replays as one-minute batches (what an agent sends).
 DEFAULT_TICKS_PER_BATCH = 60
 #: Probe spans per batch; a busy tick's spans beyond this follow in extra batches of the same time.
 SPANS_PER_BATCH = 50_000
-_SPAN_COLUMNS = tuple(pb.SpanTable.DESCRIPTOR.fields_by_name)
-_SPAN_TEXT = {"job_id", "kind", "name", "process_group", "node"}  # the other span columns are numbers: -1 unset
 
 
 # ------------------------------------------------------------------------------------ batch -> tables
@@ -44,8 +43,7 @@ def batch_tables(batch: pb.TelemetryBatch) -> dict[str, pd.DataFrame]:
     n_spans = len(batch.spans.start_us)
     if n_spans:
         tables["spans"] = pd.DataFrame({
-            name: list(getattr(batch.spans, name)) or ["" if name in _SPAN_TEXT else -1] * n_spans
-            for name in _SPAN_COLUMNS})
+            name: list(getattr(batch.spans, name)) or [SPAN_UNSET[name]] * n_spans for name in SPAN_COLUMN_NAMES})
     return tables
 
 
@@ -203,14 +201,14 @@ def _attrs(text: Any) -> dict[str, str]:
 
 def _span_table(rows: pd.DataFrame) -> pb.SpanTable:
     columns = {}
-    for name in _SPAN_COLUMNS:
-        col = rows[name]
-        if name in _SPAN_TEXT:
-            columns[name] = col.fillna("").astype(str).tolist()
-        elif name in ("start_us", "dur_us"):
-            columns[name] = col.astype(float).tolist()
+    for column in SPAN_COLUMNS:
+        col = rows[column.name]
+        if column.is_text:
+            columns[column.name] = col.fillna(column.unset).astype(str).tolist()
+        elif column.type == "double":
+            columns[column.name] = col.astype(float).tolist()
         else:
-            columns[name] = col.fillna(-1).astype(np.int64).tolist()
+            columns[column.name] = col.fillna(column.unset).astype(np.int64).tolist()
     return pb.SpanTable(**columns)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuwatch.core import fields
+from gpuwatch.core.spans import SPAN_COLUMN_NAMES
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 SCHEMA_VERSION = pb.SCHEMA_VERSION_1
@@ -236,8 +237,6 @@ def _varint(value: int) -> bytes:
 _GPU_FIELD_SET = frozenset(fields.GPU_FIELD_NAMES)
 _HOST_FIELD_SET = frozenset(fields.HOST_FIELD_NAMES)
 
-_SPAN_COLUMNS = ("job_id", "rank", "step", "kind", "name", "start_us", "dur_us",
-                 "process_group", "seq", "bytes", "world_size", "node", "peer")
 
 
 @dataclass(frozen=True)
@@ -314,7 +313,7 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
         if e.gpu_index < -1:
             raise BatchError(f"event {e.kind!r}: gpu_index {e.gpu_index} is neither a GPU nor -1 (node-wide)")
     _check_times("events", [e.ts_ms for e in batch.events], earliest, latest)
-    lengths = {name: len(getattr(batch.spans, name)) for name in _SPAN_COLUMNS}
+    lengths = {name: len(getattr(batch.spans, name)) for name in SPAN_COLUMN_NAMES}
     n_spans = lengths["start_us"]
     bad = [name for name, n in lengths.items() if n not in (0, n_spans)]
     if bad:

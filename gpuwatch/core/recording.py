@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
+from gpuwatch.core.spans import span_arrow_schema
 
 FORMAT = "gpuwatch-recording"
 VERSION = 1
@@ -55,23 +56,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("gpm_supported", pa.bool_()),
         ]
     ),
-    "spans": pa.schema(
-        [
-            ("job_id", pa.string()),
-            ("rank", pa.int32()),
-            ("step", pa.int64()),
-            ("kind", pa.string()),
-            ("name", pa.string()),
-            ("start_us", pa.float64()),
-            ("dur_us", pa.float64()),
-            ("process_group", pa.string()),
-            ("seq", pa.int64()),
-            ("bytes", pa.int64()),
-            ("world_size", pa.int32()),
-            ("node", pa.string()),
-            ("peer", pa.int32()),
-        ]
-    ),
+    "spans": span_arrow_schema(),
 }
 TABLES: tuple[str, ...] = tuple(SCHEMAS)
 # Columns a writer fills in when a frame leaves them out: measured fields (NaN = not sampled) and optional text.
