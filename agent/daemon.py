@@ -31,10 +31,12 @@ from gpuwatch.simulator.degrade import Degradation, FaultSpec
 from gpuwatch.simulator.fleet import SimClock, SimulatedFleet
 from gpuwatch.simulator.job import SimJob
 from gpuwatch.agent.spool import Spool, SpoolFull
-from gpuwatch.agent.uplink import ChannelSecurity, Uplink
+from gpuwatch.agent.uplink import Uplink
 from gpuwatch.agent.xid import XidWatcher
 from gpuwatch.core.batches import MAX_BATCH_BYTES, BatchBuilder
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.security import read_token
+from gpuwatch.core.settings import AgentSettings
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 if TYPE_CHECKING:  # imported only when --record or metrics_listen asks: pandas, pyarrow, prometheus_client
@@ -59,16 +61,13 @@ def default_spool_dir() -> Path:
     return SYSTEM_SPOOL if os.access(probe, os.W_OK) else Path.home() / ".cache" / "gpuwatch" / "spool"
 
 
-@dataclass
-class AgentConfig:
-    collector: str | None  # HOST:PORT; None = record-only (needs ``record``)
-    node: str = field(default_factory=socket.gethostname)
-    interval: float = 1.0
-    slow_interval: float = 30.0
-    batch_interval: float = 5.0
-    spool_dir: Path = field(default_factory=default_spool_dir)
-    spool_max_bytes: int = 256 * 2**20
-    job_label: str = ""  # one more environment variable naming the job (beyond SLURM and torchelastic)
+@dataclass(frozen=True)
+class AgentConfig(AgentSettings):
+    """The agent's settings (:class:`~gpuwatch.core.settings.AgentSettings`: deploy/agent.toml, ``GPUWATCH_*``,
+    flags; its TLS and token to the collector) and what one run, a test or the demo adds. ``collector`` None
+    means record-only (needs ``record``); ``node`` None the hostname; ``spool`` None the default spool."""
+
+    # ---- the simulated fleet (``--simulate`` and ``--sim-*``) ----
     simulate: int = 0  # number of simulated GPUs; 0 = the node's real GPUs
     sim_model: str = "H100"
     sim_speed: float = 1.0  # simulated seconds per real second (timestamps only; intervals stay real seconds)
@@ -77,17 +76,25 @@ class AgentConfig:
     sim_faults: tuple[FaultSpec, ...] = ()  # scripted degradations of simulated GPUs
     sim_job: str | None = None  # job id of a synthetic training job on the simulated GPUs (spans); None = none
     sim_job_step_s: float = 1.0  # its step time in simulated seconds
+    # ---- one run ----
     drain_timeout: float = 600.0  # --ticks mode: how long to wait for the collector at the end
     stop_flush_s: float = 5.0  # service mode: how long to try to send the last batch on SIGTERM
     kmsg_path: str | None = "/dev/kmsg"
     labels: dict[str, str] = field(default_factory=dict)
-    probe_socket: str | None = None  # Unix socket the training probes send to; None = no listener
     record: Path | None = None  # also write every batch into this recording directory
-    metrics_listen: str | None = None  # HOST:PORT of the node-local Prometheus endpoint; None = none
-    metrics_token: str | None = None  # bearer token scrapers of that endpoint must send
-    metrics_names: str = "gpuwatch"  # that endpoint's naming: gpuwatch or dcgm (dcgm-exporter's names and labels)
-    insecure: bool = False  # serve that endpoint beyond loopback without a token
-    channel_security: ChannelSecurity = field(default_factory=ChannelSecurity)
+
+    def __post_init__(self) -> None:
+        if self.node is None:
+            object.__setattr__(self, "node", socket.gethostname())
+
+    @property
+    def spool_dir(self) -> Path:
+        return Path(self.spool) if self.spool else default_spool_dir()
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The bearer token scrapers of the node-local endpoint must send (read from ``metrics_token_file``)."""
+        return read_token(self.metrics_token_file) if self.metrics_token_file else None
 
 
 @dataclass
@@ -140,7 +147,7 @@ class Agent:
             stack.callback(sampler.close)
             devices = sampler.open()
             environ = self.fleet.environ if self.fleet is not None else read_proc_environ
-            jobs = JobResolver(environ, cfg.job_label)
+            jobs = JobResolver(environ, cfg.job_label or "")
             host = HostSampler()
             agent_id = self.spool.agent_id if self.spool else f"record-{cfg.node}"
             builder = BatchBuilder(self._identity(sampler), agent_id, [d.info() for d in devices])
@@ -159,7 +166,7 @@ class Agent:
             watcher.start()
             stack.callback(watcher.stop)
             if self.spool is not None:
-                self.uplink = Uplink(self.spool, cfg.collector, channel_security=cfg.channel_security)
+                self.uplink = Uplink(self.spool, cfg.collector, channel_security=cfg)
                 self.uplink.start()
                 stack.callback(self.uplink.stop)
             self.emit(Event(ev.AGENT_START, message=f"gpuwatch agent {__version__} on {cfg.node}, {len(devices)} GPUs",

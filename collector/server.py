@@ -46,24 +46,22 @@ from gpuwatch.core import security
 from gpuwatch.core.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.failed import failed_gpus
-from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_INGEST_STREAMS, DEFAULT_STREAM_IDLE_S, StreamAdmission,
-                                                 StreamRefused, fencing_advice)
+from gpuwatch.collector.ingest_admission import StreamAdmission, StreamRefused, fencing_advice
 from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
 from gpuwatch.core.columnar import ColumnarBatch, decode
 from gpuwatch.core.errors import AgentIdConflict, NotFound, UserError
+from gpuwatch.core.settings import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_INGEST_STREAMS, DEFAULT_QUERY_WORKERS,
+                                     DEFAULT_STREAM_IDLE_S)
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 7700
 # gRPC refuses messages above this outright (memory guard); batches between MAX_BATCH_BYTES and this
 # reach decode_batch, which answers with a message that says what to do.
 _HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
-DEFAULT_QUERY_WORKERS = 16
 DEFAULT_STREAM_WINDOW = 64  # batches per stream between received and acked (agents keep 32 in flight)
-DEFAULT_MAX_IN_FLIGHT = 4096  # batches received and not yet committed, all streams together
 CONNECTION_IDLE_S = 600.0  # a connection without calls (a query client that went quiet) is closed
 STREAMS_PER_CONNECTION = 100  # an agent needs one; a client opening more is refused further streams
 #: Initial metadata of an Ingest stream the collector admitted (a refused one ends with a status instead).

@@ -28,7 +28,6 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-DEFAULT_FALSE_ALARM_BUDGET = 1.0  # per 1,000 GPU-days
 WINDOW_S = 14 * 86400.0
 MIN_GPU_DAYS = 20.0
 REFRESH_S = 3600.0

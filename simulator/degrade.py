@@ -8,9 +8,10 @@ code path, and at the fault the GPU emits its fault XID and/or falls off the bus
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from gpuwatch.core.times import parse_duration
 
 if TYPE_CHECKING:  # failsim pulls in numpy and pandas: imported only when a fault is scripted
     from gpuwatch.simulator.fleet import SimGpu, SimulatedFleet
@@ -19,7 +20,6 @@ if TYPE_CHECKING:  # failsim pulls in numpy and pandas: imported only when a fau
 #: --sim-fault kind -> failsim mechanism
 KINDS: dict[str, str] = {"ecc": "memory", "remap": "memory", "memory": "memory", "thermal": "thermal",
                          "pcie": "pcie", "nvlink": "nvlink", "sudden": "sudden"}
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _KEYS = ("gpu", "kind", "after", "fail", "xid", "seed")
 #: Recovery after the fault lies beyond any run: a failed simulated GPU stays failed.
 _NEVER_S = 10 * 365 * 86400
@@ -61,14 +61,6 @@ class FaultSpec:
     @property
     def mechanism(self) -> str:
         return KINDS[self.kind]
-
-
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``5m``, ``1.5h``, ``2d`` -> seconds; ValueError naming the text otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
-    if not m:
-        raise ValueError(f"{text!r} is not a duration (e.g. 90s, 5m, 1.5h)")
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
 def parse_fault_spec(spec: str) -> FaultSpec:

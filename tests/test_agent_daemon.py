@@ -22,7 +22,7 @@ def _events(store):
 def test_agent_in_process_sends_every_tick_with_jobs_and_events(tmp_path, sink):
     server, address = sink
     fleet = SimulatedFleet(8, node="n1")
-    cfg = AgentConfig(collector=address, node="n1", interval=0.02, batch_interval=0.1, spool_dir=tmp_path, simulate=8)
+    cfg = AgentConfig(collector=address, node="n1", interval=0.02, batch_interval=0.1, spool=tmp_path, simulate=8)
     summary = Agent(cfg, fleet=fleet).run(ticks=12)
     assert summary.ticks == 12 and summary.pending == 0 and summary.batches >= 3
     batches = [server.store.batches[k] for k in sorted(server.store.batches)]
@@ -39,7 +39,7 @@ def test_agent_in_process_sends_every_tick_with_jobs_and_events(tmp_path, sink):
 def test_fault_injected_while_running_arrives_as_events(tmp_path, sink):
     server, address = sink
     fleet = SimulatedFleet(4, node="n2")
-    cfg = AgentConfig(collector=address, node="n2", interval=0.05, batch_interval=0.05, spool_dir=tmp_path)
+    cfg = AgentConfig(collector=address, node="n2", interval=0.05, batch_interval=0.05, spool=tmp_path)
     agent = Agent(cfg, fleet=fleet)
 
     def inject_when_first_batch_arrives(store):
@@ -57,7 +57,7 @@ def test_fault_injected_while_running_arrives_as_events(tmp_path, sink):
 
 
 def test_unreachable_collector_keeps_data_and_says_so(tmp_path):
-    cfg = AgentConfig(collector="127.0.0.1:1", interval=0.01, spool_dir=tmp_path, simulate=2, drain_timeout=0.5)
+    cfg = AgentConfig(collector="127.0.0.1:1", interval=0.01, spool=tmp_path, simulate=2, drain_timeout=0.5)
     with pytest.raises(UserError, match=r"did not acknowledge 1 batches.*kept in the spool"):
         Agent(cfg).run(ticks=2)
     assert len(list((tmp_path / "batches").iterdir())) == 1
@@ -113,7 +113,7 @@ def test_large_span_tables_are_cut_below_the_batch_limit():
 def test_simulated_time_runs_at_sim_speed_for_samples_and_events(tmp_path, sink):
     server, address = sink
     start = 1_767_225_600.0  # 2026-01-01T00:00:00Z
-    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool_dir=tmp_path,
+    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool=tmp_path,
                       simulate=2, sim_speed=1200.0, sim_start=start)
     Agent(cfg).run(ticks=10)
     batches = [server.store.batches[k] for k in sorted(server.store.batches)]
@@ -170,7 +170,7 @@ def test_forwarded_probe_spans_carry_the_agents_node_name(tmp_path, sink):
 
     server, address = sink
     cfg = AgentConfig(collector=address, node="agent-node", interval=0.05, batch_interval=0.05,
-                      spool_dir=tmp_path / "spool", simulate=2, probe_socket=str(tmp_path / "p.sock"))
+                      spool=tmp_path / "spool", simulate=2, probe_socket=str(tmp_path / "p.sock"))
     agent = Agent(cfg)
     runner = threading.Thread(target=agent.run)
     runner.start()
@@ -194,7 +194,7 @@ def test_sim_job_sends_probe_style_spans_with_a_slow_rank(tmp_path, sink):
     from gpuwatch.collector.live import probe_timelines
 
     server, address = sink
-    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool_dir=tmp_path,
+    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool=tmp_path,
                       simulate=8, sim_speed=100.0, sim_job="job-n1", sim_job_step_s=1.0)
     Agent(cfg).run(ticks=10)
     batches = list(server.store.batches.values())

@@ -56,7 +56,7 @@ def running_agent(tmp_path):
     collector = start_collector(cfg)
     fleet = SimulatedFleet(4, node="n7")
     agent = Agent(AgentConfig(collector=collector.address, node="n7", interval=0.05, slow_interval=3600,
-                              batch_interval=0.1, spool_dir=tmp_path / "spool", metrics_listen="127.0.0.1:0"),
+                              batch_interval=0.1, spool=tmp_path / "spool", metrics_listen="127.0.0.1:0"),
                   fleet=fleet)
     thread = threading.Thread(target=agent.run)
     thread.start()
@@ -101,8 +101,10 @@ def test_agent_serves_the_collectors_per_gpu_series_and_counts_xids(running_agen
 
 
 def test_the_endpoint_asks_for_its_token(tmp_path):
+    (tmp_path / "token").write_text("s3cret\n")
     agent = Agent(AgentConfig(collector=None, record=tmp_path / "rec", node="n8", interval=0.05,
-                              metrics_listen="127.0.0.1:0", metrics_token="s3cret"), fleet=SimulatedFleet(1, node="n8"))
+                              metrics_listen="127.0.0.1:0", metrics_token_file=str(tmp_path / "token")),
+                  fleet=SimulatedFleet(1, node="n8"))
     thread = threading.Thread(target=agent.run)
     thread.start()
     try:

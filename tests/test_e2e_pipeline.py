@@ -16,7 +16,7 @@ from gpuwatch.agent.daemon import Agent, AgentConfig
 from gpuwatch.simulator.fleet import SimulatedFleet
 from gpuwatch.agent.spool import decode_record
 from gpuwatch.collector.client import connect
-from gpuwatch.apps.query_cli import parse_time_ms
+from gpuwatch.apps.commandline import parse_time_ms
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import STORE_KINDS, CollectorProcess, free_port, poll, store_url
@@ -98,7 +98,7 @@ def test_unsupported_fields_and_a_lost_gpu_arrive_as_events_while_the_rest_keeps
     address = shared_collector.address
     fleet = SimulatedFleet(4, node="faulty")
     fleet.gpus[1].unsupported.add("nvmlDeviceGetPowerUsage")
-    cfg = AgentConfig(collector=address, node="faulty", interval=0.05, batch_interval=0.05, spool_dir=tmp_path)
+    cfg = AgentConfig(collector=address, node="faulty", interval=0.05, batch_interval=0.05, spool=tmp_path)
     agent = Agent(cfg, fleet=fleet)
     runner = threading.Thread(target=agent.run)
     runner.start()

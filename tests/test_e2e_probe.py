@@ -11,7 +11,7 @@ def test_probe_steps_reach_the_collector_store_through_the_agent(tmp_path):
     collector = CollectorProcess(tmp_path / "store.duckdb").start()
     socket_path = str(tmp_path / "probe.sock")
     cfg = AgentConfig(collector=collector.address, node="probe-node", interval=0.05, batch_interval=0.05,
-                      spool_dir=tmp_path / "spool", simulate=1, probe_socket=socket_path)
+                      spool=tmp_path / "spool", simulate=1, probe_socket=socket_path)
     agent = Agent(cfg)
     runner = threading.Thread(target=agent.run)
     runner.start()

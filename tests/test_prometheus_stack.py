@@ -120,7 +120,7 @@ def stack(tmp_path_factory):
                                           "jobs_interval": 1.0}, env={})
     collector = start_collector(cfg)
     agent = Agent(AgentConfig(collector=collector.address, node=NODE, interval=0.2, slow_interval=1.0,
-                              batch_interval=0.5, spool_dir=tmp / "spool", simulate=GPUS, sim_job="train-7",
+                              batch_interval=0.5, spool=tmp / "spool", simulate=GPUS, sim_job="train-7",
                               sim_job_step_s=0.5, metrics_listen="127.0.0.1:0"))
     thread = threading.Thread(target=agent.run)
     thread.start()

@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
-from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
-                                           DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS)
+from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS
+from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
 from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
                                              fingerprint)
 from gpuwatch.core.columnar import ColumnarBatch

@@ -22,7 +22,8 @@ from gpuwatch.core import events as ev
 from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.agent.nvml import GPM_METRICS, GPM_MIN_SPACING_S, NvmlSampler
 from gpuwatch.simulator.fleet import SimulatedFleet
-from gpuwatch.agent.uplink import ChannelSecurity, collector_addresses, make_channel
+from gpuwatch.agent.uplink import collector_addresses, make_channel
+from gpuwatch.core.settings import ClientSecurity
 from gpuwatch.core.errors import UserError
 
 _GPM_FIELDS = [name for _, name, _ in GPM_METRICS]
@@ -102,13 +103,13 @@ def _check_gpus(cfg: AgentConfig) -> tuple[CheckItem, list[GpuSupport]]:
 def _check_collector(cfg: AgentConfig, timeout_s: float) -> CheckItem:
     if cfg.collector is None:
         return CheckItem("collector", True, "none configured (record-only)")
-    cs = cfg.channel_security
-    how = ("mutual TLS" if cs.cert else "TLS" if cs.ca else "plaintext") + (", bearer token" if cs.token_file else "")
-    results = [_reach(address, cs, how, timeout_s) for address in collector_addresses(cfg.collector)]
+    how = (("mutual TLS" if cfg.tls_cert else "TLS" if cfg.tls_ca else "plaintext")
+           + (", bearer token" if cfg.token_file else ""))
+    results = [_reach(address, cfg, how, timeout_s) for address in collector_addresses(cfg.collector)]
     return CheckItem("collector", all(ok for ok, _ in results), "; ".join(detail for _, detail in results))
 
 
-def _reach(address: str, cs: ChannelSecurity, how: str, timeout_s: float) -> tuple[bool, str]:
+def _reach(address: str, cs: ClientSecurity, how: str, timeout_s: float) -> tuple[bool, str]:
     try:
         channel = make_channel(address, channel_security=cs)
     except UserError as exc:

@@ -12,6 +12,7 @@ import resource
 import signal
 import threading
 
+from gpuwatch.apps.commandline import Command
 from gpuwatch.core import settings as config
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.snapshot import MetricsService
@@ -19,7 +20,7 @@ from gpuwatch.collector.store import redacted
 
 log = logging.getLogger(__name__)
 
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser, config.COLLECTOR_OPTIONS)
 
 
@@ -31,7 +32,7 @@ def raise_open_file_limit() -> int:
     return hard
 
 
-def run(command: str, args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = config.load_config(config.COLLECTOR_OPTIONS, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if raise_open_file_limit() < 4 * 1024:
@@ -49,3 +50,5 @@ def run(command: str, args: argparse.Namespace) -> int:
     server.stop()
     return 0
 
+
+COLLECTOR = Command(add_arguments, run)

@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import heapq
 import json
-import sys
 import tempfile
 import time
 from collections import deque
@@ -31,6 +30,8 @@ import grpc
 import pandas as pd
 import pyarrow.parquet as pq
 
+from gpuwatch.apps.commandline import (add_client_security_arguments, client_security, format_cell, format_table,
+                                       result_command, time_flag)
 from gpuwatch.collector import client
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.batch_tables import DEFAULT_TICKS_PER_BATCH, TimedBatch, frames_batches
@@ -362,22 +363,6 @@ def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None
 
 
 # ------------------------------------------------------------------------------------------ CLI
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    {"replay": _replay_arguments, "import": _import_arguments, "export": _export_arguments}[command](parser)
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
-
-
-def run(command: str, args: argparse.Namespace) -> int:
-    result = {"replay": _run_replay, "import": _run_import, "export": _run_export}[command](args)
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(format_result(result))
-    return 0
-
-
 def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="recording directory (gpuwatch agent --record, simulate, import, export)")
     pace = p.add_mutually_exclusive_group()
@@ -394,12 +379,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                         "of history as live (default: every step of the model in one pass, as the evaluation)")
     p.add_argument("--ticks-per-batch", type=int, default=DEFAULT_TICKS_PER_BATCH, metavar="N",
                    help=f"sample timestamps per batch (default {DEFAULT_TICKS_PER_BATCH})")
-    p.add_argument("--tls-ca", help="with --collector: CA certificate of the collector (enables TLS)")
-    p.add_argument("--tls-cert", help="with --collector: client certificate for mutual TLS")
-    p.add_argument("--tls-key", help="with --collector: client key for mutual TLS")
-    p.add_argument("--token-file", help="with --collector: file holding the collector's bearer token")
-    p.add_argument("--insecure", action="store_true",
-                   help="with --collector: allow sending the token in plaintext to a non-loopback collector")
+    add_client_security_arguments(p.add_argument_group("with --collector: its TLS and token"))
 
 
 def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
@@ -412,7 +392,7 @@ def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError("--db and --model are for --offline; with --collector the collector keeps its own store "
                         "and scores with its own model")
     rec = open_recording(args.path)
-    ch = client.channel_args(args, timeout=5.0)
+    ch = client.channel(args.collector, timeout=5.0, security=client_security(args))
     try:
         return replay(rec, ch, speed=args.speed, ticks_per_batch=args.ticks_per_batch, quiet=args.quiet).as_dict()
     finally:
@@ -441,26 +421,20 @@ def _run_import(args: argparse.Namespace) -> dict[str, Any]:
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", required=True, help="collector DuckDB store (of a stopped collector, or a copy)")
     p.add_argument("--out", required=True, help="recording directory to write (new or empty)")
-    p.add_argument("--since", help="from this time: 15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
-    p.add_argument("--until", help="up to this time (same forms)")
+    p.add_argument("--since", dest="since_ms", type=time_flag("--since"),
+                   help="from this time: 15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
+    p.add_argument("--until", dest="until_ms", type=time_flag("--until"), help="up to this time (same forms)")
 
 
 def _run_export(args: argparse.Namespace) -> dict[str, Any]:
     from gpuwatch.apps.export import export_store
-    from gpuwatch.apps.query_cli import parse_time_ms
 
-    def time_ms(flag: str, text: str | None) -> int | None:
-        return None if text is None else parse_time_ms(text, flag=flag)
-
-    return export_store(args.db, args.out, since_ms=time_ms("--since", args.since),
-                        until_ms=time_ms("--until", args.until), quiet=args.quiet)
+    return export_store(args.db, args.out, since_ms=args.since_ms, until_ms=args.until_ms, quiet=args.quiet)
 
 
 def format_result(result: dict[str, Any]) -> str:
     """A result as text: its scalar entries, then one aligned table per list or mapping of rows; the
     collector's side of an offline replay (``store``, ``scoring``) as sections of their own."""
-    from gpuwatch.apps.query_cli import format_cell, format_table
-
     lines = [f"{k}: {format_cell(v)}" for k, v in result.items() if not isinstance(v, (dict, list))]
     for key, value in result.items():
         if key in _SECTIONS and isinstance(value, dict):
@@ -476,3 +450,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 _SECTIONS = {"store": "stored by the collector:", "scoring": "scored over the replayed time range:"}
+
+REPLAY = result_command(_replay_arguments, _run_replay, format_result)
+IMPORT = result_command(_import_arguments, _run_import, format_result)
+EXPORT = result_command(_export_arguments, _run_export, format_result)
