@@ -12,6 +12,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from gpuwatch.core import fields
 from gpuwatch.core.spans import SPAN_COLUMN_NAMES
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -90,9 +92,17 @@ class BatchBuilder:
         per timestamp, NaN where a field was not sampled. Do not mix with :meth:`add_gpu_row` for one GPU."""
         if gpu_index in self._gpu_rows:
             raise ValueError(f"GPU {gpu_index}: rows already added to this batch")
-        self._gpu_blocks.append(pb.GpuSamples(
-            gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank,
-            columns=[pb.Column(field=name, values=values) for name, values in columns.items()]))
+        block = pb.GpuSamples(gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank)
+        block.MergeFromString(encoded_columns(_GPU_COLUMNS_FIELD, columns))
+        self._gpu_blocks.append(block)
+
+    def add_host_block(self, ts_ms: Sequence[int], columns: Mapping[str, Sequence[float]]) -> None:
+        """Many host rows at once, already columnar (replaying recordings): every column has one entry per
+        timestamp, NaN where a field was not sampled. Do not mix with :meth:`add_host_row` in one batch."""
+        if self._host["ts_ms"]:
+            raise ValueError("host rows already added to this batch")
+        self._host["ts_ms"] = [int(t) for t in ts_ms]
+        self._host_cols = dict(columns)
 
     def add_host_row(self, ts_ms: int, values: Mapping[str, float]) -> None:
         n = len(self._host["ts_ms"])
@@ -144,9 +154,8 @@ class BatchBuilder:
         n_host = len(self._host["ts_ms"])
         if n_host:
             batch.host.ts_ms.extend(self._host["ts_ms"])
-            batch.host.columns.extend(
-                pb.Column(field=k, values=_padded(v, n_host)) for k, v in self._host_cols.items()
-            )
+            batch.host.MergeFromString(encoded_columns(
+                _HOST_COLUMNS_FIELD, {name: _padded(values, n_host) for name, values in self._host_cols.items()}))
         batch.events.extend(self._events)
         if self._spans is not None:
             batch.spans.CopyFrom(self._spans)
@@ -164,8 +173,64 @@ def _append_values(cols: dict[str, list[float]], row: int, values: Mapping[str, 
         col.append(float(value))
 
 
-def _padded(col: list[float], n: int) -> list[float]:
-    return col + [NAN] * (n - len(col)) if len(col) < n else col
+def _padded(col: Sequence[float], n: int) -> Sequence[float]:
+    return list(col) + [NAN] * (n - len(col)) if len(col) < n else col
+
+
+_GPU_COLUMNS_FIELD = pb.GpuSamples.DESCRIPTOR.fields_by_name["columns"].number
+_HOST_COLUMNS_FIELD = pb.HostSamples.DESCRIPTOR.fields_by_name["columns"].number
+_COLUMN_FIELD = pb.Column.DESCRIPTOR.fields_by_name["field"].number
+_VALUES_FIELD = pb.Column.DESCRIPTOR.fields_by_name["values"].number
+_LENGTH_DELIMITED = 2
+_PACKED_HEADS: dict[int, bytes] = {}
+_COLUMN_HEADS: dict[tuple[int, str, int], bytes] = {}
+_MAX_CACHED = 4096  # distinct value counts and names seen; a peer inventing new ones cannot grow memory
+
+
+def encoded_columns(field_number: int, columns: Mapping[str, Sequence[float]]) -> bytes:
+    """``columns`` (field name -> values) as the wire bytes of the repeated Column field ``field_number`` of the
+    message holding them, exactly as protobuf's serializers write them: merging these bytes into that message
+    adds the columns. Values are copied as packed float64 bytes, not one Python float at a time, and the
+    bytes before each column's values are kept per (field, name, count): replaying a recording builds tens of
+    thousands of columns a second, where creating Column messages one by one cost most of the replay."""
+    parts = []
+    for name, values in columns.items():
+        data = np.asarray(values, dtype="<f8").tobytes()
+        key = (field_number, name, len(data) // 8)
+        head = _COLUMN_HEADS.get(key)
+        if head is None:
+            if len(_COLUMN_HEADS) >= _MAX_CACHED:
+                _COLUMN_HEADS.clear()
+            encoded = name.encode()
+            column_head = _tag(_COLUMN_FIELD) + _varint(len(encoded)) + encoded + packed_head(key[2])
+            head = _COLUMN_HEADS[key] = (_tag(field_number) + _varint(len(column_head) + len(data))
+                                         + column_head)
+        parts += (head, data)
+    return b"".join(parts)
+
+
+def packed_head(n: int) -> bytes:
+    """The wire bytes before ``n`` packed doubles in a Column (tag of ``values`` and byte length; nothing for
+    none: protobuf writes no empty field), as protobuf's serializers write them."""
+    head = _PACKED_HEADS.get(n)
+    if head is None:
+        if len(_PACKED_HEADS) >= _MAX_CACHED:
+            _PACKED_HEADS.clear()
+        head = _PACKED_HEADS[n] = _tag(_VALUES_FIELD) + _varint(8 * n) if n else b""
+    return head
+
+
+def _tag(field_number: int) -> bytes:
+    return _varint(field_number << 3 | _LENGTH_DELIMITED)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 # Field-name membership is checked for every column of every batch: sets, not the catalogue's tuples.

@@ -26,7 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from gpuwatch.core import fields
-from gpuwatch.core.batches import BatchError, TimeWindow, validate, validate_envelope
+from gpuwatch.core.batches import BatchError, TimeWindow, packed_head, validate, validate_envelope
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -98,21 +98,6 @@ class _Layouts:
 
 _GPU_LAYOUTS = _Layouts(_GPU_FIELDS)
 _HOST_LAYOUTS = _Layouts(_HOST_FIELDS)
-_PACKED_HEADS: dict[int, bytes] = {}
-
-
-def _packed_head(n: int) -> bytes:
-    """The tag and length that precede ``n`` packed doubles (nothing for none: an empty field is not written)."""
-    head = _PACKED_HEADS.get(n)
-    if head is None:
-        size, varint = 8 * n, bytearray()
-        while True:
-            byte, size = size & 0x7F, size >> 7
-            varint.append(byte | (0x80 if size else 0))
-            if not size:
-                break
-        head = _PACKED_HEADS[n] = b"\x12" + bytes(varint) if n else b""
-    return head
 
 
 def _fill(out: np.ndarray, row: int, columns: Sequence[bytes], n: int, layouts: _Layouts, where: str
@@ -128,7 +113,7 @@ def _fill(out: np.ndarray, row: int, columns: Sequence[bytes], n: int, layouts: 
     positions = layouts.positions(heads, where)
     if positions is None:
         return None
-    head = _packed_head(n)
+    head = packed_head(n)
     width = len(head) + 8 * n
     body = b"".join([c[2 + c[1]:] for c in columns])
     if len(body) != width * len(columns):
@@ -161,7 +146,7 @@ class _Plan:
         offset, gpu_row = 0, 0
         last = len(blocks) - 1
         for b, (columns, n, where) in enumerate(zip(blocks, rows, positions)):
-            prefix = len(_packed_head(n))
+            prefix = len(packed_head(n))
             for column, position in zip(columns, where):
                 data_at = offset + 2 + column[1] + prefix
                 check.append(np.arange(offset, data_at))
