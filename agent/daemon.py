@@ -1,11 +1,13 @@
 """The node agent: samples GPUs and host every tick, cuts batches into the spool, streams them out.
 
-Wiring only: :class:`~gpuwatch.agent.nvml.NvmlSampler` (real GPUs, or the simulated fleet installed beneath
-pynvml), :class:`~gpuwatch.agent.host.HostSampler`, :class:`~gpuwatch.agent.jobs.JobResolver`,
-:class:`~gpuwatch.agent.xid.XidWatcher`, the probe socket (:class:`~gpuwatch.agent.probe_socket.ProbeListener`,
-its spans join each batch), :class:`~gpuwatch.agent.spool.Spool` with :class:`~gpuwatch.agent.uplink.Uplink`
-(when a collector is configured) and :class:`~gpuwatch.agent.recorder.BatchRecorder` (``--record``).
-``Agent(config).run(ticks)`` runs in-process (tests, the demo); ``gpuwatch agent`` runs it as a command.
+Wiring only: :class:`~gpuwatch.agent.nvml.NvmlSampler` (whatever NVML library pynvml finds: the node's GPUs, or
+a simulated fleet an application installed beneath it), :class:`~gpuwatch.agent.host.HostSampler`,
+:class:`~gpuwatch.agent.jobs.JobResolver`, :class:`~gpuwatch.agent.xid.XidWatcher`, the probe socket
+(:class:`~gpuwatch.agent.probe_socket.ProbeListener`, its spans join each batch), :class:`~gpuwatch.agent.spool.Spool`
+with :class:`~gpuwatch.agent.uplink.Uplink` (when a collector is configured) and
+:class:`~gpuwatch.agent.recorder.BatchRecorder` (``--record``). ``Agent(config).run(ticks)`` runs in-process
+(tests); ``gpuwatch agent`` runs it as a command. The agent knows nothing of the simulator: what differs on a
+simulated node comes in through the constructor (a clock, a process-environment reader, more span sources).
 """
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gpuwatch import __version__
 from gpuwatch.core import events as ev
@@ -27,14 +30,13 @@ from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.nvml import GpuDevice, NvmlSampler
 from gpuwatch.agent.probe_socket import ProbeListener
-from gpuwatch.simulator.degrade import Degradation, FaultSpec
-from gpuwatch.simulator.fleet import SimClock, SimulatedFleet
-from gpuwatch.simulator.job import SimJob
 from gpuwatch.agent.spool import Spool, SpoolFull
-from gpuwatch.agent.uplink import ChannelSecurity, Uplink
+from gpuwatch.agent.uplink import Uplink
 from gpuwatch.agent.xid import XidWatcher
 from gpuwatch.core.batches import MAX_BATCH_BYTES, BatchBuilder
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.security import read_token
+from gpuwatch.core.settings import AgentSettings
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 if TYPE_CHECKING:  # imported only when --record or metrics_listen asks: pandas, pyarrow, prometheus_client
@@ -51,6 +53,34 @@ SPAN_BYTES_PER_BATCH = MAX_BATCH_BYTES // 2
 DRAIN_POLL_S = 0.2
 
 
+class Clock(Protocol):
+    """The time samples and events are stamped with: the wall clock, or one that runs at another speed."""
+
+    speed: float  # clock seconds per wall-clock second (a recording's sample spacing is interval x speed)
+
+    def __call__(self) -> float:
+        """Now, in epoch seconds."""
+
+    def from_wall(self, wall_s: float) -> float:
+        """The clock's reading at wall-clock time ``wall_s`` (events are stamped on the wall clock where they arise)."""
+
+
+class WallClock:
+    """The agent's default clock: real time."""
+
+    speed = 1.0
+
+    def __call__(self) -> float:
+        return time.time()
+
+    def from_wall(self, wall_s: float) -> float:
+        return wall_s
+
+
+#: Something that yields the spans gathered since its last call, like :meth:`ProbeListener.drain`.
+SpanSource = Callable[[], pb.SpanTable]
+
+
 def default_spool_dir() -> Path:
     """/var/lib/gpuwatch/spool when this user may write there, else ~/.cache/gpuwatch/spool."""
     probe = SYSTEM_SPOOL
@@ -59,35 +89,31 @@ def default_spool_dir() -> Path:
     return SYSTEM_SPOOL if os.access(probe, os.W_OK) else Path.home() / ".cache" / "gpuwatch" / "spool"
 
 
-@dataclass
-class AgentConfig:
-    collector: str | None  # HOST:PORT; None = record-only (needs ``record``)
-    node: str = field(default_factory=socket.gethostname)
-    interval: float = 1.0
-    slow_interval: float = 30.0
-    batch_interval: float = 5.0
-    spool_dir: Path = field(default_factory=default_spool_dir)
-    spool_max_bytes: int = 256 * 2**20
-    job_label: str = ""  # one more environment variable naming the job (beyond SLURM and torchelastic)
-    simulate: int = 0  # number of simulated GPUs; 0 = the node's real GPUs
-    sim_model: str = "H100"
-    sim_speed: float = 1.0  # simulated seconds per real second (timestamps only; intervals stay real seconds)
-    sim_start: float | None = None  # simulated epoch seconds at sim_origin (default: the wall time then)
-    sim_origin: float | None = None  # wall epoch seconds where the simulated clock reads sim_start (default: start)
-    sim_faults: tuple[FaultSpec, ...] = ()  # scripted degradations of simulated GPUs
-    sim_job: str | None = None  # job id of a synthetic training job on the simulated GPUs (spans); None = none
-    sim_job_step_s: float = 1.0  # its step time in simulated seconds
+@dataclass(frozen=True)
+class AgentConfig(AgentSettings):
+    """The agent's settings (:class:`~gpuwatch.core.settings.AgentSettings`: deploy/agent.toml, ``GPUWATCH_*``,
+    flags; its TLS and token to the collector) and what one run, a test or the demo adds. ``collector`` None
+    means record-only (needs ``record``); ``node`` None the hostname; ``spool`` None the default spool."""
+
+    # ---- one run ----
     drain_timeout: float = 600.0  # --ticks mode: how long to wait for the collector at the end
     stop_flush_s: float = 5.0  # service mode: how long to try to send the last batch on SIGTERM
     kmsg_path: str | None = "/dev/kmsg"
     labels: dict[str, str] = field(default_factory=dict)
-    probe_socket: str | None = None  # Unix socket the training probes send to; None = no listener
     record: Path | None = None  # also write every batch into this recording directory
-    metrics_listen: str | None = None  # HOST:PORT of the node-local Prometheus endpoint; None = none
-    metrics_token: str | None = None  # bearer token scrapers of that endpoint must send
-    metrics_names: str = "gpuwatch"  # that endpoint's naming: gpuwatch or dcgm (dcgm-exporter's names and labels)
-    insecure: bool = False  # serve that endpoint beyond loopback without a token
-    channel_security: ChannelSecurity = field(default_factory=ChannelSecurity)
+
+    def __post_init__(self) -> None:
+        if self.node is None:
+            object.__setattr__(self, "node", socket.gethostname())
+
+    @property
+    def spool_dir(self) -> Path:
+        return Path(self.spool) if self.spool else default_spool_dir()
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The bearer token scrapers of the node-local endpoint must send (read from ``metrics_token_file``)."""
+        return read_token(self.metrics_token_file) if self.metrics_token_file else None
 
 
 @dataclass
@@ -98,21 +124,29 @@ class RunSummary:
 
 
 class Agent:
-    """One node agent. ``fleet`` lets a test or the demo script faults on the simulated GPUs it samples."""
+    """One node agent.
 
-    def __init__(self, config: AgentConfig, fleet: SimulatedFleet | None = None) -> None:
+    ``clock`` stamps samples and events (default: the wall clock; intervals stay real seconds whatever it
+    is); ``environ`` reads a GPU process's environment by PID to name its job (default: /proc/<pid>/environ);
+    ``span_sources`` are drained into each batch beside the probe socket's spans. A simulated node hands in
+    its own (gpuwatch.simulator.node.SimulatedNode, wired by the application that installs it).
+    """
+
+    def __init__(self, config: AgentConfig, *, clock: Clock | None = None,
+                 environ: Callable[[int], dict[str, str] | None] = read_proc_environ,
+                 span_sources: Sequence[SpanSource] = ()) -> None:
         if config.collector is None and config.record is None:
             raise UserError("nothing to send to: give a collector, a recording (--record), or both")
         self.config = config
-        self.fleet = fleet
-        self.clock: SimClock | None = None  # the fleet's clock when it runs on simulated time
+        self.clock: Clock = clock if clock is not None else WallClock()
+        self.environ = environ
+        self.span_sources = list(span_sources)
         self._stop = threading.Event()
         self._events: list[Event] = []
         self._events_lock = threading.Lock()
         self.spool: Spool | None = None
         self.uplink: Uplink | None = None
         self.probe: ProbeListener | None = None
-        self.sim_job: SimJob | None = None
         self.recorder: BatchRecorder | None = None
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -134,20 +168,17 @@ class Agent:
         with ExitStack() as stack:
             if cfg.collector is not None:
                 self.spool = Spool(cfg.spool_dir, cfg.spool_max_bytes)
-            if self._install_fleet():
-                stack.callback(self.fleet.uninstall)
             sampler = NvmlSampler(slow_interval=cfg.slow_interval)
             stack.callback(sampler.close)
             devices = sampler.open()
-            environ = self.fleet.environ if self.fleet is not None else read_proc_environ
-            jobs = JobResolver(environ, cfg.job_label)
+            jobs = JobResolver(self.environ, cfg.job_label or "")
             host = HostSampler()
             agent_id = self.spool.agent_id if self.spool else f"record-{cfg.node}"
             builder = BatchBuilder(self._identity(sampler), agent_id, [d.info() for d in devices])
             if cfg.record is not None:
                 from gpuwatch.agent.recorder import BatchRecorder
 
-                self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval * cfg.sim_speed)
+                self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval * self.clock.speed)
                 stack.callback(self.recorder.close)
             if cfg.metrics_listen:
                 self._serve_metrics(devices, sampler.driver_version)
@@ -155,11 +186,11 @@ class Agent:
             if cfg.probe_socket:
                 self.probe = _open_probe_listener(cfg.probe_socket)
                 stack.callback(self.probe.close)
-            watcher = XidWatcher(devices, self.emit, kmsg_path=None if self.fleet is not None else cfg.kmsg_path)
+            watcher = XidWatcher(devices, self.emit, kmsg_path=cfg.kmsg_path)
             watcher.start()
             stack.callback(watcher.stop)
             if self.spool is not None:
-                self.uplink = Uplink(self.spool, cfg.collector, channel_security=cfg.channel_security)
+                self.uplink = Uplink(self.spool, cfg.collector, channel_security=cfg)
                 self.uplink.start()
                 stack.callback(self.uplink.stop)
             self.emit(Event(ev.AGENT_START, message=f"gpuwatch agent {__version__} on {cfg.node}, {len(devices)} GPUs",
@@ -194,24 +225,6 @@ class Agent:
                 break
         return not self.spool.pending()
 
-    def _install_fleet(self) -> bool:
-        cfg = self.config
-        if self.fleet is None and cfg.simulate:
-            clock = SimClock(cfg.sim_speed, cfg.sim_start, cfg.sim_origin)
-            self.fleet = SimulatedFleet(cfg.simulate, model=cfg.sim_model, node=cfg.node, clock=clock,
-                                        job_id=cfg.sim_job)
-            if cfg.sim_job:
-                self.sim_job = SimJob(cfg.sim_job, cfg.node, clock, ranks=cfg.simulate, step_s=cfg.sim_job_step_s)
-            for spec in cfg.sim_faults:
-                if spec.gpu >= cfg.simulate:
-                    raise UserError(f"--sim-fault gpu={spec.gpu}: the node simulates GPUs 0-{cfg.simulate - 1}")
-                self.fleet.drive(spec.gpu, Degradation.from_spec(spec, cfg.node, clock.start))
-        if self.fleet is None:
-            return False
-        self.clock = self.fleet.clock if isinstance(self.fleet.clock, SimClock) else None
-        self.fleet.install()
-        return True
-
     def _serve_metrics(self, devices: list[GpuDevice], driver_version: str) -> None:
         from gpuwatch.agent.node_metrics import NodeMetrics
         from gpuwatch.core.prometheus import start_metrics_server
@@ -224,11 +237,8 @@ class Agent:
         log.info("node metrics at %s", self.metrics_server.url)
 
     def _identity(self, sampler: NvmlSampler) -> pb.NodeIdentity:
-        labels = dict(self.config.labels)
-        if self.fleet is not None:
-            labels["simulated"] = "true"
         return pb.NodeIdentity(node=self.config.node, agent_version=__version__, driver_version=sampler.driver_version,
-                               cuda_version=sampler.cuda_version, labels=labels)
+                               cuda_version=sampler.cuda_version, labels=dict(self.config.labels))
 
     def _loop(self, ticks, sampler, host, jobs, builder) -> tuple[int, int]:
         cfg = self.config
@@ -245,13 +255,14 @@ class Agent:
             next_tick = max(next_tick + cfg.interval, time.monotonic())
             self._stop.wait(next_tick - time.monotonic())
         return done, batches
+
     def _now_ms(self) -> int:
-        """Sample time: the simulated fleet's clock when it has one, else the wall clock."""
-        return int((self.fleet.clock() if self.fleet is not None else time.time()) * 1000)
+        """Sample time, on the agent's clock."""
+        return int(self.clock() * 1000)
 
     def _event_time(self, event: Event) -> Event:
-        """Events are stamped with the wall clock where they arise; on simulated time, move them onto it."""
-        if self.clock is None:
+        """Events are stamped with the wall clock where they arise; on another clock, move them onto it."""
+        if isinstance(self.clock, WallClock):
             return event
         return replace(event, ts_ms=int(self.clock.from_wall(event.ts_ms / 1000) * 1000))
 
@@ -281,7 +292,7 @@ class Agent:
             builder.add_event(e.kind, e.ts_ms, e.gpu_index, e.code, e.message, e.attrs)
 
     def _cut(self, builder: BatchBuilder) -> int:
-        """Spool (and record) what the builder holds with the probe spans; returns the number of batches written."""
+        """Spool (and record) what the builder holds with the spans; returns the number of batches written."""
         dropped = self.spool.take_dropped() if self.spool else None
         if dropped and dropped.batches:
             if self.metrics is not None:
@@ -294,11 +305,11 @@ class Agent:
                                      "dropped_bytes_total": str(dropped.total_bytes)})
         self._move_events(builder)
         spans = self.probe.drain() if self.probe else pb.SpanTable()
+        for source in self.span_sources:
+            spans.MergeFrom(source())
         # The agent names the node: a probe's own hostname may differ from --node and would not join its telemetry.
         del spans.node[:]
         spans.node.extend([self.config.node] * len(spans.start_us))
-        if self.sim_job is not None:
-            spans.MergeFrom(self.sim_job.spans())
         chunks = span_chunks(spans, SPAN_BYTES_PER_BATCH)
         if not len(builder) and not chunks:
             return 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gpuwatch.core import security
+from gpuwatch.core.settings import ClientSecurity
 from gpuwatch.agent.spool import Spool
 from gpuwatch.core.batches import INSTANCE_METADATA, MAX_BATCH_BYTES
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -36,18 +37,7 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 _MESSAGE_LIMIT = MAX_BATCH_BYTES + 64 * 1024  # a full batch plus the envelope
 
 
-@dataclass(frozen=True)
-class ChannelSecurity:
-    """How the agent proves itself to the collector and checks it: TLS (``ca``), mTLS (``cert``/``key``), token."""
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    token_file: str | None = None
-    insecure: bool = False  # allow a plaintext token to a non-loopback collector
-
-
-def make_channel(address: str, *, channel_security: ChannelSecurity = ChannelSecurity(), reconnect_max_s: float = 10.0,
+def make_channel(address: str, *, channel_security: ClientSecurity = ClientSecurity(), reconnect_max_s: float = 10.0,
                  options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
     """The one place that builds the agent's channel; bad certificate or token files raise UserError."""
     base = [
@@ -60,10 +50,7 @@ def make_channel(address: str, *, channel_security: ChannelSecurity = ChannelSec
         ("grpc.min_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", int(reconnect_max_s * 1000)),
     ]
-    cs = channel_security
-    token = security.read_token(cs.token_file) if cs.token_file else None
-    return security.open_channel(address, ca=cs.ca, cert=cs.cert, key=cs.key, token=token, insecure=cs.insecure,
-                                 options=base + list(options))
+    return security.client_channel(address, channel_security, options=base + list(options))
 
 
 @dataclass
@@ -97,7 +84,7 @@ class Uplink:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 10.0,
         channel_factory: Callable[[str], grpc.Channel] | None = None,
-        channel_security: ChannelSecurity = ChannelSecurity(),
+        channel_security: ClientSecurity = ClientSecurity(),
     ) -> None:
         self.spool = spool
         self.addresses = collector_addresses(address)

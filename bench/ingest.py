@@ -3,7 +3,9 @@
 Each sender is one agent (its own process, one gRPC stream, a bounded in-flight window) sending distinct
 batches of GPUS GPUs x TICKS ticks with every GPU and host field of gpuwatch.core.fields, serialized before the
 clock starts so the collector, not the senders, is the bottleneck. Prints metric values per second acked
-(= stored: acks come after commit), batches/s, and checks the row counts in the store at the end.
+(= stored: acks come after commit), batches/s, the collector's CPU seconds per batch (user + sys of its
+process: a measure of its own cost that other load on the machine inflates far less than wall time), and
+checks the row counts in the store at the end.
 Target on a 2-core machine: >= 500,000 metric values/s. Then runs bench/agent_cost.py if it exists.
 
     python bench/ingest.py [--senders 4] [--batches 600] [--collector HOST:PORT]
@@ -13,10 +15,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +66,27 @@ def sender(agent: int, address: str, args: argparse.Namespace, ready: mp.Barrier
     results.put((agent, acked, start, time.perf_counter(), sum(map(len, batches))))
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _thread_cpu() -> Counter:
+    """CPU seconds of this process per thread name (Linux /proc; empty elsewhere): the event loop (grpc-aio),
+    the store writer, the engine's and gRPC's own threads."""
+    out: Counter = Counter()
+    tick = os.sysconf("SC_CLK_TCK")
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    for task in Path("/proc/self/task").glob("*") if Path("/proc/self/task").exists() else ():
+        try:
+            name = python_names.get(int(task.name)) or (task / "comm").read_text().strip()
+            fields_ = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] += (int(fields_[11]) + int(fields_[12])) / tick
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--senders", type=int, default=4)
@@ -89,7 +115,10 @@ def main() -> int:
     print(f"building {args.senders} x {args.batches} batches ({args.gpus} GPUs x {args.ticks} ticks, "
           f"{len(fields.GPU_FIELD_NAMES)} GPU + {len(fields.HOST_FIELD_NAMES)} host fields) ...", flush=True)
     ready.wait(timeout=600)  # raises BrokenBarrierError if a sender died while building
+    cpu_before, threads_before = _cpu_seconds(), _thread_cpu()
     reports = [results.get(timeout=600) for _ in procs]
+    cpu, threads = _cpu_seconds() - cpu_before, _thread_cpu()
+    threads.subtract(threads_before)
     for p in procs:
         p.join()
 
@@ -103,7 +132,12 @@ def main() -> int:
     print(f"senders: {args.senders}, window {args.window}, wall {elapsed:.2f} s, {megabytes:.1f} MB sent")
     print(f"acked (= committed): {batches} batches, {batches / elapsed:,.0f} batches/s, "
           f"{values / elapsed:,.0f} metric values/s, {gpu_rows / elapsed:,.0f} GPU rows/s")
-    if server is not None:
+    if server is not None:  # CPU of this process: the collector's, as the senders are processes of their own
+        print(f"collector CPU: {cpu:.2f} s user+sys, {cpu / batches * 1000:.3f} ms per batch "
+              f"({values / cpu:,.0f} values per CPU-second of the collector)")
+        busiest = [(name, seconds) for name, seconds in threads.most_common(6) if seconds > 0]
+        print("  by thread, ms per batch: " + ", ".join(f"{name} {seconds / batches * 1000:.3f}"
+                                                      for name, seconds in busiest))
         stored_gpu, stored_host = server.store.count("gpu_samples"), server.store.count("host_samples")
         ok = (stored_gpu, stored_host) == (gpu_rows, host_rows)
         print(f"stored: gpu_samples {stored_gpu} (expected {gpu_rows}), host_samples {stored_host} "

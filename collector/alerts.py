@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+# the job the alerts' checkpoint/drain advice assumes unless the collector is told (job_gpus, checkpoint_cost)
+from gpuwatch.core.settings import DEFAULT_CHECKPOINT_COST_S, DEFAULT_JOB_GPUS
 from gpuwatch.core.times import iso_ms, iso_utc
 from gpuwatch.models.advisor import Advice, advise
 from gpuwatch.models.policy import AlertPolicy
@@ -119,11 +121,6 @@ class Alert:
 class Transition:
     kind: str  # "fire" or "resolve"
     alert: Alert
-
-
-#: The job the alerts' checkpoint/drain advice assumes unless the collector is told (job_gpus, checkpoint_cost).
-DEFAULT_JOB_GPUS = 1024
-DEFAULT_CHECKPOINT_COST_S = 300.0
 
 
 def suggest_action(risk: float, node: str, advice: Advice, drain_at: float = DRAIN_AT) -> str:

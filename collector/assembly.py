@@ -12,25 +12,23 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuwatch.collector.alert_hub import AlertHub
-from gpuwatch.collector.alerts import AlertmanagerSender, AlertSender, WebhookSender
-from gpuwatch.collector.jobs import DEFAULT_HANG_S, DEFAULT_WINDOW_S, JobsMonitor
-from gpuwatch.collector.jobs import DEFAULT_INTERVAL_S as JOBS_INTERVAL_S
 from gpuwatch.collector.lease import ClusterLease, holder_id
-from gpuwatch.collector.scoring import DEFAULT_FALSE_ALARM_BUDGET, WALL, Scorer
-from gpuwatch.collector.scoring import DEFAULT_INTERVAL_S as SCORE_INTERVAL_S
-from gpuwatch.collector.server import CollectorServer, serve
-from gpuwatch.collector.snapshot import MetricsService
+from gpuwatch.collector.server import CollectorServer, Service, serve
 from gpuwatch.collector.store.base import Store
 from gpuwatch.core import settings
 from gpuwatch.core.batches import TimeWindow
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.security import check_listen_policy, read_token
-from gpuwatch.models.advisor import Advice, advise
-from gpuwatch.models.model import default_model_path, load_model
-from gpuwatch.models.policy import AlertPolicy
+
+if TYPE_CHECKING:  # the engines' modules (pandas, the model format) are imported when they are built, so
+    # `gpuwatch collector` binds its port before it spends a second importing them (docs/operations.md)
+    from gpuwatch.collector.alert_hub import AlertHub
+    from gpuwatch.collector.alerts import AlertSender
+    from gpuwatch.collector.jobs import JobsMonitor
+    from gpuwatch.collector.scoring import Scorer
+    from gpuwatch.models.advisor import Advice
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +37,8 @@ def failure_model(path: str | Path | None) -> dict | None:
     """The model at ``path``, else the shipped one; None (logged) when no path is given and none is shipped:
     the collector then gives GPUs health states and no failure risk. A named file that is missing or not a
     model raises UserError."""
+    from gpuwatch.models.model import default_model_path, load_model
+
     if path is None and not default_model_path().is_file():
         log.warning("no failure model (%s is missing): GPUs get health states, no failure risk",
                     default_model_path())
@@ -68,53 +68,53 @@ class CollectorEngines:
 
 def build_engines(*, model: dict | None = None, model_path: str | Path | None = None,
                   load_in_background: bool = False, senders: list[AlertSender] | None = None,
-                  advice: Advice | None = None, score_interval_s: float = SCORE_INTERVAL_S, score_clock: str = WALL,
-                  false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET, jobs_interval_s: float = JOBS_INTERVAL_S,
-                  jobs_window_s: float = DEFAULT_WINDOW_S, hang_threshold_s: float = DEFAULT_HANG_S,
+                  advice: Advice | None = None, score_interval_s: float | None = None, score_clock: str | None = None,
+                  false_alarm_budget: float | None = None, jobs_interval_s: float | None = None,
+                  jobs_window_s: float | None = None, hang_threshold_s: float | None = None,
                   job_alerts: bool = True) -> CollectorEngines:
-    """The hub, scorer and jobs monitor wired together.
+    """The hub, scorer and jobs monitor wired together (an option left None: the engine's own default).
 
     The failure model is ``model`` (None: health states only, no failure risk), or with
     ``load_in_background`` :func:`failure_model` of ``model_path``, loaded on the scorer's own thread when the
     scorer starts (seconds: the collector answers meanwhile, and the hub gets the model's alert policy once it
     is loaded). Without ``job_alerts`` the jobs monitor keeps its findings to itself (the demo shows them, it
     does not alert)."""
+    from gpuwatch.collector.alert_hub import AlertHub
+    from gpuwatch.collector.jobs import JobsMonitor
+    from gpuwatch.collector.scoring import Scorer
+    from gpuwatch.models.policy import AlertPolicy
+
+    scoring_options = _given(interval_s=score_interval_s, clock=score_clock, false_alarm_budget=false_alarm_budget)
     if load_in_background:
         hub = AlertHub(None, senders or (), advice=advice)
-        scorer = Scorer(None, hub, interval_s=score_interval_s, clock=score_clock,
-                        load_model=functools.partial(failure_model, model_path), false_alarm_budget=false_alarm_budget)
+        scorer = Scorer(None, hub, load_model=functools.partial(failure_model, model_path), **scoring_options)
     else:
         hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, senders or (), advice=advice)
-        scorer = Scorer(model, hub, interval_s=score_interval_s, clock=score_clock,
-                        false_alarm_budget=false_alarm_budget)
-    jobs = JobsMonitor(hub if job_alerts else None, interval_s=jobs_interval_s, window_s=jobs_window_s,
-                       hang_threshold_s=hang_threshold_s)
+        scorer = Scorer(model, hub, **scoring_options)
+    jobs = JobsMonitor(hub if job_alerts else None, **_given(interval_s=jobs_interval_s, window_s=jobs_window_s,
+                                                             hang_threshold_s=hang_threshold_s))
     return CollectorEngines(hub, scorer, jobs)
+
+
+def _given(**options: Any) -> dict[str, Any]:
+    """The options that are not None (the others keep the engine's own default)."""
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def start_collector(cfg: settings.Config) -> CollectorServer:
     """Start a collector with everything ``cfg`` (:func:`gpuwatch.core.settings.load_config` over
     COLLECTOR_OPTIONS) asks: ingest and queries, the engines with periodic rounds, the cluster lease and,
-    with ``metrics_listen``, the Prometheus endpoint."""
+    with ``metrics_listen``, the Prometheus endpoint. The port is bound first; the engines are built (their
+    modules imported) once it is, and started once the store is open."""
     check_listen_policy(cfg.listen, cfg.tls_cert is not None or cfg.tls_key is not None, cfg.insecure)  # fail fast
     if cfg.model is not None and not Path(cfg.model).is_file():
         raise UserError(f"{cfg.model}: no such model file")
-    engines = build_engines(model_path=cfg.model, load_in_background=True, senders=_senders(cfg),
-                            advice=advise(n_gpus=cfg.job_gpus, checkpoint_s=cfg.checkpoint_cost),
-                            score_interval_s=cfg.score_interval, score_clock=cfg.score_clock,
-                            false_alarm_budget=cfg.false_alarm_budget, jobs_interval_s=cfg.jobs_interval,
-                            jobs_window_s=cfg.jobs_window, hang_threshold_s=cfg.hang_threshold)
-    # one collector among those sharing a store scores, monitors jobs and sends alerts (collector/lease.py)
-    lease = ClusterLease(min(cfg.score_interval, cfg.jobs_interval), holder=holder_id(cfg.listen),
-                         on_acquire=[engines.hub.reload])
-    engines.scorer.gate = engines.jobs.gate = lease.held
-    # started in order: the hub restores the firing alerts before the lease reloads them, rounds come last
-    services: list[Any] = [engines.hub, lease, engines.scorer, engines.jobs]
-    if cfg.metrics_listen:
-        metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
-        services.append(MetricsService(cfg.metrics_listen, scorer=engines.scorer, jobs=engines.jobs,
-                                       token=metrics_token, insecure=cfg.insecure,
-                                       gpu_telemetry=cfg.metrics_gpu_telemetry, interval_s=cfg.metrics_interval))
+    built: list[Service] = []
+
+    def services() -> list[Service]:  # called by serve once the port is bound
+        built.extend(_collector_services(cfg))
+        return built
+
     try:
         return serve(cfg.listen, cfg.store or cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
                      max_in_flight=cfg.max_in_flight, stream_idle_s=cfg.stream_idle_timeout,
@@ -125,11 +125,39 @@ def start_collector(cfg: settings.Config) -> CollectorServer:
                      services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
                      token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)
     except BaseException:
-        engines.hub.stop()  # its senders' threads started with it; serve stops only the services it started
+        if built:
+            built[0].stop()  # the hub: its senders' threads started with it; serve stops only what it started
         raise
 
 
+def _collector_services(cfg: settings.Config) -> list[Service]:
+    """The hub, the cluster lease, the scorer, the jobs monitor and, with ``metrics_listen``, the metrics
+    endpoint, in the order they start."""
+    from gpuwatch.collector.snapshot import MetricsService
+    from gpuwatch.models.advisor import advise
+
+    engines = build_engines(model_path=cfg.model, load_in_background=True, senders=_senders(cfg),
+                            advice=advise(n_gpus=cfg.job_gpus, checkpoint_s=cfg.checkpoint_cost),
+                            score_interval_s=cfg.score_interval, score_clock=cfg.score_clock,
+                            false_alarm_budget=cfg.false_alarm_budget, jobs_interval_s=cfg.jobs_interval,
+                            jobs_window_s=cfg.jobs_window, hang_threshold_s=cfg.hang_threshold)
+    # one collector among those sharing a store scores, monitors jobs and sends alerts (collector/lease.py)
+    lease = ClusterLease(min(cfg.score_interval, cfg.jobs_interval), holder=holder_id(cfg.listen),
+                         on_acquire=[engines.hub.reload])
+    engines.scorer.gate = engines.jobs.gate = lease.held
+    # started in order: the hub restores the firing alerts before the lease reloads them, rounds come last
+    services: list[Service] = [engines.hub, lease, engines.scorer, engines.jobs]
+    if cfg.metrics_listen:
+        metrics_token = read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
+        services.append(MetricsService(cfg.metrics_listen, scorer=engines.scorer, jobs=engines.jobs,
+                                       token=metrics_token, insecure=cfg.insecure,
+                                       gpu_telemetry=cfg.metrics_gpu_telemetry, interval_s=cfg.metrics_interval))
+    return services
+
+
 def _senders(cfg: settings.Config) -> list[AlertSender]:
+    from gpuwatch.collector.alerts import AlertmanagerSender, WebhookSender
+
     senders: list[AlertSender] = []
     if cfg.alertmanager_url:
         senders.append(AlertmanagerSender(cfg.alertmanager_url))

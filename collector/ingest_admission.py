@@ -18,8 +18,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-DEFAULT_STREAM_IDLE_S = 300.0  # agents send every batch_interval (5 s by default)
-DEFAULT_MAX_INGEST_STREAMS = 20_000  # one per agent; docs/scale.md sizes a collector for thousands
+from gpuwatch.core.settings import DEFAULT_STREAM_IDLE_S
 
 
 class StreamRefused(Exception):

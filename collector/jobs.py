@@ -33,13 +33,12 @@ from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.core.times import iso_utc
 from gpuwatch.collector.store.base import STEP_MARK_KINDS, Store
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.settings import DEFAULT_HANG_S
+from gpuwatch.core.settings import DEFAULT_JOBS_INTERVAL_S as DEFAULT_INTERVAL_S
+from gpuwatch.core.settings import DEFAULT_JOBS_WINDOW_S as DEFAULT_WINDOW_S
 from gpuwatch.v1 import query_pb2 as q
 
 log = logging.getLogger(__name__)
-
-DEFAULT_INTERVAL_S = 30.0
-DEFAULT_WINDOW_S = 300.0
-DEFAULT_HANG_S = 300.0
 
 
 def list_jobs(store: Store, now_us: float | None = None, window_s: float = DEFAULT_WINDOW_S,

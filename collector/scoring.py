@@ -32,15 +32,16 @@ from gpuwatch.collector.store.base import Store
 from gpuwatch.collector.store.duckdb import ms_to_datetime
 from gpuwatch.models import features as feature_module
 from gpuwatch.models import rules
-from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET, BudgetCalibrator
+from gpuwatch.models.calibration import BudgetCalibrator
 from gpuwatch.models.faults import FATAL_XIDS
 from gpuwatch.models.model import score, top_signals
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.core.recording import ts_ms
+from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
+from gpuwatch.core.settings import DEFAULT_SCORE_INTERVAL_S as DEFAULT_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 60.0
 TOP_SIGNALS = 3
 _LAST = sorted(set(feature_module.SAMPLE_COLUMNS) - set(feature_module.MEANS.values())
                - {"gpu_pcie_link_width", "gpu_pcie_link_gen", "gpu_pcie_link_width_max", "gpu_pcie_link_gen_max"})
@@ -232,7 +233,7 @@ class Scorer(PeriodicService):
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
-    def start(self, store: DuckDBStore) -> Mapping[str, Any]:
+    def start(self, store: Store) -> Mapping[str, Any]:
         if self._load_model is None:
             self.ready.set()
             return super().start(store)

@@ -9,7 +9,9 @@ A batch that validated but that the store cannot keep gets a final INVALID_ARGUM
 instead of resending it forever), a store failure such as a full disk UNAVAILABLE (the agent resends), a
 batch of a second agent under the same agent id ALREADY_EXISTS (never UNKNOWN): :func:`store_failure`.
 A batch is acknowledged only after the store's writer thread committed it (the event loop awaits the
-store's future, never blocks on it); resends are recognised by (agent_id, sequence) in the store.
+store's future, never blocks on it); resends are recognised by (agent_id, sequence) in the store. The port
+is bound before the store opens (a collector takes connections within a second of starting); calls that
+arrive meanwhile wait for the store (:class:`StoreGate`, :meth:`IngestService.attach`).
 
 Bounds, so no client can starve the others: each stream has at most ``stream_window`` batches between
 received and acknowledged (beyond that the server stops reading it and HTTP/2 flow control holds the
@@ -31,41 +33,41 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import duckdb
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from gpuwatch.core import security
 from gpuwatch.core.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
-from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.failed import failed_gpus
-from gpuwatch.collector.ingest_admission import (DEFAULT_MAX_INGEST_STREAMS, DEFAULT_STREAM_IDLE_S, StreamAdmission,
-                                                 StreamRefused, fencing_advice)
+from gpuwatch.collector.ingest_admission import StreamAdmission, StreamRefused, fencing_advice
 from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
-from gpuwatch.core.columnar import ColumnarBatch, decode
 from gpuwatch.core.errors import AgentIdConflict, NotFound, UserError
+from gpuwatch.core.settings import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_INGEST_STREAMS, DEFAULT_QUERY_WORKERS,
+                                     DEFAULT_STREAM_IDLE_S)
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 
+if TYPE_CHECKING:
+    from gpuwatch.core.columnar import ColumnarBatch
+
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 7700
 # gRPC refuses messages above this outright (memory guard); batches between MAX_BATCH_BYTES and this
 # reach decode_batch, which answers with a message that says what to do.
 _HARD_RECEIVE_LIMIT = 4 * MAX_BATCH_BYTES
-DEFAULT_QUERY_WORKERS = 16
 DEFAULT_STREAM_WINDOW = 64  # batches per stream between received and acked (agents keep 32 in flight)
-DEFAULT_MAX_IN_FLIGHT = 4096  # batches received and not yet committed, all streams together
 CONNECTION_IDLE_S = 600.0  # a connection without calls (a query client that went quiet) is closed
 STREAMS_PER_CONNECTION = 100  # an agent needs one; a client opening more is refused further streams
+STORE_WAIT_S = 60.0  # the longest a query waits for the store to open (a large file replays its log first)
 #: Initial metadata of an Ingest stream the collector admitted (a refused one ends with a status instead).
 ADMITTED_METADATA = (("gpuwatch-stream", "admitted"),)
 
@@ -95,6 +97,8 @@ class BatchRejected(Exception):
 def decode_batch(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
     """Parse and validate one batch's bytes (bounds, and times within ``window`` when given); raise
     :class:`BatchRejected` with the status to answer."""
+    from gpuwatch.core.columnar import decode  # numpy: imported with the store, after the port is bound
+
     if len(raw) > MAX_BATCH_BYTES:
         raise BatchRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
@@ -111,16 +115,17 @@ def decode_batch(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
                             header.agent_id) from None
 
 
-def store_failure(exc: BaseException, batch: ColumnarBatch) -> BatchRejected:
+def store_failure(exc: BaseException, batch: ColumnarBatch, unstorable: tuple[type[BaseException], ...] = ()
+                  ) -> BatchRejected:
     """The status for a batch the store did not take: ALREADY_EXISTS for a cloned agent id, INVALID_ARGUMENT
-    for a batch that validated but holds something the store cannot keep (final: the agent sets it aside
-    instead of resending it forever), UNAVAILABLE for a store failure such as a full disk (the agent resends)."""
+    for a batch that validated but holds something the store cannot keep (``unstorable``, the store's
+    ``unstorable_errors``; final: the agent sets it aside instead of resending it forever), UNAVAILABLE for a
+    store failure such as a full disk (the agent resends)."""
     where = f"batch {batch.sequence} of agent {batch.agent_id}"
     if isinstance(exc, AgentIdConflict):
         return BatchRejected(grpc.StatusCode.ALREADY_EXISTS, f"{where}: {fencing_advice(batch.agent_id)}",
                              batch.agent_id)
-    if isinstance(exc, (ValueError, OverflowError, TypeError, duckdb.ConversionException,
-                        duckdb.OutOfRangeException, duckdb.InvalidInputException, duckdb.ConstraintException)):
+    if isinstance(exc, (ValueError, OverflowError, TypeError, *unstorable)):
         return BatchRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{where} cannot be stored: {exc}", batch.agent_id)
     return BatchRejected(grpc.StatusCode.UNAVAILABLE, f"the collector could not store {where}: {exc}; resend later",
                          batch.agent_id)
@@ -137,12 +142,36 @@ def _ack(result: WriteResult) -> pb.BatchAck:
 _DONE = object()
 
 
-def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Semaphore) -> asyncio.Future:
+class _CommitInbox:
+    """Commits resolved on the store's writer thread, handed to the event loop in bunches: the writer wakes the
+    loop once per bunch (a write to the loop's self-pipe, then one callback), not once per batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[Callable[[concurrent.futures.Future], None], concurrent.futures.Future]] = []
+
+    def put(self, settle: Callable[[concurrent.futures.Future], None], done: concurrent.futures.Future) -> None:
+        """Call ``settle(done)`` on the loop soon (from any thread)."""
+        with self._lock:
+            self._items.append((settle, done))
+            if len(self._items) > 1:  # a drain is scheduled already
+                return
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for settle, done in items:
+            settle(done)
+
+
+def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Semaphore, inbox: _CommitInbox
+                      ) -> asyncio.Future:
     """The store's commit future as an asyncio future of the running loop, releasing ``in_flight`` when the
     commit is done. Unlike asyncio.wrap_future, cancelling the returned future (its stream went away) leaves
     the store's future alone: the batch is committed anyway and the writer resolves what it committed."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
+    waiter = asyncio.get_running_loop().create_future()
 
     def settle(done: concurrent.futures.Future) -> None:
         in_flight.release()
@@ -153,7 +182,7 @@ def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Sema
         else:
             waiter.set_result(done.result())
 
-    stored.add_done_callback(lambda done: loop.call_soon_threadsafe(settle, done))
+    stored.add_done_callback(functools.partial(inbox.put, settle))
     return waiter
 
 
@@ -165,7 +194,7 @@ class IngestService:
     the idle limit, one live agent instance per agent id); batch times outside ``window`` are refused.
     """
 
-    def __init__(self, store: Store, *, stream_window: int = DEFAULT_STREAM_WINDOW,
+    def __init__(self, store: Store | None, *, stream_window: int = DEFAULT_STREAM_WINDOW,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
                  max_ingest_streams: int = DEFAULT_MAX_INGEST_STREAMS, window: TimeWindow | None = None) -> None:
         self.store = store
@@ -174,7 +203,27 @@ class IngestService:
         self.window = window
         self.rejected_by_agent: Counter[str] = Counter()
         self._max_in_flight = max_in_flight
-        self._in_flight: asyncio.Semaphore | None = None  # made on the event loop
+        self._in_flight: asyncio.Semaphore | None = None  # made on the event loop, with _inbox
+        self._inbox: _CommitInbox | None = None
+        self._store_ready: asyncio.Event | None = None  # made on the event loop
+
+    def attach(self, store: Store) -> None:
+        """Start storing into ``store`` (on the event loop). Until then every Ingest call waits, so a batch
+        that arrives while the store opens is neither acknowledged nor lost: it is stored once it is open."""
+        self.store = store
+        self._ready_event().set()
+
+    def _ready_event(self) -> asyncio.Event:
+        if self._store_ready is None:
+            self._store_ready = asyncio.Event()
+            if self.store is not None:
+                self._store_ready.set()
+        return self._store_ready
+
+    async def _wait_for_store(self) -> Store:
+        await self._ready_event().wait()
+        assert self.store is not None
+        return self.store
 
     @property
     def open_streams(self) -> int:
@@ -191,6 +240,7 @@ class IngestService:
 
     async def push(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.BatchAck:
         try:
+            await self._wait_for_store()
             batch = decode_batch(raw, self.window)
             self.admission.check_push(batch.agent_id, _instance(context), context.peer())
             commit = await self._submit(batch)
@@ -208,6 +258,7 @@ class IngestService:
             await self._abort(exc, context)
         idle = False
         try:
+            await self._wait_for_store()
             await context.send_initial_metadata(ADMITTED_METADATA)  # tells the client the stream is served
             window = asyncio.Semaphore(self.stream_window)
             pending: asyncio.Queue = asyncio.Queue()
@@ -236,7 +287,8 @@ class IngestService:
             while True:
                 await window.acquire()
                 try:
-                    raw = await asyncio.wait_for(incoming.__anext__(), idle_s)
+                    async with asyncio.timeout(idle_s):  # a timer, not a task per batch as wait_for makes
+                        raw = await incoming.__anext__()
                 except StopAsyncIteration:
                     return
                 except asyncio.TimeoutError:
@@ -258,20 +310,21 @@ class IngestService:
         """Queue ``batch`` for the writer once the collector-wide bound has room; the future is its commit."""
         if self._in_flight is None:
             self._in_flight = asyncio.Semaphore(self._max_in_flight)
+            self._inbox = _CommitInbox(asyncio.get_running_loop())
         await self._in_flight.acquire()
         try:
             stored = self.store.submit(batch)
         except BaseException:
             self._in_flight.release()
             raise
-        return _awaitable_commit(stored, self._in_flight)
+        return _awaitable_commit(stored, self._in_flight, self._inbox)
 
     async def _acked(self, batch: ColumnarBatch, commit: asyncio.Future, context: grpc.aio.ServicerContext
                      ) -> pb.BatchAck:
         try:
             return _ack(await commit)
         except Exception as exc:
-            await self._abort(store_failure(exc, batch), context)
+            await self._abort(store_failure(exc, batch, self.store.unstorable_errors), context)
 
     async def _abort(self, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
         if isinstance(exc, BatchRejected):
@@ -353,14 +406,54 @@ DEFAULT_QUERY_HANDLERS: dict[str, QueryHandler] = {
 }
 
 
-def query_handler(store: Store, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
-    """The Query service over ``handlers``: NotFound answers NOT_FOUND, other UserError INVALID_ARGUMENT, a
-    method without a handler UNIMPLEMENTED."""
+class StoreGate:
+    """The store queries read, once it is open, and whether the services have started. The collector binds
+    its port before it opens the store (so it answers connections within a second of starting) and opens the
+    store before it starts its services; a query that arrives meanwhile waits for what it needs."""
+
+    def __init__(self) -> None:
+        self._store: Store | None = None
+        self._store_settled = threading.Event()
+        self._services_settled = threading.Event()
+
+    def open(self, store: Store) -> None:
+        self._store = store
+        self._store_settled.set()
+
+    def services_started(self) -> None:
+        self._services_settled.set()
+
+    def fail(self) -> None:
+        """The collector did not start (it is stopping): waiting calls get no store."""
+        self._store = None
+        self._store_settled.set()
+        self._services_settled.set()
+
+    def wait(self, timeout: float | None) -> Store | None:
+        """The store, or None when it did not open within ``timeout`` seconds (or at all)."""
+        self._store_settled.wait(timeout)
+        return self._store
+
+    def wait_for_services(self, timeout: float | None) -> bool:
+        """Whether the services started (so every Query method they answer is registered) within ``timeout``."""
+        return self._services_settled.wait(timeout) and self._store is not None
+
+
+def query_handler(gate: StoreGate, handlers: Mapping[str, QueryHandler]) -> grpc.GenericRpcHandler:
+    """The Query service over ``handlers`` and the store ``gate`` opens: NotFound answers NOT_FOUND, other
+    UserError INVALID_ARGUMENT, a method without a handler UNIMPLEMENTED, a call whose deadline passes before
+    the store is open UNAVAILABLE."""
     service = q.DESCRIPTOR.services_by_name["Query"]
 
     def method(name: str) -> Callable[[Message, grpc.ServicerContext], Message]:
         def call(request: Message, context: grpc.ServicerContext) -> Message:
+            store = gate.wait(min(context.time_remaining() or STORE_WAIT_S, STORE_WAIT_S))
             fn = handlers.get(name)
+            if fn is None and store is not None:  # a service's method: registered once the services started
+                gate.wait_for_services(min(context.time_remaining() or STORE_WAIT_S, STORE_WAIT_S))
+                fn = handlers.get(name)
+            if store is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is opening its store; retry shortly")
             if fn is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not available in this collector yet")
             try:
@@ -484,7 +577,7 @@ def serve(
     max_ingest_streams: int = DEFAULT_MAX_INGEST_STREAMS,
     time_window: TimeWindow | None = None,
     query_handlers: Mapping[str, QueryHandler] | None = None,
-    services: Sequence[Service] = (),
+    services: Sequence[Service] | Callable[[], Sequence[Service]] = (),
     tls_cert: str | None = None,
     tls_key: str | None = None,
     tls_client_ca: str | None = None,
@@ -492,14 +585,18 @@ def serve(
     insecure: bool = False,
     **store_options: Any,
 ) -> CollectorServer:
-    """Open the store, start ``services`` and serve on ``listen`` ("host:port", port 0 picks a free one).
+    """Serve on ``listen`` ("host:port", port 0 picks a free one), then open the store and start ``services``.
 
-    TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with ``token`` every call
-    needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is refused unless
-    ``insecure``. ``max_workers`` threads answer Query calls; ingest runs on the event loop, bounded by
-    ``stream_window``, ``max_in_flight``, ``max_ingest_streams`` and ``stream_idle_s`` (see the module
-    docstring). Batch times outside ``time_window`` (around the collector's clock; the collector command
-    always sets one) are refused.
+    The port is bound first, so a starting collector accepts connections at once; calls that arrive before
+    the store is open wait for it (ingest acknowledges nothing until its batches are committed, so nothing
+    is lost when the store then fails to open: the calls end UNAVAILABLE and agents resend). ``services``
+    may be a function that builds them, called once the port is bound (the collector command imports its
+    heavy modules there). TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with
+    ``token`` every call needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is
+    refused unless ``insecure``. ``max_workers`` threads answer Query calls; ingest runs on the event loop,
+    bounded by ``stream_window``, ``max_in_flight``, ``max_ingest_streams`` and ``stream_idle_s`` (see the
+    module docstring). Batch times outside ``time_window`` (around the collector's clock; the collector
+    command always sets one) are refused.
     Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
     Raises UserError when the store is locked by another process or the address cannot be bound.
     """
@@ -508,28 +605,44 @@ def serve(
         raise UserError(f"--listen {listen!r} is not HOST:PORT")
     tls = tls_cert is not None or tls_key is not None
     security.check_listen_policy(listen, tls, insecure)  # before anything is opened
-    store = open_store(db_path, retention_days=retention_days, **store_options)
-    started: list[Service] = []
-    loop: _EventLoopThread | None = None
+    handlers: dict[str, QueryHandler] = dict(DEFAULT_QUERY_HANDLERS)
+    gate = StoreGate()
+    ingest = IngestService(None, stream_window=stream_window, max_in_flight=max_in_flight,
+                           stream_idle_s=stream_idle_s, max_ingest_streams=max_ingest_streams, window=time_window)
+    query_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="query")
+    loop = _EventLoopThread()
     try:
-        handlers: dict[str, QueryHandler] = {**DEFAULT_QUERY_HANDLERS, **BreakdownService().handlers()}
-        for service in services:
-            handlers.update(service.start(store))
-            started.append(service)
-        handlers.update(query_handlers or {})
-        ingest = IngestService(store, stream_window=stream_window, max_in_flight=max_in_flight,
-                               stream_idle_s=stream_idle_s, max_ingest_streams=max_ingest_streams,
-                               window=time_window)
-        query_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="query")
-        loop = _EventLoopThread()
         server, port = loop.run(_start_grpc(
-            listen, (ingest.handler(), query_handler(store, handlers)), query_pool, token,
+            listen, (ingest.handler(), query_handler(gate, handlers)), query_pool, token,
             {"cert": tls_cert, "key": tls_key, "client_ca": tls_client_ca}, insecure))
     except BaseException:
-        if loop is not None:
-            loop.close()
+        loop.close()
+        query_pool.shutdown(wait=False)
+        raise
+    log.debug("collector bound %s:%d; opening store %s", host, port, redacted(db_path))
+    started: list[Service] = []
+    store: Store | None = None
+    try:
+        store = open_store(db_path, retention_days=retention_days, **store_options)
+        handlers.update(query_handlers or {})
+        loop.loop.call_soon_threadsafe(ingest.attach, store)  # ingest and the default queries need only the store
+        gate.open(store)
+        from gpuwatch.collector.breakdowns import BreakdownService  # pandas and the trace engine: after binding
+
+        service_handlers = BreakdownService().handlers()
+        for service in services() if callable(services) else services:
+            service_handlers.update(service.start(store))
+            started.append(service)
+        handlers.update({name: fn for name, fn in service_handlers.items() if name not in (query_handlers or {})})
+        gate.services_started()
+    except BaseException:  # in the order of CollectorServer.stop: what was committed is acked as it was
+        gate.fail()
+        loop.run(server.stop(None))
         _stop_all(started)
-        store.close()
+        if store is not None:
+            store.close()
+        loop.close()
+        query_pool.shutdown(wait=False, cancel_futures=True)
         raise
     log.info("collector listening on %s:%d (%s), store %s", host, port,
              "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", redacted(db_path))

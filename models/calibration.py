@@ -32,7 +32,6 @@ import numpy as np
 
 from gpuwatch.models.faults import COALESCE_S
 
-DEFAULT_FALSE_ALARM_BUDGET = 1.0  # per 1,000 GPU-days
 WINDOW_S = 14 * 86400.0
 MIN_GPU_DAYS = 20.0
 REFRESH_S = 3600.0

@@ -16,7 +16,7 @@ import pandas as pd
 from sklearn.metrics import average_precision_score
 
 from gpuwatch.models.alerting import replay
-from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET
+from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.models.dataset import Dataset
 from gpuwatch.models.labels import in_block
 from gpuwatch.models.model import score

@@ -26,7 +26,7 @@ from sklearn.inspection import permutation_importance
 
 from gpuwatch import __version__
 from gpuwatch.core.errors import UserError
-from gpuwatch.models.calibration import DEFAULT_FALSE_ALARM_BUDGET
+from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.models.dataset import Dataset
 from gpuwatch.models.evaluate import block_faults, predictor_metrics, threshold_for_budget
 from gpuwatch.models.features import feature_names, monotone_direction

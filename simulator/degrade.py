@@ -1,25 +1,26 @@
 """Scripted degradation of a simulated GPU: ``--sim-fault gpu=3,kind=ecc,after=5m,fail=50m``.
 
 A :class:`FaultSpec` becomes a :class:`gpuwatch.simulator.failing_fleet.FaultPlan` on the fleet's clock, and a
-:class:`Degradation` drives it onto one :class:`~gpuwatch.simulator.fleet.SimGpu` tick by tick with
+:class:`Degradation` drives it onto one :class:`~gpuwatch.simulator.gpu.SimGpu` tick by tick with
 :func:`~gpuwatch.simulator.failing_fleet.plan_effects`, the same failure process the training fleet is simulated
 with: precursors show up in the NVML counters, gauges and XID events the agent reads through its normal
 code path, and at the fault the GPU emits its fault XID and/or falls off the bus.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpuwatch.core.times import parse_duration
+
 if TYPE_CHECKING:  # failsim pulls in numpy and pandas: imported only when a fault is scripted
-    from gpuwatch.simulator.fleet import SimGpu, SimulatedFleet
+    from gpuwatch.simulator.fleet import SimulatedFleet
+    from gpuwatch.simulator.gpu import SimGpu
     from gpuwatch.simulator.failing_fleet import FaultPlan
 
 #: --sim-fault kind -> failsim mechanism
 KINDS: dict[str, str] = {"ecc": "memory", "remap": "memory", "memory": "memory", "thermal": "thermal",
                          "pcie": "pcie", "nvlink": "nvlink", "sudden": "sudden"}
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _KEYS = ("gpu", "kind", "after", "fail", "xid", "seed")
 #: Recovery after the fault lies beyond any run: a failed simulated GPU stays failed.
 _NEVER_S = 10 * 365 * 86400
@@ -61,14 +62,6 @@ class FaultSpec:
     @property
     def mechanism(self) -> str:
         return KINDS[self.kind]
-
-
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``5m``, ``1.5h``, ``2d`` -> seconds; ValueError naming the text otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
-    if not m:
-        raise ValueError(f"{text!r} is not a duration (e.g. 90s, 5m, 1.5h)")
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
 def parse_fault_spec(spec: str) -> FaultSpec:

@@ -356,6 +356,25 @@ def write_spans(store: Any, rows: list[tuple], seq: int, agent: str = "agent-spa
 
 # ------------------------------------------------------------------------------------ full disks
 @contextlib.contextmanager
+def running_simulated_agent(cfg: Any, gpus: int, **node: Any):
+    """The agent of ``cfg`` on ``gpus`` simulated GPUs (a SimulatedNode named cfg.node, ``node`` its other
+    arguments, installed beneath pynvml meanwhile) running in a thread; yields (agent, fleet), then stops it."""
+    from gpuwatch.apps.agent_cli import simulated_agent
+    from gpuwatch.simulator.node import SimulatedNode
+
+    with SimulatedNode(gpus, node=cfg.node, **node) as sim:
+        agent = simulated_agent(cfg, sim)
+        runner = threading.Thread(target=agent.run)
+        runner.start()
+        try:
+            yield agent, sim.fleet
+        finally:
+            agent.stop()
+            runner.join(60)
+    assert not runner.is_alive(), "the agent did not stop within 60 s"
+
+
+@contextlib.contextmanager
 def small_filesystem(path: Path, size: str = "4m"):
     """A real, small tmpfs mounted at ``path`` for filling up and freeing (needs root: skipped elsewhere)."""
     path.mkdir(parents=True, exist_ok=True)

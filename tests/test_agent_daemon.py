@@ -8,11 +8,12 @@ import pandas as pd
 import pytest
 
 from gpuwatch.core import events as ev
-from gpuwatch.agent.daemon import Agent, AgentConfig, span_chunks
-from gpuwatch.simulator.fleet import SimulatedFleet
+from gpuwatch.agent.daemon import AgentConfig, span_chunks
+from gpuwatch.apps.agent_cli import simulated_agent
+from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import poll
+from helpers import poll, running_simulated_agent
 
 
 def _events(store):
@@ -21,9 +22,9 @@ def _events(store):
 
 def test_agent_in_process_sends_every_tick_with_jobs_and_events(tmp_path, sink):
     server, address = sink
-    fleet = SimulatedFleet(8, node="n1")
-    cfg = AgentConfig(collector=address, node="n1", interval=0.02, batch_interval=0.1, spool_dir=tmp_path, simulate=8)
-    summary = Agent(cfg, fleet=fleet).run(ticks=12)
+    cfg = AgentConfig(collector=address, node="n1", interval=0.02, batch_interval=0.1, spool=tmp_path)
+    with SimulatedNode(8, node="n1") as sim:
+        summary = simulated_agent(cfg, sim).run(ticks=12)
     assert summary.ticks == 12 and summary.pending == 0 and summary.batches >= 3
     batches = [server.store.batches[k] for k in sorted(server.store.batches)]
     assert [b.sequence for b in batches] == list(range(1, len(batches) + 1))
@@ -38,9 +39,10 @@ def test_agent_in_process_sends_every_tick_with_jobs_and_events(tmp_path, sink):
 
 def test_fault_injected_while_running_arrives_as_events(tmp_path, sink):
     server, address = sink
-    fleet = SimulatedFleet(4, node="n2")
-    cfg = AgentConfig(collector=address, node="n2", interval=0.05, batch_interval=0.05, spool_dir=tmp_path)
-    agent = Agent(cfg, fleet=fleet)
+    sim = SimulatedNode(4, node="n2")
+    fleet = sim.fleet
+    cfg = AgentConfig(collector=address, node="n2", interval=0.05, batch_interval=0.05, spool=tmp_path)
+    agent = simulated_agent(cfg, sim)
 
     def inject_when_first_batch_arrives(store):
         if store.batches and not fleet.gpus[1].lost:
@@ -49,7 +51,8 @@ def test_fault_injected_while_running_arrives_as_events(tmp_path, sink):
 
     t = threading.Thread(target=lambda: (server.store.wait_for(inject_when_first_batch_arrives, 20), agent.stop()))
     t.start()
-    agent.run()
+    with sim:
+        agent.run()
     t.join()
     events = _events(server.store)
     assert [(e.gpu_index, e.code) for e in events if e.kind == ev.XID] == [(1, 79)]
@@ -57,9 +60,9 @@ def test_fault_injected_while_running_arrives_as_events(tmp_path, sink):
 
 
 def test_unreachable_collector_keeps_data_and_says_so(tmp_path):
-    cfg = AgentConfig(collector="127.0.0.1:1", interval=0.01, spool_dir=tmp_path, simulate=2, drain_timeout=0.5)
-    with pytest.raises(UserError, match=r"did not acknowledge 1 batches.*kept in the spool"):
-        Agent(cfg).run(ticks=2)
+    cfg = AgentConfig(collector="127.0.0.1:1", interval=0.01, spool=tmp_path, drain_timeout=0.5)
+    with SimulatedNode(2) as sim, pytest.raises(UserError, match=r"did not acknowledge 1 batches.*kept in the spool"):
+        simulated_agent(cfg, sim).run(ticks=2)
     assert len(list((tmp_path / "batches").iterdir())) == 1
 
 
@@ -113,9 +116,9 @@ def test_large_span_tables_are_cut_below_the_batch_limit():
 def test_simulated_time_runs_at_sim_speed_for_samples_and_events(tmp_path, sink):
     server, address = sink
     start = 1_767_225_600.0  # 2026-01-01T00:00:00Z
-    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool_dir=tmp_path,
-                      simulate=2, sim_speed=1200.0, sim_start=start)
-    Agent(cfg).run(ticks=10)
+    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool=tmp_path)
+    with SimulatedNode(2, node="n1", speed=1200.0, start=start) as sim:
+        simulated_agent(cfg, sim).run(ticks=10)
     batches = [server.store.batches[k] for k in sorted(server.store.batches)]
     ts = sorted({t for b in batches for s in b.samples for t in s.ts_ms})
     steps = [b - a for a, b in zip(ts, ts[1:])]
@@ -170,20 +173,14 @@ def test_forwarded_probe_spans_carry_the_agents_node_name(tmp_path, sink):
 
     server, address = sink
     cfg = AgentConfig(collector=address, node="agent-node", interval=0.05, batch_interval=0.05,
-                      spool_dir=tmp_path / "spool", simulate=2, probe_socket=str(tmp_path / "p.sock"))
-    agent = Agent(cfg)
-    runner = threading.Thread(target=agent.run)
-    runner.start()
-    try:
+                      spool=tmp_path / "spool", probe_socket=str(tmp_path / "p.sock"))
+    with running_simulated_agent(cfg, 2) as (agent, _):
         poll(lambda: agent.probe is not None, 30, "the probe listener")
         probe = gpuwatch.probe.start(job="forwarded", endpoint=cfg.probe_socket)  # node: this host's name
         with probe.step_scope():
             pass
         probe.close()
         assert server.store.wait_for(lambda s: any(b.spans.start_us for b in s.batches.values()), 30)
-    finally:
-        agent.stop()
-        runner.join(timeout=30)
     spans = [b.spans for b in server.store.batches.values() if b.spans.start_us]
     assert {j for s in spans for j in s.job_id} == {"forwarded"}
     assert {n for s in spans for n in s.node} == {"agent-node"}
@@ -194,9 +191,9 @@ def test_sim_job_sends_probe_style_spans_with_a_slow_rank(tmp_path, sink):
     from gpuwatch.collector.live import probe_timelines
 
     server, address = sink
-    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool_dir=tmp_path,
-                      simulate=8, sim_speed=100.0, sim_job="job-n1", sim_job_step_s=1.0)
-    Agent(cfg).run(ticks=10)
+    cfg = AgentConfig(collector=address, node="n1", interval=0.05, batch_interval=0.1, spool=tmp_path)
+    with SimulatedNode(8, node="n1", speed=100.0, job="job-n1", job_step_s=1.0) as sim:
+        simulated_agent(cfg, sim).run(ticks=10)
     batches = list(server.store.batches.values())
     columns = [f.name for f in pb.SpanTable.DESCRIPTOR.fields]
     rows = pd.DataFrame([dict(zip(columns, r)) for b in batches

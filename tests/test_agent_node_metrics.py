@@ -6,19 +6,17 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
-from gpuwatch.agent.daemon import Agent, AgentConfig
-from gpuwatch.simulator.fleet import SimulatedFleet
+from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.core.prometheus import EXPORTED_METRICS
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
-from helpers import poll
+from helpers import poll, running_simulated_agent
 
 PROMTOOL = shutil.which("promtool")
 SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})? (\S+)$")
@@ -54,19 +52,14 @@ def running_agent(tmp_path):
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
                                           "metrics_listen": "127.0.0.1:0"}, env={})
     collector = start_collector(cfg)
-    fleet = SimulatedFleet(4, node="n7")
-    agent = Agent(AgentConfig(collector=collector.address, node="n7", interval=0.05, slow_interval=3600,
-                              batch_interval=0.1, spool_dir=tmp_path / "spool", metrics_listen="127.0.0.1:0"),
-                  fleet=fleet)
-    thread = threading.Thread(target=agent.run)
-    thread.start()
+    cfg = AgentConfig(collector=collector.address, node="n7", interval=0.05, slow_interval=3600, batch_interval=0.1,
+                      spool=tmp_path / "spool", metrics_listen="127.0.0.1:0")
     try:
-        poll(lambda: agent.metrics_server is not None, 30, "the agent's metrics endpoint")
-        (service,) = [s for s in collector.services if isinstance(s, MetricsService)]
-        yield agent, fleet, collector, service.server.url
+        with running_simulated_agent(cfg, 4) as (agent, fleet):
+            poll(lambda: agent.metrics_server is not None, 30, "the agent's metrics endpoint")
+            (service,) = [s for s in collector.services if isinstance(s, MetricsService)]
+            yield agent, fleet, collector, service.server.url
     finally:
-        agent.stop()
-        thread.join(timeout=60)
         collector.stop()
 
 
@@ -101,20 +94,16 @@ def test_agent_serves_the_collectors_per_gpu_series_and_counts_xids(running_agen
 
 
 def test_the_endpoint_asks_for_its_token(tmp_path):
-    agent = Agent(AgentConfig(collector=None, record=tmp_path / "rec", node="n8", interval=0.05,
-                              metrics_listen="127.0.0.1:0", metrics_token="s3cret"), fleet=SimulatedFleet(1, node="n8"))
-    thread = threading.Thread(target=agent.run)
-    thread.start()
-    try:
+    (tmp_path / "token").write_text("s3cret\n")
+    cfg = AgentConfig(collector=None, record=tmp_path / "rec", node="n8", interval=0.05,
+                      metrics_listen="127.0.0.1:0", metrics_token_file=str(tmp_path / "token"))
+    with running_simulated_agent(cfg, 1) as (agent, _):
         poll(lambda: agent.metrics_server is not None, 30, "the agent's metrics endpoint")
         with pytest.raises(urllib.error.HTTPError) as refused:
             _scrape(agent.metrics_server.url, token="wrong")
         assert refused.value.code == 401
         text = _scrape_once_it_shows(agent.metrics_server.url, "gpu_power_watts", token="s3cret")
         assert 'node="n8"' in text
-    finally:
-        agent.stop()
-        thread.join(timeout=60)
 
 
 def test_beyond_loopback_without_a_token_is_one_line(tmp_path):

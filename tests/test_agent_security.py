@@ -4,16 +4,17 @@ import argparse
 import pytest
 
 from gpuwatch.apps import agent_cli as cli
-from gpuwatch.agent.daemon import Agent, AgentConfig
+from gpuwatch.agent.daemon import AgentConfig
+from gpuwatch.apps.agent_cli import simulated_agent
+from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.simulator.collector_sink import IngestSink
-from gpuwatch.agent.uplink import ChannelSecurity
 from gpuwatch.core.errors import UserError
 from helpers import TOKEN
 
 
 def _args(*argv):
     parser = argparse.ArgumentParser()
-    cli.add_arguments("agent", parser)
+    cli.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -46,10 +47,11 @@ def test_record_without_collector_is_record_only_and_probe_socket_flags(tmp_path
     assert cfg.collector == "127.0.0.1:9" and cfg.probe_socket is None
 
 
-def _run(tmp_path, address, channel_security, drain_timeout=30.0):
-    cfg = AgentConfig(collector=address, node="tls-node", interval=0.02, spool_dir=tmp_path / "spool", simulate=2,
-                      drain_timeout=drain_timeout, channel_security=channel_security)
-    return Agent(cfg).run(ticks=2)
+def _run(tmp_path, address, drain_timeout=30.0, **client_security):
+    cfg = AgentConfig(collector=address, node="tls-node", interval=0.02, spool=tmp_path / "spool",
+                      drain_timeout=drain_timeout, **client_security)
+    with SimulatedNode(2, node="tls-node") as sim:
+        return simulated_agent(cfg, sim).run(ticks=2)
 
 
 @pytest.fixture
@@ -64,7 +66,8 @@ def test_agent_sends_over_mutual_tls_with_a_token(tmp_path, pki, mtls_sink):  # 
     sink, address = mtls_sink
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
-    summary = _run(tmp_path, address, ChannelSecurity(pki["ca"], pki["client"], pki["client_key"], str(token)))
+    summary = _run(tmp_path, address, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"],
+                   token_file=str(token))
     assert summary.pending == 0
     assert sum(len(s.ts_ms) for b in sink.store.batches.values() for s in b.samples) == 2 * 2
 
@@ -74,12 +77,13 @@ def test_wrong_token_or_rogue_certificate_is_refused_and_data_kept(tmp_path, pki
     token = tmp_path / "token"
     token.write_text("not-the-token")
     with pytest.raises(UserError, match="UNAUTHENTICATED.*kept in the spool"):
-        _run(tmp_path, address, ChannelSecurity(pki["ca"], pki["client"], pki["client_key"], str(token)), 2.0)
+        _run(tmp_path, address, 2.0, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"],
+             token_file=str(token))
     with pytest.raises(UserError, match="did not acknowledge.*kept in the spool"):
-        _run(tmp_path, address, ChannelSecurity(pki["ca"], pki["rogue_client"], pki["rogue_client_key"]), 2.0)
+        _run(tmp_path, address, 2.0, tls_ca=pki["ca"], tls_cert=pki["rogue_client"], tls_key=pki["rogue_client_key"])
     assert len(list((tmp_path / "spool" / "batches").iterdir())) == 2
 
 
 def test_missing_token_file_is_one_line_before_sampling(tmp_path):
     with pytest.raises(UserError, match=r"token file .*nope: not found"):
-        _run(tmp_path, "127.0.0.1:1", ChannelSecurity(token_file=str(tmp_path / "nope")))
+        _run(tmp_path, "127.0.0.1:1", token_file=str(tmp_path / "nope"))

@@ -135,15 +135,8 @@ def test_unknown_job_and_missing_job_id(collector):
     assert "a job id is required" in err.value.details()
 
 
-def _route_to_breakdown_cli(monkeypatch):
-    for name in ("submit-trace", "breakdown"):
-        module, text = cli.COMMANDS[name]
-        monkeypatch.setitem(cli.COMMANDS, name, ("gpuwatch.apps.breakdown_cli", text))
-
-
-def test_cli_submit_and_breakdown(collector, tmp_path, capsys, monkeypatch):
+def test_cli_submit_and_breakdown(collector, tmp_path, capsys):
     server, _ = collector
-    _route_to_breakdown_cli(monkeypatch)
     folder = tmp_path / "traces"
     folder.mkdir()
     for path in RANKS:  # one plain JSON (gzipped on the way) and one .json.gz
@@ -168,7 +161,6 @@ def test_cli_submit_and_breakdown(collector, tmp_path, capsys, monkeypatch):
 
 
 def test_cli_with_a_token_collector(tmp_path, capsys, monkeypatch):
-    _route_to_breakdown_cli(monkeypatch)
     token_file = tmp_path / "token"
     token_file.write_text("breakdown-token\n")
     server = serve("127.0.0.1:0", str(tmp_path / "t.duckdb"), token="breakdown-token")

@@ -12,6 +12,7 @@ from gpuwatch.core import security
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.settings import ClientSecurity
 from gpuwatch.v1 import query_pb2 as q
 from helpers import ROWS_PER_BATCH, TOKEN, make_batch
 
@@ -66,7 +67,7 @@ def test_right_certificate_and_token_are_stored_others_rejected_and_not_stored(c
 
 def test_queries_need_the_token(collector, pki, token_file, capsys):
     agent = {"ca": pki["ca"], "cert": pki["client"], "key": pki["client_key"]}
-    stub = client.connect(collector.address, **agent)
+    stub = client.connect(collector.address, security=ClientSecurity(pki["ca"], pki["client"], pki["client_key"]))
     with pytest.raises(grpc.RpcError) as denied:
         stub.ListNodes(q.ListNodesRequest(), timeout=10)
     assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -92,10 +93,12 @@ def test_plaintext_beyond_loopback_is_refused_unless_insecure(tmp_path):
     assert "refusing to listen on 0.0.0.0:0 without TLS" in result.stderr and "--insecure" in result.stderr
 
 
-def test_a_stream_without_the_token_is_refused_and_the_collector_keeps_serving(collector, pki):
+def test_a_stream_without_the_token_is_refused_and_the_collector_keeps_serving(collector, pki, tmp_path):
     agent = {"ca": pki["ca"], "cert": pki["client"], "key": pki["client_key"]}
-    for token in (None, "not-the-token"):
-        ch = client.channel(collector.address, **agent, token=token)
+    (tmp_path / "wrong-token").write_text("not-the-token")
+    for token_file in (None, str(tmp_path / "wrong-token")):
+        ch = client.channel(collector.address,
+                            security=ClientSecurity(pki["ca"], pki["client"], pki["client_key"], token_file))
         with pytest.raises(grpc.RpcError) as refused:
             list(client.stream_batches(ch, [make_batch(7)]))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -177,7 +177,7 @@ def test_query_cli_names_an_unknown_node_gpu_or_event_kind(collector, channel, c
 
 
 def test_table_cells_show_nested_values_by_name():
-    from gpuwatch.apps.query_cli import format_table
+    from gpuwatch.apps.commandline import format_table
 
     rows = [{"gpu": 0, "signals": [{"signal": "xid_rate", "value": 1.0}, {"signal": "temp_max", "value": 2.0}],
              "hang": {"rank": 3, "summary": "stuck"}, "attrs": {"seq": "3", "bus": "1a"}, "model": True,

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from gpuwatch.core import fields
-from gpuwatch.core.batches import BatchError
+from gpuwatch.core.batches import BatchBuilder, BatchError
 from gpuwatch.core.columnar import decode, from_message
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import GPUS, TICKS, make_batch
+from helpers import GPUS, T0_MS, TICKS, make_batch
 
 
 def _same(a, b) -> None:
@@ -59,3 +59,38 @@ def test_broken_columns_are_named_like_validate_names_them(change, message):
         decode(batch.SerializeToString())
     with pytest.raises(BatchError, match=message):
         from_message(batch)
+
+
+def test_a_batch_of_a_shape_read_before_is_read_by_its_plan_with_its_own_values_and_names():
+    first, second = make_batch(1), make_batch(2)
+    for s in second.samples:
+        for c in s.columns:
+            c.values[:] = [v * 3 + 1 for v in c.values]
+    _same(decode(first.SerializeToString()), from_message(first))
+    _same(decode(second.SerializeToString()), from_message(second))  # same shape (the plan), other values
+    # two fields whose names have the same length: swapping them keeps the shape, the plan must notice
+    by_length: dict[int, list[str]] = {}
+    for name in fields.GPU_FIELD_NAMES:
+        by_length.setdefault(len(name), []).append(name)
+    x, y = next(names for names in by_length.values() if len(names) >= 2)[:2]
+    builder = BatchBuilder(pb.NodeIdentity(node="n"), "agent-swap", [pb.GpuInfo(index=0)])
+    builder.add_gpu_row(0, T0_MS, {x: 1.0, y: 2.0})
+    plain = builder.build(1)
+    swapped = pb.TelemetryBatch()
+    swapped.CopyFrom(plain)
+    a, b = swapped.samples[0].columns
+    a.field, b.field = b.field, a.field
+    before = decode(plain.SerializeToString())
+    _same(before, from_message(plain))
+    after = decode(swapped.SerializeToString())
+    _same(after, from_message(swapped))
+    ix, iy = fields.GPU_FIELD_NAMES.index(x), fields.GPU_FIELD_NAMES.index(y)
+    assert (before.gpu_values[0, ix], before.gpu_values[0, iy]) == (1.0, 2.0)
+    assert (after.gpu_values[0, ix], after.gpu_values[0, iy]) == (2.0, 1.0)
+    no_gpus = pb.TelemetryBatch()
+    no_gpus.CopyFrom(first)
+    del no_gpus.samples[:]
+    for _ in range(2):  # learnt, then read by its plan: a batch of host samples only
+        decoded = decode(no_gpus.SerializeToString())
+        assert decoded.gpu_values.shape == (0, len(fields.GPU_FIELD_NAMES))
+        _same(decoded, from_message(no_gpus))

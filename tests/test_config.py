@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import socket
+from dataclasses import dataclass
 
 import pytest
 
@@ -108,18 +110,54 @@ def test_collector_url_check():
         load_config(COLLECTOR_OPTIONS, _parse(["--alertmanager-url", "am:9093"], COLLECTOR_OPTIONS), env={})
 
 
-def test_collector_defaults_match_the_components():
-    from gpuwatch.collector import alerts, jobs, scoring, server
+@dataclass(frozen=True)
+class _Settings:
+    poll_interval: float = config.setting(2.5, "seconds between polls", config.positive)
+    target: str | None = config.setting(None, "where to send")
+    run_only: int = 7  # not a setting: no flag, no variable, no file key
 
-    assert config.DEFAULT_COLLECTOR_PORT == server.DEFAULT_PORT
-    assert config.DEFAULT_SCORE_INTERVAL_S == scoring.DEFAULT_INTERVAL_S
-    assert (config.DEFAULT_JOBS_INTERVAL_S, config.DEFAULT_JOBS_WINDOW_S, config.DEFAULT_HANG_S) == \
-        (jobs.DEFAULT_INTERVAL_S, jobs.DEFAULT_WINDOW_S, jobs.DEFAULT_HANG_S)
-    assert (config.DEFAULT_JOB_GPUS, config.DEFAULT_CHECKPOINT_COST_S) == \
-        (alerts.DEFAULT_JOB_GPUS, alerts.DEFAULT_CHECKPOINT_COST_S)
-    from gpuwatch.collector.store import base
-    assert (config.DEFAULT_MEMORY_LIMIT, config.DEFAULT_SPAN_RETENTION_S) == \
-        (base.DEFAULT_MEMORY_LIMIT, base.DEFAULT_SPAN_RETENTION_S)
+
+def test_one_declaration_gives_flag_env_file_key_default_and_help(tmp_path, capsys):
+    (interval, target) = config.options(_Settings)
+    assert (interval.key, interval.flag, interval.env_var, interval.type, interval.default) == \
+        ("poll_interval", "--poll-interval", "GPUWATCH_POLL_INTERVAL", float, 2.5)
+    assert (target.type, target.default) == (str, None)  # "str | None" is a str that may be unset
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, config.options(_Settings))
+    help_text = " ".join(parser.format_help().split())
+    assert "--poll-interval POLL_INTERVAL seconds between polls (default: 2.5; env GPUWATCH_POLL_INTERVAL)" \
+        in help_text and "--run-only" not in help_text
+    path = _toml(tmp_path, 'target = "here"\n')
+    cfg = load_config(config.options(_Settings), parser.parse_args([]), env={"GPUWATCH_POLL_INTERVAL": "4"},
+                      path=path)
+    assert cfg.build(_Settings, run_only=1) == _Settings(poll_interval=4.0, target="here", run_only=1)
+    with pytest.raises(UserError, match="poll_interval .*must be greater than 0") as bad:
+        load_config(config.options(_Settings), {"poll_interval": 0.0}, env={})
+    assert "\n" not in str(bad.value)
+
+
+def test_an_unknown_key_is_one_line_naming_file_and_key(tmp_path):
+    path = _toml(tmp_path, 'listen = "127.0.0.1:7700"\njob_gpu = 8\n')
+    with pytest.raises(UserError) as unknown:
+        load_config(COLLECTOR_OPTIONS, None, env={}, path=path)
+    assert str(unknown.value) == f"config file {path}: unknown key 'job_gpu' (did you mean 'job_gpus'?)"
+
+
+def test_the_agent_config_is_its_settings_plus_one_run():
+    from gpuwatch.agent.daemon import AgentConfig
+
+    setting_keys = [o.key for o in AGENT_OPTIONS]
+    assert [o.key for o in config.options(AgentConfig)] == setting_keys  # declared once, in AgentSettings
+    assert {"tls_ca", "tls_cert", "tls_key", "token_file", "insecure"} <= set(setting_keys)
+    cfg = load_config(AGENT_OPTIONS, {"interval": 0.5, "tls_ca": "ca.pem"}, env={}).build(AgentConfig, drain_timeout=2.0)
+    assert (cfg.interval, cfg.drain_timeout, cfg.tls_ca, cfg.node) == (0.5, 2.0, "ca.pem", socket.gethostname())
+
+
+def test_a_client_reads_no_config_file(tmp_path):
+    path = _toml(tmp_path, "interval = 1.0\n")  # an agent's file in GPUWATCH_CONFIG is not the client's
+    cfg = load_config(config.CONNECTION_OPTIONS, None, env={"GPUWATCH_CONFIG": str(path),
+                                                            "GPUWATCH_TLS_CA": "ca.pem"}, config_file=False)
+    assert (cfg.collector, cfg.tls_ca) == (config.DEFAULT_COLLECTOR_ADDRESS, "ca.pem")
 
 
 def test_agent_takes_a_list_of_collectors_and_names_a_bad_entry():
@@ -135,3 +173,8 @@ def test_retention_zero_keeps_everything_and_negative_is_refused():
     assert load_config(COLLECTOR_OPTIONS, {"retention_days": 0.0}, env={}).retention_days == 0.0
     with pytest.raises(UserError, match=r"retention_days \(from flag --retention-days\): must not be negative"):
         load_config(COLLECTOR_OPTIONS, {"retention_days": -1.0}, env={})
+
+
+def test_an_empty_variable_counts_as_unset():
+    cfg = load_config(SCHEMA, _parse(["--listen", "127.0.0.1:9"]), env={"GPUWATCH_LISTEN": "", "GPUWATCH_RETRIES": ""})
+    assert (cfg.listen, cfg.retries, cfg.source("retries")) == ("127.0.0.1:9", 3, "default")

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.core import events as ev
-from gpuwatch.agent.daemon import Agent, AgentConfig
-from gpuwatch.simulator.fleet import SimulatedFleet
+from gpuwatch.agent.daemon import AgentConfig
+from gpuwatch.apps.agent_cli import simulated_agent
+from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.agent.spool import decode_record
 from gpuwatch.collector.client import connect
-from gpuwatch.apps.query_cli import parse_time_ms
+from gpuwatch.apps.commandline import parse_time_ms
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import STORE_KINDS, CollectorProcess, free_port, poll, store_url
@@ -96,26 +97,29 @@ def shared_collector(request, tmp_path_factory):
 
 def test_unsupported_fields_and_a_lost_gpu_arrive_as_events_while_the_rest_keeps_sampling(tmp_path, shared_collector):
     address = shared_collector.address
-    fleet = SimulatedFleet(4, node="faulty")
+    sim = SimulatedNode(4, node="faulty")
+    fleet = sim.fleet
     fleet.gpus[1].unsupported.add("nvmlDeviceGetPowerUsage")
-    cfg = AgentConfig(collector=address, node="faulty", interval=0.05, batch_interval=0.05, spool_dir=tmp_path)
-    agent = Agent(cfg, fleet=fleet)
+    cfg = AgentConfig(collector=address, node="faulty", interval=0.05, batch_interval=0.05, spool=tmp_path)
+    agent = simulated_agent(cfg, sim)
     runner = threading.Thread(target=agent.run)
-    runner.start()
     stub = connect(address)
-    try:
-        poll(lambda: samples_by_node(address).get("faulty"), 30, "first samples")
-        fleet.lose_gpu(2)
-        lost = poll(lambda: stub.Events(q.EventsRequest(node="faulty", kind=ev.GPU_LOST)).events, 30, "gpu_lost")
-        lost_ms = lost[0].event.ts_ms
+    with sim:
+        runner.start()
+        try:
+            poll(lambda: samples_by_node(address).get("faulty"), 30, "first samples")
+            fleet.lose_gpu(2)
+            lost = poll(lambda: stub.Events(q.EventsRequest(node="faulty", kind=ev.GPU_LOST)).events, 30,
+                        "gpu_lost")
+            lost_ms = lost[0].event.ts_ms
 
-        def last_seen():
-            return {g.info.index: g.last_seen_ms for g in stub.ListGpus(q.ListGpusRequest(node="faulty")).gpus}
+            def last_seen():
+                return {g.info.index: g.last_seen_ms for g in stub.ListGpus(q.ListGpusRequest(node="faulty")).gpus}
 
-        poll(lambda: all(last_seen()[g] > lost_ms + 200 for g in (0, 1, 3)), 30, "samples after the loss")
-    finally:
-        agent.stop()
-        runner.join(60)
+            poll(lambda: all(last_seen()[g] > lost_ms + 200 for g in (0, 1, 3)), 30, "samples after the loss")
+        finally:
+            agent.stop()
+            runner.join(60)
     assert [e.event.gpu_index for e in lost] == [2]
     assert last_seen()[2] <= lost_ms
     unsupported = stub.Events(q.EventsRequest(node="faulty", kind=ev.FIELD_UNSUPPORTED)).events

@@ -13,6 +13,7 @@ from gpuwatch.core import fields
 from gpuwatch.core.batches import SCHEMA_VERSION
 from gpuwatch.collector import client
 from gpuwatch.apps import query_cli
+from gpuwatch.apps.commandline import json_text
 from gpuwatch.collector.server import serve
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -128,10 +129,9 @@ def _answer(channel, data: bytes) -> grpc.StatusCode:
 
 
 def _every_query_reads_back(stub) -> None:
-    args = type("Args", (), {"node": None, "gpu": None, "kind": None, "limit": 0, "since": None})()
     for fetch in (query_cli.fetch_nodes, query_cli.fetch_gpus, query_cli.fetch_latest, query_cli.fetch_events):
-        rows = fetch(stub, args)
-        json.loads(query_cli.json_text(rows), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+        rows = fetch(stub)
+        json.loads(json_text(rows), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     for node in stub.ListNodes(q.ListNodesRequest(), timeout=30).nodes:
         for gpu in stub.ListGpus(q.ListGpusRequest(node=node.node), timeout=30).gpus:
             stub.Series(q.SeriesRequest(node=node.node, gpu_index=gpu.info.index, field="gpu_power_watts"), timeout=30)

@@ -107,7 +107,7 @@ def test_infinite_values_are_stored_as_missing_and_json_stays_valid(collector, c
 
 
 def test_query_json_never_prints_non_standard_numbers():
-    from gpuwatch.apps.query_cli import json_text
+    from gpuwatch.apps.commandline import json_text
 
     text = json_text([{"a": math.inf, "b": [math.nan, 1.5], "c": {"d": -math.inf}}])
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON")) == [

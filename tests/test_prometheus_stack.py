@@ -7,13 +7,13 @@ counted once although agent and collector both export it), and NVIDIA's publishe
 queries must work on the dcgm-named agent."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuwatch.agent.daemon import Agent, AgentConfig
+from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
-from helpers import PROMETHEUS, alertmanager_alerts, free_port, get_json, poll, start_alertmanager
+from helpers import (PROMETHEUS, alertmanager_alerts, free_port, get_json, poll, running_simulated_agent,
+                     start_alertmanager)
 
 ROOT = Path(__file__).resolve().parent.parent / "dashboards"
 RULES = ROOT / "prometheus" / "rules.yml"
@@ -119,11 +120,10 @@ def stack(tmp_path_factory):
                                           "metrics_listen": "127.0.0.1:0", "score_interval": 1.0,
                                           "jobs_interval": 1.0}, env={})
     collector = start_collector(cfg)
-    agent = Agent(AgentConfig(collector=collector.address, node=NODE, interval=0.2, slow_interval=1.0,
-                              batch_interval=0.5, spool_dir=tmp / "spool", simulate=GPUS, sim_job="train-7",
-                              sim_job_step_s=0.5, metrics_listen="127.0.0.1:0"))
-    thread = threading.Thread(target=agent.run)
-    thread.start()
+    agent_cfg = AgentConfig(collector=collector.address, node=NODE, interval=0.2, slow_interval=1.0,
+                            batch_interval=0.5, spool=tmp / "spool", metrics_listen="127.0.0.1:0")
+    in_process = contextlib.ExitStack()  # closed in the finally below, after Prometheus and the dcgm agent
+    agent, fleet = in_process.enter_context(running_simulated_agent(agent_cfg, GPUS, job="train-7", job_step_s=0.5))
     dcgm_port = free_port()
     dcgm_agent = subprocess.Popen(
         [sys.executable, "-m", "gpuwatch", "agent", "--simulate", "2", "--node", DCGM_NODE, "--record",
@@ -140,15 +140,14 @@ def stack(tmp_path_factory):
         started = time.time()
         prometheus = Prometheus(tmp, targets, am_url)
         poll(prometheus.targets_up, 60, "prometheus to scrape every target", every=0.5)
-        yield {"prometheus": prometheus, "alertmanager": am_url, "agent": agent, "collector": collector,
-               "started": started, "tmp": tmp}
+        yield {"prometheus": prometheus, "alertmanager": am_url, "agent": agent, "fleet": fleet,
+               "collector": collector, "started": started, "tmp": tmp}
     finally:
         if prometheus is not None:
             prometheus.stop()
         dcgm_agent.terminate()
         dcgm_agent.wait(30)
-        agent.stop()
-        thread.join(timeout=60)
+        in_process.close()
         collector.stop()
         am_proc.terminate()
         am_proc.wait(10)
@@ -161,7 +160,7 @@ def fatal_xid(stack):
     poll(lambda: prometheus.query(f'gpu_utilization_ratio{{job="gpuwatch-agent", node="{NODE}"}}'), 30,
          "the agent's GPU series in prometheus", every=0.5)
     at = time.time()
-    stack["agent"].fleet.inject_xid(FAILING, XID)
+    stack["fleet"].inject_xid(FAILING, XID)
     return at
 
 
@@ -179,7 +178,7 @@ def test_gpu_xid_fatal_fires_on_the_first_fatal_xid_in_prometheus_and_alertmanag
     assert all(float(s["value"][1]) == 0 for s in increase)
     (received,) = poll(lambda: [a for a in alertmanager_alerts(stack["alertmanager"], "GpuXidFatal")
                                 if a["labels"]["node"] == NODE], 60, "GpuXidFatal in alertmanager", every=0.5)
-    assert received["labels"]["gpu_uuid"] == stack["agent"].fleet.gpus[FAILING].uuid
+    assert received["labels"]["gpu_uuid"] == stack["fleet"].gpus[FAILING].uuid
     assert "stays failed until it is reset" in received["annotations"]["description"]
 
 
@@ -203,7 +202,7 @@ def test_the_rule_test_passes_on_series_prometheus_recorded_from_the_exporter(st
                        "values": " ".join(values.get(i, "_") for i in range(steps + 1))})
     first_seen = min(round((float(s["values"][0][0]) - start) / SCRAPE_S) for s in recorded)
     assert first_seen > 0, "the XID came after Prometheus's first scrape"
-    labels = {"node": NODE, "gpu": str(FAILING), "gpu_uuid": stack["agent"].fleet.gpus[FAILING].uuid,
+    labels = {"node": NODE, "gpu": str(FAILING), "gpu_uuid": stack["fleet"].gpus[FAILING].uuid,
               "xid": str(XID), "xid_description": "Double bit ECC error (uncorrectable memory error)"}
     test = {"rule_files": [str(RULES)], "evaluation_interval": f"{SCRAPE_S}s", "tests": [{
         "interval": f"{SCRAPE_S}s", "input_series": series,

@@ -10,17 +10,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import pandas as pd
+if TYPE_CHECKING:  # annotations only: the collector binds its port before it loads pandas and numpy
+    import pandas as pd
 
-from gpuwatch.core.columnar import ColumnarBatch
-from gpuwatch.v1 import telemetry_pb2 as pb
+    from gpuwatch.core.columnar import ColumnarBatch
+    from gpuwatch.v1 import telemetry_pb2 as pb
 
-#: Default bounds of the collector's memory and raw data (docs/operations.md, "Memory").
-DEFAULT_MEMORY_LIMIT = "1GB"  # the engine's own limit (DuckDB memory_limit, ClickHouse max_memory_usage)
-DEFAULT_SPAN_RETENTION_S = 1800.0  # raw probe spans kept per job, seconds of the job's own (span) time
-DEFAULT_SPAN_TRIM_INTERVAL_S = 30.0  # how often spans older than that are deleted
+#: How often raw probe spans older than the span retention are deleted (docs/operations.md, "Memory"; the
+#: retention and the engine's memory limit are settings: gpuwatch.core.settings).
+DEFAULT_SPAN_TRIM_INTERVAL_S = 30.0
 
 #: The span kinds that are step marks: kept (in job_steps) as long as samples, while raw spans are trimmed.
 STEP_MARK_KINDS = ("step", "end")
@@ -49,6 +49,7 @@ class Store(Protocol):
 
     path: str
     counters: Any  # IngestCounters
+    unstorable_errors: tuple[type[BaseException], ...]  # what makes a batch unstorable, not the engine failing
 
     # ---- ingest ----------------------------------------------------------------------------------------
     def submit(self, batch: ColumnarBatch | pb.TelemetryBatch) -> Future: ...

@@ -33,7 +33,8 @@ import pyarrow as pa
 
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
-from gpuwatch.collector.store.base import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, DEFAULT_SPAN_TRIM_INTERVAL_S
+from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S
+from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
 from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
 from gpuwatch.core.columnar import ColumnarBatch

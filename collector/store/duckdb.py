@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
-from gpuwatch.collector.store.base import (DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S,
-                                           DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS)
+from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS
+from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
 from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
                                              fingerprint)
 from gpuwatch.core.columnar import ColumnarBatch
@@ -127,6 +127,9 @@ _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes
 
 class DuckDBStore(GroupWriter):
     """One DuckDB database file (or ":memory:"), written by one writer thread, read through cursors."""
+
+    unstorable_errors = (duckdb.ConversionException, duckdb.OutOfRangeException, duckdb.InvalidInputException,
+                         duckdb.ConstraintException)
 
     def __init__(
         self,
@@ -684,23 +687,25 @@ def _node_column(nodes: list[str], counts: list[int]) -> pa.DictionaryArray:
 
 def _per_row_ints(blocks: Sequence[Any], attr: str, counts: list[int], total: int) -> pa.Array:
     """An int column sent per row (rank, local_rank); -1 or an omitted column becomes NULL."""
-    values = np.fromiter(
-        _chain(getattr(s, attr) if len(getattr(s, attr)) else itertools.repeat(-1, n) for s, n in zip(blocks, counts)),
-        np.int32, total)
+    columns = [getattr(s, attr) for s in blocks]
+    if sum(map(len, columns)) != total:  # a block left the column out (a block sends it for all rows or none)
+        columns = [c if len(c) else itertools.repeat(-1, n) for c, n in zip(columns, counts)]
+    values = np.fromiter(_chain(columns), np.int32, total)
     return pa.array(values, mask=values < 0)
 
 
 def _gpu_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
-    blocks = [(b.message.node.node, s) for b in batches for s in b.message.samples]
-    samples = [s for _, s in blocks]
+    samples = [s for b in batches for s in b.message.samples]
     counts = [len(s.ts_ms) for s in samples]
     total = sum(counts)
-    job_ids = pa.array(list(_chain(s.job_id if len(s.job_id) else itertools.repeat("", n)
-                                   for s, n in zip(samples, counts))), pa.string())
+    job_ids = [s.job_id for s in samples]
+    if sum(map(len, job_ids)) != total:  # a block left job_id out
+        job_ids = [j if len(j) else itertools.repeat("", n) for j, n in zip(job_ids, counts)]
+    job_ids = pa.array(list(_chain(job_ids)), pa.string())
     columns = {
-        "node": _node_column([node for node, _ in blocks], counts),
+        "node": _node_column([b.message.node.node for b in batches], [len(b.gpu_ts) for b in batches]),
         "gpu_index": pa.array(np.repeat(np.fromiter((s.gpu_index for s in samples), np.int32, len(samples)), counts)),
-        "ts": pa.array(np.fromiter(_chain(s.ts_ms for s in samples), np.int64, total), pa.timestamp("ms")),
+        "ts": pa.array(np.concatenate([b.gpu_ts for b in batches]), pa.timestamp("ms")),
         "job_id": pc.if_else(pc.equal(job_ids, ""), None, job_ids),
         "rank": _per_row_ints(samples, "rank", counts, total),
         "local_rank": _per_row_ints(samples, "local_rank", counts, total),

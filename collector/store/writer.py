@@ -56,10 +56,10 @@ class IngestCounters:
         self._oldest_sample_ms: int | None = None
         self._lock = threading.Lock()
 
-    def committed(self, batches: Sequence[pb.TelemetryBatch], duplicates: int, seconds: float) -> None:
-        blocks = [s.ts_ms for b in batches for s in b.samples if len(s.ts_ms)]
-        rows = sum(len(ts) for ts in blocks)
-        oldest = min(min(ts) for ts in blocks) if blocks else None
+    def committed(self, batches: Sequence[ColumnarBatch], duplicates: int, seconds: float) -> None:
+        times = [b.gpu_ts for b in batches if len(b.gpu_ts)]
+        rows = sum(len(ts) for ts in times)
+        oldest = int(min(ts.min() for ts in times)) if times else None
         with self._lock:
             self.batches += len(batches)
             self.samples += rows
@@ -97,6 +97,9 @@ class GroupWriter:
     #: Whether only sequences at or below the agent's last one seen here can be stored already. True for a
     #: store with one collector; False where other collectors write to the same store (ClickHouse).
     single_writer = True
+    #: Engine errors that mean a batch holds something the engine cannot keep (a value out of its range), as
+    #: opposed to the engine failing (a full disk): the server refuses such a batch for good.
+    unstorable_errors: tuple[type[BaseException], ...] = ()
 
     def __init__(self, last_sequence: dict[str, int], *, retention_days: float | None, span_retention_s: float | None,
                  retention_interval_s: float, span_trim_interval_s: float, max_group_batches: int,
@@ -240,7 +243,7 @@ class GroupWriter:
             _settle(group[0].future, exception=exc)
             return
         duplicates = sum(isinstance(r, WriteResult) and r.duplicate for r in results)
-        self.counters.committed([p.batch.message for p in fresh], duplicates, time.perf_counter() - started)
+        self.counters.committed([p.batch for p in fresh], duplicates, time.perf_counter() - started)
         for p in fresh:
             self._last_sequence[p.batch.agent_id] = max(self._last_sequence.get(p.batch.agent_id, 0), p.batch.sequence)
         for p, result in zip(group, results):
@@ -278,10 +281,13 @@ def fingerprint(batch: ColumnarBatch) -> str:
     """Node, row and event counts and the first and last sample time: the same for a resend (or a rebuild of
     the same data), different for another agent's batch under the same (agent id, sequence)."""
     message = batch.message
-    times = [t for s in message.samples for t in (min(s.ts_ms, default=0), max(s.ts_ms, default=0))]
+    gpu_ts, rows = batch.gpu_ts, len(batch.gpu_ts)
+    # the first and last time of every sample block (0 for an empty one), the host's, the first event and span
+    times = [int(gpu_ts.min()), int(gpu_ts.max())] if rows else []
+    if any(not len(s.ts_ms) for s in message.samples):
+        times.append(0)
     times += [min(message.host.ts_ms, default=0), max(message.host.ts_ms, default=0)]
     times += [min((e.ts_ms for e in message.events), default=0), min(message.spans.start_us, default=0)]
-    rows = sum(len(s.ts_ms) for s in message.samples)
     return (f"{message.node.node}|{rows}|{len(message.host.ts_ms)}|{len(message.events)}|"
             f"{len(message.spans.start_us)}|{min(times)}|{max(times)}")
 

@@ -21,8 +21,9 @@ import grpc
 from gpuwatch.core import events as ev
 from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.agent.nvml import GPM_METRICS, GPM_MIN_SPACING_S, NvmlSampler
-from gpuwatch.simulator.fleet import SimulatedFleet
-from gpuwatch.agent.uplink import ChannelSecurity, collector_addresses, make_channel
+from gpuwatch.simulator.node import SimulatedNode
+from gpuwatch.agent.uplink import collector_addresses, make_channel
+from gpuwatch.core.settings import ClientSecurity
 from gpuwatch.core.errors import UserError
 
 _GPM_FIELDS = [name for _, name, _ in GPM_METRICS]
@@ -59,13 +60,15 @@ class NodeCheck:
         return {"ok": self.ok, "checks": [asdict(c) for c in self.checks], "gpus": [asdict(g) for g in self.gpus]}
 
 
-def check_node(cfg: AgentConfig, collector_timeout_s: float = 2.0) -> NodeCheck:
-    """Run every check; never raises for a failing one (it becomes a failed item)."""
+def check_node(cfg: AgentConfig, collector_timeout_s: float = 2.0, *,
+               simulation: SimulatedNode | None = None) -> NodeCheck:
+    """Run every check (on ``simulation``'s GPUs, installed beneath pynvml meanwhile, when given); never raises
+    for a failing one (it becomes a failed item)."""
     items = [_check_directory("spool", cfg.spool_dir) if cfg.collector else None,
              _check_spool_health(cfg.spool_dir) if cfg.collector else None,
              _check_directory("recording", cfg.record) if cfg.record else None,
              _check_directory("probe socket directory", Path(cfg.probe_socket).parent) if cfg.probe_socket else None]
-    nvml, gpus = _check_gpus(cfg)
+    nvml, gpus = _check_gpus(simulation)
     collector = _check_collector(cfg, collector_timeout_s)
     return NodeCheck([nvml, *_lost_gpus(gpus), collector, *(i for i in items if i is not None)], gpus)
 
@@ -74,10 +77,10 @@ def _lost_gpus(gpus: list[GpuSupport]) -> list[CheckItem]:
     return [CheckItem(f"GPU {g.index}", False, f"{g.uuid or 'unknown uuid'} is lost (off the bus)") for g in gpus if g.lost]
 
 
-def _check_gpus(cfg: AgentConfig) -> tuple[CheckItem, list[GpuSupport]]:
+def _check_gpus(simulation: SimulatedNode | None) -> tuple[CheckItem, list[GpuSupport]]:
     with ExitStack() as stack:
-        if cfg.simulate:
-            stack.enter_context(SimulatedFleet(cfg.simulate, model=cfg.sim_model, node=cfg.node))
+        if simulation is not None:
+            stack.enter_context(simulation)
         sampler = NvmlSampler(slow_interval=3600.0)
         stack.callback(sampler.close)
         try:
@@ -94,7 +97,7 @@ def _check_gpus(cfg: AgentConfig) -> tuple[CheckItem, list[GpuSupport]]:
                        if e.kind == ev.FIELD_UNSUPPORTED and e.gpu_index == dev.index}
             gpus.append(GpuSupport(dev.index, dev.name, dev.uuid, dev.lost, sorted(reported), sorted(refused),
                                    gpm=any(f in reported for f in _GPM_FIELDS)))
-        simulated = f", simulated {cfg.sim_model}" if cfg.simulate else ""
+        simulated = f", simulated {simulation.model}" if simulation is not None else ""
         detail = f"driver {sampler.driver_version}, CUDA {sampler.cuda_version or '?'}, {len(devices)} GPUs{simulated}"
         return CheckItem("nvml", bool(devices), detail if devices else detail + " (no GPU visible)"), gpus
 
@@ -102,13 +105,13 @@ def _check_gpus(cfg: AgentConfig) -> tuple[CheckItem, list[GpuSupport]]:
 def _check_collector(cfg: AgentConfig, timeout_s: float) -> CheckItem:
     if cfg.collector is None:
         return CheckItem("collector", True, "none configured (record-only)")
-    cs = cfg.channel_security
-    how = ("mutual TLS" if cs.cert else "TLS" if cs.ca else "plaintext") + (", bearer token" if cs.token_file else "")
-    results = [_reach(address, cs, how, timeout_s) for address in collector_addresses(cfg.collector)]
+    how = (("mutual TLS" if cfg.tls_cert else "TLS" if cfg.tls_ca else "plaintext")
+           + (", bearer token" if cfg.token_file else ""))
+    results = [_reach(address, cfg, how, timeout_s) for address in collector_addresses(cfg.collector)]
     return CheckItem("collector", all(ok for ok, _ in results), "; ".join(detail for _, detail in results))
 
 
-def _reach(address: str, cs: ChannelSecurity, how: str, timeout_s: float) -> tuple[bool, str]:
+def _reach(address: str, cs: ClientSecurity, how: str, timeout_s: float) -> tuple[bool, str]:
     try:
         channel = make_channel(address, channel_security=cs)
     except UserError as exc:

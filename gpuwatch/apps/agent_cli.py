@@ -2,33 +2,54 @@
 
 Settings come from ``--config FILE``, ``GPUWATCH_*`` variables and flags with the precedence and checks of
 :mod:`gpuwatch.core.settings` (AGENT_OPTIONS, the keys of deploy/agent.toml); the flags below them are for one run.
+With ``--simulate N`` this layer installs a :class:`~gpuwatch.simulator.node.SimulatedNode` beneath pynvml and
+points the unchanged agent at it (:func:`simulated_agent`); the agent itself knows nothing of the simulator.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
-import socket
-import sys
+from contextlib import nullcontext
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
+from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.core import settings as config
-from gpuwatch.agent.daemon import Agent, AgentConfig, default_spool_dir
+from gpuwatch.agent.daemon import Agent, AgentConfig
 from gpuwatch.simulator.degrade import KINDS, FaultSpec, parse_fault_spec
-from gpuwatch.simulator.fleet import MODELS
-from gpuwatch.agent.uplink import ChannelSecurity
+from gpuwatch.simulator.gpu import MODELS
+from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.security import read_token
 from gpuwatch.probe.endpoint import default_endpoint
 
 
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The settings (AgentSettings), the simulated fleet's flags, then the flags of one run."""
     config.add_arguments(parser, config.AGENT_OPTIONS)
+    _add_simulation_arguments(parser)
     parser.add_argument("--no-probe-socket", action="store_true",
                         help="do not listen for training probes (default: listen on --probe-socket, else "
                              f"{default_endpoint()} unless --simulate)")
+    parser.add_argument("--ticks", type=int, default=None, metavar="K",
+                        help="sample K times, wait until the collector acknowledged everything, exit")
+    parser.add_argument("--drain-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="with --ticks: how long to wait for the collector before giving up")
+    parser.add_argument("--record", type=Path, default=None, metavar="DIR",
+                        help="also write every batch into this recording (record-only when no collector is set)")
+    parser.add_argument("--check", action="store_true",
+                        help="diagnose the node (NVML, supported fields, collector, spool) and exit 0 if all is well")
+    add_json_flag(parser, "with --check: print the report as JSON")
+    parser.add_argument("--new-agent-id", action="store_true",
+                        help="give the spool a new agent id (it was copied from another agent's: a cloned VM "
+                             "image or spool), renumber its unsent batches under it, and exit")
+
+
+def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
+    """--simulate and the --sim-* flags: a simulated fleet instead of the node's GPUs (AgentConfig's sim_*)."""
     parser.add_argument("--simulate", type=int, default=None, metavar="N",
                         help="sample N simulated GPUs instead of the node's real ones")
     parser.add_argument("--sim-model", default="H100", choices=sorted(MODELS), help="simulated GPU model")
@@ -50,18 +71,6 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
                              "per GPU, one of them slow) and send its probe-style spans (docs/simfleet.md)")
     parser.add_argument("--sim-job-step", type=float, default=1.0, metavar="SECONDS",
                         help="with --sim-job: its step time in simulated seconds, default 1")
-    parser.add_argument("--ticks", type=int, default=None, metavar="K",
-                        help="sample K times, wait until the collector acknowledged everything, exit")
-    parser.add_argument("--drain-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="with --ticks: how long to wait for the collector before giving up")
-    parser.add_argument("--record", type=Path, default=None, metavar="DIR",
-                        help="also write every batch into this recording (record-only when no collector is set)")
-    parser.add_argument("--check", action="store_true",
-                        help="diagnose the node (NVML, supported fields, collector, spool) and exit 0 if all is well")
-    parser.add_argument("--json", action="store_true", help="with --check: print the report as JSON")
-    parser.add_argument("--new-agent-id", action="store_true",
-                        help="give the spool a new agent id (it was copied from another agent's: a cloned VM "
-                             "image or spool), renumber its unsent batches under it, and exit")
 
 
 def load_settings(args: argparse.Namespace) -> config.Config:
@@ -85,18 +94,27 @@ def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None)
     probe_socket = None
     if not args.no_probe_socket and (cfg.probe_socket or not args.simulate):
         probe_socket = cfg.probe_socket or default_endpoint()
-    return AgentConfig(
-        collector=None if record_only else cfg.collector, node=cfg.node or socket.gethostname(),
-        interval=cfg.interval, slow_interval=cfg.slow_interval, batch_interval=cfg.batch_interval,
-        spool_dir=Path(cfg.spool) if cfg.spool else default_spool_dir(), spool_max_bytes=cfg.spool_max_bytes,
-        job_label=cfg.job_label or "", simulate=args.simulate or 0, sim_model=args.sim_model,
-        drain_timeout=args.drain_timeout, probe_socket=probe_socket, record=args.record,
-        sim_speed=args.sim_speed, sim_start=_sim_start(args.sim_start), sim_origin=args.sim_origin,
-        sim_faults=_sim_faults(args), sim_job=args.sim_job or None, sim_job_step_s=args.sim_job_step,
-        channel_security=ChannelSecurity(cfg.tls_ca, cfg.tls_cert, cfg.tls_key, cfg.token_file, cfg.insecure),
-        metrics_listen=cfg.metrics_listen, metrics_names=cfg.metrics_names, insecure=cfg.insecure,
-        metrics_token=read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None,
-    )
+    if cfg.metrics_token_file:
+        read_token(cfg.metrics_token_file)  # a bad token file stops the agent here, before it samples
+    return cfg.build(AgentConfig, collector=None if record_only else cfg.collector, probe_socket=probe_socket,
+                     drain_timeout=args.drain_timeout, record=args.record)
+
+
+def simulated_node(args: argparse.Namespace, node: str) -> SimulatedNode | None:
+    """The node --simulate N and the --sim-* flags describe (None without --simulate); UserError naming a bad flag."""
+    start = _sim_start(args.sim_start)
+    faults = _sim_faults(args)
+    if not args.simulate:
+        return None
+    return SimulatedNode(args.simulate, node=node, model=args.sim_model, speed=args.sim_speed, start=start,
+                         origin=args.sim_origin, faults=faults, job=args.sim_job or None, job_step_s=args.sim_job_step)
+
+
+def simulated_agent(config: AgentConfig, node: SimulatedNode) -> Agent:
+    """The agent pointed at ``node`` (installed beneath pynvml by whoever enters it): its clock, process
+    environments and synthetic job's spans; batches say ``simulated``; no host kernel log is read for XIDs."""
+    config = replace(config, kmsg_path=None, labels={**config.labels, "simulated": "true"})
+    return Agent(config, clock=node.clock, environ=node.environ, span_sources=node.span_sources)
 
 
 def _sim_start(text: str | None) -> float | None:
@@ -129,21 +147,25 @@ def _sim_faults(args: argparse.Namespace) -> tuple[FaultSpec, ...]:
             specs.append(parse_fault_spec(text))
         except ValueError as exc:
             raise UserError(f"--sim-fault {text!r}: {exc}") from None
-    return tuple(specs)  # a GPU index beyond --simulate is refused by the agent when it builds the fleet
+        if args.simulate and specs[-1].gpu >= args.simulate:
+            raise UserError(f"--sim-fault gpu={specs[-1].gpu}: the node simulates GPUs 0-{args.simulate - 1}")
+    return tuple(specs)
 
 
-def run(command: str, args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     settings = load_settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args, settings)
+    simulation = simulated_node(args, cfg.node)
     if args.check:
-        return _check(cfg, args.json)
+        return _check(cfg, args.json, simulation)
     if args.new_agent_id:
         return _new_agent_id(cfg)
-    agent = Agent(cfg)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agent.stop())
-    agent.run(ticks=args.ticks)
+    with simulation or nullcontext():
+        agent = simulated_agent(cfg, simulation) if simulation else Agent(cfg)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: agent.stop())
+        agent.run(ticks=args.ticks)
     return 0
 
 
@@ -157,13 +179,15 @@ def _new_agent_id(cfg: AgentConfig) -> int:
     return 0
 
 
-def _check(cfg: AgentConfig, as_json: bool) -> int:
+def _check(cfg: AgentConfig, as_json: bool, simulation: SimulatedNode | None) -> int:
     from gpuwatch.apps.agent_check import check_node, format_check
 
-    report = check_node(cfg)
+    report = check_node(cfg, simulation=simulation)
     if as_json:
-        json.dump(report.to_dict(), sys.stdout, indent=2)
-        print()
+        print_json(report.to_dict())
     else:
         print(format_check(report))
     return 0 if report.ok else 1
+
+
+AGENT = Command(add_arguments, run)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import orjson
-
+from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.load import load_paths
 from gpuwatch.efficiency.partition import CATEGORIES
@@ -17,10 +16,10 @@ from gpuwatch.core.errors import UserError
 _PROGRESS_BYTES = 64 << 20  # report reading progress on stderr past this many bytes per file
 
 
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="Kineto trace files (.json/.json.gz, one per rank), folders of them, or span tables (.csv/.parquet)")
-    parser.add_argument("--json", action="store_true", help="print the breakdown document as JSON")
+    add_json_flag(parser, "print the breakdown document as JSON")
     parser.add_argument("--per-step", action="store_true", help="add a breakdown per step for each rank")
     parser.add_argument("--steps", metavar="A:B|hta",
                         help="analyse only steps A..B (either end may be empty), or 'hta': HolisticTraceAnalysis's "
@@ -32,7 +31,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--perfetto", metavar="FILE", help="write the classified timeline as a Chrome/Perfetto trace")
 
 
-def run(command: str, args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     for name in ("flops_per_step", "peak_tflops", "gpu_hour_price"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -54,10 +53,13 @@ def run(command: str, args: argparse.Namespace) -> int:
 
         _write(args.html, html_report(doc).encode())
     if args.json:
-        sys.stdout.write(orjson.dumps(doc.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        print_json(doc.to_json())
     else:
         sys.stdout.write(format_table(doc))
     return 0
+
+
+ANALYZE = Command(add_arguments, run)
 
 
 def _write(path: str, data: bytes) -> None:

@@ -10,14 +10,14 @@ import gzip
 import sys
 from collections.abc import Callable
 
-import grpc
 import orjson
 
-from gpuwatch.collector.client import add_connection_arguments, connect_args
 from gpuwatch.apps.analyze_cli import format_table
+from gpuwatch.apps.commandline import (Command, add_connection_arguments, add_json_flag, collector_errors,
+                                       connection, print_json)
+from gpuwatch.collector.client import connect
 from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.load import expand_paths
-from gpuwatch.apps.query_cli import DEFAULT_COLLECTOR
 from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import query_pb2_grpc
@@ -56,33 +56,49 @@ def _file_content(path: str) -> bytes:
     return content
 
 
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    add_connection_arguments(parser, DEFAULT_COLLECTOR)
-    parser.add_argument("--json", action="store_true", help="print the breakdown document as JSON")
-    if command == "submit-trace":
-        parser.add_argument("--job", required=True, help="job id the traces belong to")
-        parser.add_argument("paths", nargs="+", metavar="PATH",
-                            help="Kineto traces (.json/.json.gz, one per rank), span tables (.csv/.parquet), or folders")
-    else:
-        parser.add_argument("job", help="job id")
-        parser.add_argument("--per-step", action="store_true", help="add a breakdown per step for each rank")
+def _submit_arguments(parser: argparse.ArgumentParser) -> None:
+    _common_arguments(parser)
+    parser.add_argument("--job", required=True, help="job id the traces belong to")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="Kineto traces (.json/.json.gz, one per rank), span tables (.csv/.parquet), or folders")
 
 
-def run(command: str, args: argparse.Namespace) -> int:
-    stub = connect_args(args)
-    try:
-        if command == "submit-trace":
-            doc = submit_traces(stub, args.job, args.paths, progress=_progress)
-            print(f"job {args.job}: {len(doc['ranks'])} rank(s) analysed", file=sys.stderr)
-        else:
-            doc = fetch_breakdown(stub, args.job, args.per_step)
-    except grpc.RpcError as exc:
-        raise UserError(f"collector at {args.collector}: {exc.details()} ({exc.code().name})") from None
+def _breakdown_arguments(parser: argparse.ArgumentParser) -> None:
+    _common_arguments(parser)
+    parser.add_argument("job", help="job id")
+    parser.add_argument("--per-step", action="store_true", help="add a breakdown per step for each rank")
+
+
+def _common_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connection_arguments(parser)
+    add_json_flag(parser, "print the breakdown document as JSON")
+
+
+def _run_submit(args: argparse.Namespace) -> int:
+    address, security = connection(args)
+    with collector_errors(address):
+        doc = submit_traces(connect(address, security=security), args.job, args.paths, progress=_progress)
+    print(f"job {args.job}: {len(doc['ranks'])} rank(s) analysed", file=sys.stderr)
+    return _show(args, doc)
+
+
+def _run_breakdown(args: argparse.Namespace) -> int:
+    address, security = connection(args)
+    with collector_errors(address):
+        doc = fetch_breakdown(connect(address, security=security), args.job, args.per_step)
+    return _show(args, doc)
+
+
+def _show(args: argparse.Namespace, doc: dict) -> int:
     if args.json:
-        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+        print_json(doc)
     else:
         sys.stdout.write(f"job {args.job} (from {doc['source']})\n" + format_table(Analysis.from_json(doc)))
     return 0
+
+
+SUBMIT_TRACE = Command(_submit_arguments, _run_submit)
+BREAKDOWN = Command(_breakdown_arguments, _run_breakdown)
 
 
 def _progress(path: str, nbytes: int) -> None:

@@ -1,7 +1,7 @@
-"""The `gpuwatch` command: a thin dispatcher over the subcommands' modules.
+"""The `gpuwatch` command: a thin dispatcher over the subcommands.
 
-Each module named in COMMANDS provides ``add_arguments(command, parser)`` and ``run(command, args) -> int``.
-Only the module of the command being run is imported, so `gpuwatch --help` and the agent start fast.
+COMMANDS names each command's :class:`~gpuwatch.apps.commandline.Command` as ``module:NAME`` with its help
+text. Only the module of the command being run is imported, so `gpuwatch --help` and the agent start fast.
 """
 from __future__ import annotations
 
@@ -9,33 +9,45 @@ import argparse
 import importlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from gpuwatch import __version__
 from gpuwatch.core.errors import UserError
 
+if TYPE_CHECKING:  # imported with the command's module, not for `gpuwatch --help`
+    from gpuwatch.apps.commandline import Command
+
 COMMANDS: dict[str, tuple[str, str]] = {
-    "agent": ("gpuwatch.apps.agent_cli", "run the node agent: sample GPUs and stream them to a collector"),
-    "collector": ("gpuwatch.apps.collector_cli", "run the collector: receive, store, analyse, alert"),
-    "nodes": ("gpuwatch.apps.query_cli", "list the nodes a collector has seen"),
-    "gpus": ("gpuwatch.apps.query_cli", "list GPUs with their latest job"),
-    "latest": ("gpuwatch.apps.query_cli", "latest values of every field, per GPU"),
-    "series": ("gpuwatch.apps.query_cli", "one field's time series for one GPU"),
-    "events": ("gpuwatch.apps.query_cli", "events (XIDs, GPU lost, agent start/stop, ...)"),
-    "demo": ("gpuwatch.apps.demo", "run a simulated fleet into a local collector and show it live"),
-    "analyze": ("gpuwatch.apps.analyze_cli", "efficiency breakdown of profiler traces or span tables"),
-    "submit-trace": ("gpuwatch.apps.breakdown_cli", "send traces of a job to the collector for analysis"),
-    "breakdown": ("gpuwatch.apps.breakdown_cli", "a job's efficiency breakdown from the collector"),
-    "jobs": ("gpuwatch.apps.query_cli", "jobs the collector knows, with ranks, nodes, step rate, lost time"),
-    "alerts": ("gpuwatch.apps.query_cli", "active (and resolved) early-failure and slow-rank alerts"),
-    "simulate": ("gpuwatch.apps.models_cli", "write a recording of a simulated fleet with failures"),
-    "train": ("gpuwatch.apps.models_cli", "train the failure classifier on a recording or a store"),
-    "evaluate": ("gpuwatch.apps.models_cli", "time-split evaluation of a model against the rule baseline"),
-    "score": ("gpuwatch.apps.models_cli", "replay a recording or store through failure scoring and alerts, budget-calibrated"),
-    "advise": ("gpuwatch.apps.models_cli", "checkpoint interval from the failure rate, and what a failure predictor changes"),
-    "replay": ("gpuwatch.apps.replay", "run a recording through the pipeline"),
-    "import": ("gpuwatch.apps.replay", "turn CSV/Parquet telemetry into a recording"),
-    "export": ("gpuwatch.apps.replay", "write a collector store (stopped, or a copy) out as a recording"),
+    "agent": ("gpuwatch.apps.agent_cli:AGENT", "run the node agent: sample GPUs and stream them to a collector"),
+    "collector": ("gpuwatch.apps.collector_cli:COLLECTOR", "run the collector: receive, store, analyse, alert"),
+    "nodes": ("gpuwatch.apps.query_cli:NODES", "list the nodes a collector has seen"),
+    "gpus": ("gpuwatch.apps.query_cli:GPUS", "list GPUs with their latest job"),
+    "latest": ("gpuwatch.apps.query_cli:LATEST", "latest values of every field, per GPU"),
+    "series": ("gpuwatch.apps.query_cli:SERIES", "one field's time series for one GPU"),
+    "events": ("gpuwatch.apps.query_cli:EVENTS", "events (XIDs, GPU lost, agent start/stop, ...)"),
+    "demo": ("gpuwatch.apps.demo:DEMO", "run a simulated fleet into a local collector and show it live"),
+    "analyze": ("gpuwatch.apps.analyze_cli:ANALYZE", "efficiency breakdown of profiler traces or span tables"),
+    "submit-trace": ("gpuwatch.apps.breakdown_cli:SUBMIT_TRACE", "send traces of a job to the collector for analysis"),
+    "breakdown": ("gpuwatch.apps.breakdown_cli:BREAKDOWN", "a job's efficiency breakdown from the collector"),
+    "jobs": ("gpuwatch.apps.query_cli:JOBS", "jobs the collector knows, with ranks, nodes, step rate, lost time"),
+    "alerts": ("gpuwatch.apps.query_cli:ALERTS", "active (and resolved) early-failure and slow-rank alerts"),
+    "simulate": ("gpuwatch.apps.models_cli:SIMULATE", "write a recording of a simulated fleet with failures"),
+    "train": ("gpuwatch.apps.models_cli:TRAIN", "train the failure classifier on a recording or a store"),
+    "evaluate": ("gpuwatch.apps.models_cli:EVALUATE", "time-split evaluation of a model against the rule baseline"),
+    "score": ("gpuwatch.apps.models_cli:SCORE",
+              "replay a recording or store through failure scoring and alerts, budget-calibrated"),
+    "advise": ("gpuwatch.apps.models_cli:ADVISE",
+               "checkpoint interval from the failure rate, and what a failure predictor changes"),
+    "replay": ("gpuwatch.apps.replay:REPLAY", "run a recording through the pipeline"),
+    "import": ("gpuwatch.apps.replay:IMPORT", "turn CSV/Parquet telemetry into a recording"),
+    "export": ("gpuwatch.apps.replay:EXPORT", "write a collector store (stopped, or a copy) out as a recording"),
 }
+
+
+def command(name: str) -> Command:
+    """The Command registered under ``name`` (its module imported now)."""
+    module, _, attribute = COMMANDS[name][0].partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,19 +71,18 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--version", action="version", version=f"gpuwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
-            importlib.import_module(module).add_arguments(name, p)
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    module = importlib.import_module(COMMANDS[args.command][0])
+            command(name).add_arguments(p)
     try:
-        return int(module.run(args.command, args) or 0)
+        args = parser.parse_args(argv)  # an argument type may raise UserError: one line naming the flag
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(command(args.command).run(args) or 0)
     except UserError as exc:
-        print(f"gpuwatch {args.command}: error: {exc}", file=sys.stderr)
+        print(f"gpuwatch {wanted}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -12,14 +12,14 @@ import resource
 import signal
 import threading
 
+from gpuwatch.apps.commandline import Command
 from gpuwatch.core import settings as config
 from gpuwatch.collector.assembly import start_collector
-from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.collector.store import redacted
 
 log = logging.getLogger(__name__)
 
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser, config.COLLECTOR_OPTIONS)
 
 
@@ -31,7 +31,7 @@ def raise_open_file_limit() -> int:
     return hard
 
 
-def run(command: str, args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = config.load_config(config.COLLECTOR_OPTIONS, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if raise_open_file_limit() < 4 * 1024:
@@ -41,6 +41,8 @@ def run(command: str, args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    from gpuwatch.collector.snapshot import MetricsService  # imported once the port was bound (assembly)
+
     metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService)), None)
     print(f"gpuwatch collector listening on {server.address}, store {redacted(cfg.store or cfg.db)}"
           + (f", metrics {metrics}" if metrics else ""), flush=True)
@@ -49,3 +51,5 @@ def run(command: str, args: argparse.Namespace) -> int:
     server.stop()
     return 0
 
+
+COLLECTOR = Command(add_arguments, run)

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.v1 import query_pb2, query_pb2_grpc
 
 #: Simulated seconds per agent tick. Two minutes (600x at 0.2 s ticks) give a one-minute demo ten simulated
@@ -104,7 +105,7 @@ def job_name(node: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- CLI
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=4, help="simulated nodes (agent processes), default 4")
     parser.add_argument("--gpus", type=int, default=8, help="simulated GPUs per node, default 8")
     parser.add_argument("--duration", type=float, default=60.0, help="real seconds to run, default 60")
@@ -117,10 +118,10 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
                         help=f"how GPU {FAULT_GPU} of the last node degrades and fails: ecc, remap, pcie, nvlink, "
                              "thermal, sudden, or none (default ecc)")
     parser.add_argument("--dir", help="keep the store, logs and the agents' recordings here instead of a temp dir")
-    parser.add_argument("--json", action="store_true", help="no live view; print the result as JSON")
+    add_json_flag(parser, "no live view; print the result as JSON")
 
 
-def run(command: str, args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from gpuwatch.simulator.degrade import KINDS
     from gpuwatch.core.errors import UserError
 
@@ -142,8 +143,14 @@ def run(command: str, args: argparse.Namespace) -> int:
             view.close()
         if not args.dir:
             shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(result.as_dict(), indent=2) if args.json else summary_text(result))
+    if args.json:
+        print_json(result.as_dict())
+    else:
+        print(summary_text(result))
     return 0
+
+
+DEMO = Command(add_arguments, run)
 
 
 # ------------------------------------------------------------------------------------------ run

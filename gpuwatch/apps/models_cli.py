@@ -1,40 +1,21 @@
-"""`gpuwatch simulate`, `train`, `evaluate`, `score` and `advise`: thin wrappers over the models library."""
+"""`gpuwatch simulate`, `train`, `evaluate`, `score` and `advise`: thin wrappers over the models library
+(each ``_name(args)`` turns its flags into the library's keyword arguments and returns the result document)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from gpuwatch.apps.commandline import duration, positive_float, result_command
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.simulator.failing_fleet import FLEET_KNOBS, PROFILES
-
-_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
-
-
-def duration_s(text: str) -> float:
-    """'90s', '10m', '1h', '24h', '2d' or plain seconds -> seconds."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h|d)?\s*", text)
-    if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive duration: {text!r} (e.g. 60s, 10m, 1h, 24h)")
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
-
-
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return v
-
 
 def recall_value(text: str) -> float:
     """A predictor recall in [0, 1): at 1 no failure is left to checkpoint against."""
@@ -47,67 +28,71 @@ def recall_value(text: str) -> float:
     return r
 
 
-def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
-    if command == "advise":
-        p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
-        p.add_argument("--checkpoint-cost", type=duration_s, default=300.0,
-                       help="time one checkpoint stalls the job (default 5m)")
-        rate = p.add_mutually_exclusive_group()
-        rate.add_argument("--failure-rate", type=float, help="faults per GPU-hour (default: the Llama 3 rate)")
-        rate.add_argument("--data", help="recording or collector .duckdb store to measure the fault rate on")
-        p.add_argument("--recall", type=recall_value, nargs="+", default=[],
-                       help="more predictor recalls to tabulate (0, 0.5, 0.8, 0.9 and the model's are always shown)")
-        p.add_argument("--json", action="store_true")
-        return
-    if command == "simulate":
-        p.add_argument("--nodes", type=int, default=4)
-        p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
-        p.add_argument("--days", type=float, default=2.0)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--resolution", type=duration_s, default=60.0, help="sample interval (default 60s)")
-        p.add_argument("--fault-rate-multiplier", type=float, default=1.0,
-                       help="scale the published base rate so small fleets contain enough faults")
-        p.add_argument("--profile", choices=sorted(PROFILES), default="base",
-                       help="a fleet configuration to start from (the options below override it)")
-        for name, help_text in FLEET_KNOBS.items():
-            p.add_argument(f"--{name.replace('_', '-')}", type=float, help=help_text)
-        p.add_argument("--out", required=True, help="recording directory to write")
-        p.add_argument("--json", action="store_true")
-    else:
-        p.add_argument("data", help="recording directory or collector .duckdb store")
-        p.add_argument("--json", action="store_true")
-    if command in ("train", "evaluate", "score"):
-        p.add_argument("--false-alarm-budget", type=positive_float, default=1.0,
-                       help="false alarms per 1,000 GPU-days the operator accepts (default 1): the alert threshold "
-                       "is calibrated to it on the fleet's own recent scores")
-    if command == "train":
-        p.add_argument("--horizon", type=duration_s, default=3600.0, help="predict faults within (default 1h)")
-        p.add_argument("-o", "--output", required=True, help="model file to write (.skops)")
-    if command == "evaluate":
-        p.add_argument("--model", help="model file (default: the shipped simulated-fleet model)")
-    if command == "score":
-        p.add_argument("--model", required=True, help="model file, or 'default' for the shipped model")
-    p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+def _timed(compute: Callable[[argparse.Namespace], dict]) -> Callable[[argparse.Namespace], dict]:
+    """``compute`` whose result also says how many ``seconds`` it took."""
+
+    def timed(args: argparse.Namespace) -> dict:
+        started = time.monotonic()
+        result = compute(args)
+        result["seconds"] = round(time.monotonic() - started, 1)
+        return result
+
+    return timed
 
 
-def run(command: str, args: argparse.Namespace) -> int:
-    started = time.monotonic()
-    if command == "advise":
-        result = advise(args)
-    elif command == "simulate":
-        result = simulate(args)
-    elif command == "train":
-        result = train(args)
-    elif command == "score":
-        result = score(args)
-    else:
-        result = evaluate(args)
-    result["seconds"] = round(time.monotonic() - started, 1)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print(result.pop("table", None) or "\n".join(f"{k}: {readable(v)}" for k, v in result.items()))
-    return 0
+def as_text(result: dict) -> str:
+    """A result's ``table`` entry when it has one, else its items one per line."""
+    return (result.pop("table", None) or "\n".join(f"{k}: {readable(v)}" for k, v in result.items())) + "\n"
+
+
+def _advise_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    p.add_argument("--checkpoint-cost", type=duration, default=300.0,
+                   help="time one checkpoint stalls the job (default 5m)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--failure-rate", type=float, help="faults per GPU-hour (default: the Llama 3 rate)")
+    rate.add_argument("--data", help="recording or collector .duckdb store to measure the fault rate on")
+    p.add_argument("--recall", type=recall_value, nargs="+", default=[],
+                   help="more predictor recalls to tabulate (0, 0.5, 0.8, 0.9 and the model's are always shown)")
+
+
+def _simulate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    p.add_argument("--days", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resolution", type=duration, default=60.0, help="sample interval (default 60s)")
+    p.add_argument("--fault-rate-multiplier", type=float, default=1.0,
+                   help="scale the published base rate so small fleets contain enough faults")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="base",
+                   help="a fleet configuration to start from (the options below override it)")
+    for name, help_text in FLEET_KNOBS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, help=help_text)
+    p.add_argument("--out", required=True, help="recording directory to write")
+
+
+def _data_arguments(p: argparse.ArgumentParser) -> None:
+    """The data and false-alarm budget of train, evaluate and score."""
+    p.add_argument("data", help="recording directory or collector .duckdb store")
+    p.add_argument("--false-alarm-budget", type=positive_float, default=DEFAULT_FALSE_ALARM_BUDGET,
+                   help="false alarms per 1,000 GPU-days the operator accepts (default 1): the alert threshold "
+                   "is calibrated to it on the fleet's own recent scores")
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    _data_arguments(p)
+    p.add_argument("--horizon", type=duration, default=3600.0, help="predict faults within (default 1h)")
+    p.add_argument("-o", "--output", required=True, help="model file to write (.skops)")
+
+
+def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    _data_arguments(p)
+    p.add_argument("--model", help="model file (default: the shipped simulated-fleet model)")
+
+
+def _score_arguments(p: argparse.ArgumentParser) -> None:
+    _data_arguments(p)
+    p.add_argument("--model", required=True, help="model file, or 'default' for the shipped model")
 
 
 def readable(value: object) -> str:
@@ -121,7 +106,7 @@ def readable(value: object) -> str:
     return str(value)
 
 
-def simulate(args: argparse.Namespace) -> dict:
+def _simulate(args: argparse.Namespace) -> dict:
     from gpuwatch.simulator.failing_fleet import simulate_fleet
 
     for name in ("nodes", "gpus", "days"):
@@ -137,7 +122,7 @@ def simulate(args: argparse.Namespace) -> dict:
     return {"out": args.out, **simulate_fleet(cfg, args.out, quiet=args.quiet)}
 
 
-def train(args: argparse.Namespace) -> dict:
+def _train(args: argparse.Namespace) -> dict:
     from gpuwatch.models.dataset import build_dataset
     from gpuwatch.models.model import save_model
     from gpuwatch.models.train import train_model
@@ -170,7 +155,7 @@ def check_writable(path: str) -> None:
         raise UserError(f"{path}: not writable")
 
 
-def advise(args: argparse.Namespace) -> dict:
+def _advise(args: argparse.Namespace) -> dict:
     from gpuwatch.models.advisor import advice_table
 
     if args.gpus <= 0:
@@ -199,7 +184,7 @@ def format_advice(result: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate(args: argparse.Namespace) -> dict:
+def _evaluate(args: argparse.Namespace) -> dict:
     from gpuwatch.models.dataset import build_dataset
     from gpuwatch.models.evaluate import evaluate_model, format_table
     from gpuwatch.models.model import load_model
@@ -213,7 +198,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     return result
 
 
-def score(args: argparse.Namespace) -> dict:
+def _score(args: argparse.Namespace) -> dict:
     """Replay the data in time order through scoring, budget calibration and the alert policy."""
     from gpuwatch.models.alerting import replay
     from gpuwatch.models.dataset import build_dataset
@@ -244,3 +229,10 @@ def score(args: argparse.Namespace) -> dict:
 
 def _iso(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
+
+
+ADVISE = result_command(_advise_arguments, _timed(_advise), as_text)
+SIMULATE = result_command(_simulate_arguments, _timed(_simulate), as_text)
+TRAIN = result_command(_train_arguments, _timed(_train), as_text)
+EVALUATE = result_command(_evaluate_arguments, _timed(_evaluate), as_text)
+SCORE = result_command(_score_arguments, _timed(_score), as_text)

@@ -4,8 +4,10 @@ Replay turns a recording back into the TelemetryBatches an agent would have sent
 node, sequences in time order) and streams them over the collector's real Ingest stream, so storage,
 breakdowns and scoring see exactly what they see live. The agent id is derived from the recording, so a
 replay that is interrupted and run again stores nothing twice: the collector's (agent_id, sequence)
-deduplication answers the batches it already has as duplicates. `--offline` runs the same path into a
-collector started in-process on loopback and reports what it stored.
+deduplication answers the batches it already has as duplicates. `--offline` needs no network: it hands the
+same batches, serialized and decoded by the collector's own Ingest decoder (the same checks and refusals),
+to a collector store's writer (the same grouped commits and deduplication), then runs the collector's scorer
+and jobs monitor over the stored range and reports what it stored and computed.
 
 The ``import`` (gpuwatch.apps.importer) and ``export`` (gpuwatch.apps.export) commands live here too,
 because all three move recordings and share their flags and output.
@@ -16,9 +18,9 @@ import argparse
 import hashlib
 import heapq
 import json
-import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +28,10 @@ from typing import Any
 
 import grpc
 import pandas as pd
+import pyarrow.parquet as pq
 
+from gpuwatch.apps.commandline import (add_client_security_arguments, client_security, format_cell, format_table,
+                                       result_command, time_flag)
 from gpuwatch.collector import client
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.batch_tables import DEFAULT_TICKS_PER_BATCH, TimedBatch, frames_batches
@@ -101,14 +106,17 @@ class ReplayResult:
     seconds: float = 0.0
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def count(self, batch: pb.TelemetryBatch) -> None:
+    def count(self, batch: pb.TelemetryBatch) -> int:
+        """Count a batch sent; return its GPU samples."""
         node = self.nodes.setdefault(batch.node.node, {
             "agent_id": batch.agent_id, "batches": 0, "gpu_samples": 0, "host_samples": 0, "events": 0, "spans": 0})
+        samples = sum(len(s.ts_ms) for s in batch.samples)
         node["batches"] += 1
-        node["gpu_samples"] += sum(len(s.ts_ms) for s in batch.samples)
+        node["gpu_samples"] += samples
         node["host_samples"] += len(batch.host.ts_ms)
         node["events"] += len(batch.events)
         node["spans"] += len(batch.spans.start_us)
+        return samples
 
     def as_dict(self) -> dict[str, Any]:
         return {"recording": self.recording, "recording_id": self.recording_id, "batches": self.batches,
@@ -124,68 +132,146 @@ def replay(rec: Recording, channel: grpc.Channel, *, speed: float | None = None,
     the collector acknowledges. A batch the collector refuses ends the replay with a UserError; what was
     acknowledged before stays stored, and running the replay again resumes without duplicates.
     """
-    if speed is not None and speed <= 0:
-        raise UserError(f"--speed {speed:g}: must be > 0 (times real time)")
+    _check_speed(speed)
     result = ReplayResult(str(rec.path), recording_id(rec))
-    timed = recording_batches(rec, ticks_per_batch=ticks_per_batch, in_time_order=speed is not None)
+    sent_samples: deque[int] = deque()  # per batch sent and not yet acknowledged, for progress in samples
     started = time.monotonic()
 
     def send() -> Iterator[pb.TelemetryBatch]:
-        first_ms = None
-        for tb in timed:
-            if speed is not None:
-                first_ms = tb.ts_ms if first_ms is None else first_ms
-                delay = started + (tb.ts_ms - first_ms) / 1000 / speed - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)  # pacing to recorded time, not waiting for a result
-            result.count(tb.batch)
+        for tb in _paced(recording_batches(rec, ticks_per_batch=ticks_per_batch, in_time_order=speed is not None),
+                         speed, started):
+            sent_samples.append(result.count(tb.batch))
             yield tb.batch
 
-    with Progress("replay", unit="batches", quiet=quiet) as progress:
+    with Progress("replay", total=gpu_sample_rows(rec), unit="samples", quiet=quiet) as progress:
         try:
             for ack in client.stream_batches(channel, send(), window=window):
                 result.batches += 1
                 result.duplicates += ack.duplicate
-                progress.advance()
+                progress.advance(sent_samples.popleft())
         except grpc.RpcError as exc:
-            raise UserError(f"the collector refused the replay after {result.batches} acknowledged batches: "
-                            f"{exc.details()} ({exc.code().name}); run the replay again to resume") from None
+            raise _refused(result, exc.details(), exc.code().name) from None
     result.seconds = time.monotonic() - started
     return result
+
+
+def replay_into_store(rec: Recording, store: Any, *, speed: float | None = None,
+                      ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH, group: int = 64,
+                      quiet: bool = False) -> ReplayResult:
+    """Offline replay: what :func:`replay` streams, stored as the collector's Ingest would store it, minus the
+    network. Each batch goes through the bytes the agent would send and the collector's own decoder
+    (:func:`gpuwatch.collector.server.decode_batch`: the same checks and refusals), then to ``store``'s writer
+    (grouped commits, deduplication by agent and sequence) and is counted when committed, as an ack.
+
+    Offline the network only costs: a channel, a server event loop and acks, all taking the GIL from the
+    batch building. A commit has a fixed cost (a transaction and its log write) that batches trickling in one
+    at a time would pay each time, so batches are handed to the writer ``group`` at a time (one commit each;
+    one by one when paced by ``speed``) and the next group is built while the writer commits the last one.
+    A refused batch ends the replay with the same UserError as :func:`replay`, after the batches before it
+    are committed.
+    """
+    from gpuwatch.collector.server import BatchRejected, decode_batch, store_failure
+
+    _check_speed(speed)
+    result = ReplayResult(str(rec.path), recording_id(rec))
+    built: list[tuple[Any, int]] = []  # decoded batches not yet handed to the writer, with their GPU samples
+    submitted: deque[tuple[Any, int, Any]] = deque()  # (batch, GPU samples, commit future) not yet counted
+    started = time.monotonic()
+    with Progress("replay", total=gpu_sample_rows(rec), unit="samples", quiet=quiet) as progress:
+        def settle(keep: int) -> None:
+            """Count committed batches in order, waiting while more than ``keep`` are not committed."""
+            while submitted and (len(submitted) > keep or submitted[0][2].done()):
+                batch, samples, commit = submitted.popleft()
+                try:
+                    ack = commit.result()
+                except Exception as exc:
+                    raise store_failure(exc, batch) from None
+                result.batches += 1
+                result.duplicates += ack.duplicate
+                progress.advance(samples)
+
+        def hand_over() -> None:
+            submitted.extend((batch, samples, store.submit(batch)) for batch, samples in built)
+            built.clear()
+
+        try:
+            for tb in _paced(recording_batches(rec, ticks_per_batch=ticks_per_batch, in_time_order=speed is not None),
+                             speed, started):
+                samples = result.count(tb.batch)
+                try:
+                    built.append((decode_batch(tb.batch.SerializeToString()), samples))
+                except BatchRejected:
+                    hand_over()  # the batches before it are stored and acknowledged first (or one of them fails)
+                    settle(keep=0)
+                    raise
+                if len(built) >= group or speed is not None:
+                    settle(keep=group)  # the group handed over last may still be committing
+                    hand_over()
+            hand_over()
+            settle(keep=0)
+        except BatchRejected as exc:
+            raise _refused(result, exc.message, exc.code.name) from None
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _check_speed(speed: float | None) -> None:
+    if speed is not None and speed <= 0:
+        raise UserError(f"--speed {speed:g}: must be > 0 (times real time)")
+
+
+def _paced(timed: Iterator[TimedBatch], speed: float | None, started: float) -> Iterator[TimedBatch]:
+    """``timed`` as it comes, or with ``speed`` each batch held back until its recorded time (after the first
+    batch's), divided by ``speed``, has passed since ``started`` (monotonic)."""
+    first_ms = None
+    for tb in timed:
+        if speed is not None:
+            first_ms = tb.ts_ms if first_ms is None else first_ms
+            delay = started + (tb.ts_ms - first_ms) / 1000 / speed - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)  # pacing to recorded time, not waiting for a result
+        yield tb
+
+
+def _refused(result: ReplayResult, details: str, code: str) -> UserError:
+    return UserError(f"the collector refused the replay after {result.batches} acknowledged batches: {details} "
+                     f"({code}); run the replay again to resume")
+
+
+def gpu_sample_rows(rec: Recording) -> int:
+    """GPU sample rows in the recording, from the Parquet footers (the progress total, read without the data)."""
+    return sum(pq.ParquetFile(part).metadata.num_rows for part in rec.parts("gpu_samples"))
 
 
 # --------------------------------------------------------------------------------- offline results
 def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: float | None = None,
                    ticks_per_batch: int = DEFAULT_TICKS_PER_BATCH, model_path: str | None = None,
                    score_interval_s: float | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Replay into a collector started here on loopback (store ``db``, else a temporary one) and report
-    what it stored and computed: the replay counts plus ``store`` (see :func:`store_results`) and
+    """Replay into a collector store opened here (``db``, else a temporary one; see :func:`replay_into_store`)
+    and report what it stored and computed: the replay counts plus ``store`` (see :func:`store_results`) and
     ``scoring`` (see :func:`score_replayed`, with the model at ``model_path``, default the shipped one)."""
     from gpuwatch.collector.assembly import failure_model
-    from gpuwatch.collector.server import serve
+    from gpuwatch.collector.store import open_store
 
     rec = open_recording(path)
     with tempfile.TemporaryDirectory(prefix="gpuwatch-replay-") as tmp:
-        server = serve("127.0.0.1:0", str(db or Path(tmp) / "replay.duckdb"))
+        store = open_store(str(db or Path(tmp) / "replay.duckdb"))
         try:
-            ch = client.channel(server.address)
-            try:
-                result = replay(rec, ch, speed=speed, ticks_per_batch=ticks_per_batch, quiet=quiet).as_dict()
-            finally:
-                ch.close()
-            server.store.flush()
-            result["store"] = store_results(server.store)
+            result = replay_into_store(rec, store, speed=speed, ticks_per_batch=ticks_per_batch,
+                                       quiet=quiet).as_dict()
+            store.flush()
+            result["store"] = store_results(store)
             m = rec.manifest
             if m.get("start_ms") is not None:
                 with Progress("loading the failure model", total=1, unit="models", quiet=quiet) as progress:
                     model = failure_model(model_path)
                     progress.advance()
                 started = time.monotonic()
-                result["scoring"] = score_replayed(server.store, int(m["start_ms"]), int(m["end_ms"]),
+                result["scoring"] = score_replayed(store, int(m["start_ms"]), int(m["end_ms"]),
                                                    model=model, interval_s=score_interval_s, quiet=quiet)
                 result["scoring"]["seconds"] = round(time.monotonic() - started, 3)
         finally:
-            server.stop()
+            store.close()
     return result
 
 
@@ -277,22 +363,6 @@ def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None
 
 
 # ------------------------------------------------------------------------------------------ CLI
-def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    {"replay": _replay_arguments, "import": _import_arguments, "export": _export_arguments}[command](parser)
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
-
-
-def run(command: str, args: argparse.Namespace) -> int:
-    result = {"replay": _run_replay, "import": _run_import, "export": _run_export}[command](args)
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(format_result(result))
-    return 0
-
-
 def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="recording directory (gpuwatch agent --record, simulate, import, export)")
     pace = p.add_mutually_exclusive_group()
@@ -309,12 +379,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                         "of history as live (default: every step of the model in one pass, as the evaluation)")
     p.add_argument("--ticks-per-batch", type=int, default=DEFAULT_TICKS_PER_BATCH, metavar="N",
                    help=f"sample timestamps per batch (default {DEFAULT_TICKS_PER_BATCH})")
-    p.add_argument("--tls-ca", help="with --collector: CA certificate of the collector (enables TLS)")
-    p.add_argument("--tls-cert", help="with --collector: client certificate for mutual TLS")
-    p.add_argument("--tls-key", help="with --collector: client key for mutual TLS")
-    p.add_argument("--token-file", help="with --collector: file holding the collector's bearer token")
-    p.add_argument("--insecure", action="store_true",
-                   help="with --collector: allow sending the token in plaintext to a non-loopback collector")
+    add_client_security_arguments(p.add_argument_group("with --collector: its TLS and token"))
 
 
 def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
@@ -327,7 +392,7 @@ def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError("--db and --model are for --offline; with --collector the collector keeps its own store "
                         "and scores with its own model")
     rec = open_recording(args.path)
-    ch = client.channel_args(args, timeout=5.0)
+    ch = client.channel(args.collector, timeout=5.0, security=client_security(args))
     try:
         return replay(rec, ch, speed=args.speed, ticks_per_batch=args.ticks_per_batch, quiet=args.quiet).as_dict()
     finally:
@@ -356,26 +421,20 @@ def _run_import(args: argparse.Namespace) -> dict[str, Any]:
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", required=True, help="collector DuckDB store (of a stopped collector, or a copy)")
     p.add_argument("--out", required=True, help="recording directory to write (new or empty)")
-    p.add_argument("--since", help="from this time: 15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
-    p.add_argument("--until", help="up to this time (same forms)")
+    p.add_argument("--since", dest="since_ms", type=time_flag("--since"),
+                   help="from this time: 15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
+    p.add_argument("--until", dest="until_ms", type=time_flag("--until"), help="up to this time (same forms)")
 
 
 def _run_export(args: argparse.Namespace) -> dict[str, Any]:
     from gpuwatch.apps.export import export_store
-    from gpuwatch.apps.query_cli import parse_time_ms
 
-    def time_ms(flag: str, text: str | None) -> int | None:
-        return None if text is None else parse_time_ms(text, flag=flag)
-
-    return export_store(args.db, args.out, since_ms=time_ms("--since", args.since),
-                        until_ms=time_ms("--until", args.until), quiet=args.quiet)
+    return export_store(args.db, args.out, since_ms=args.since_ms, until_ms=args.until_ms, quiet=args.quiet)
 
 
 def format_result(result: dict[str, Any]) -> str:
     """A result as text: its scalar entries, then one aligned table per list or mapping of rows; the
     collector's side of an offline replay (``store``, ``scoring``) as sections of their own."""
-    from gpuwatch.apps.query_cli import format_cell, format_table
-
     lines = [f"{k}: {format_cell(v)}" for k, v in result.items() if not isinstance(v, (dict, list))]
     for key, value in result.items():
         if key in _SECTIONS and isinstance(value, dict):
@@ -391,3 +450,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 _SECTIONS = {"store": "stored by the collector:", "scoring": "scored over the replayed time range:"}
+
+REPLAY = result_command(_replay_arguments, _run_replay, format_result)
+IMPORT = result_command(_import_arguments, _run_import, format_result)
+EXPORT = result_command(_export_arguments, _run_export, format_result)

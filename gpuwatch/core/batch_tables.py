@@ -103,11 +103,12 @@ def frames_batches(node: str, agent_id: str, *, gpu_samples: pd.DataFrame | None
     identity = pb.NodeIdentity(node=node, agent_version=f"gpuwatch {__version__} replay")
     builder = BatchBuilder(identity, agent_id, _inventory(frames["gpus"], gpu["gpu_index"].unique()))
     gpu_blocks = _GpuBlocks(gpu, times["gpus"], chunk_of["gpus"])
+    host_values = np.ascontiguousarray(host[list(HOST_FIELD_NAMES)].to_numpy(dtype=float).T)  # field x row
     sequence = 0
     for i in range(len(starts)):
         part = {name: slice(b[i], b[i + 1]) for name, b in bounds.items()}
         gpu_blocks.add(builder, part["gpus"])
-        _add_host_rows(builder, host.iloc[part["host"]], times["host"][part["host"]])
+        _add_host_rows(builder, host_values[:, part["host"]], times["host"][part["host"]])
         _add_events(builder, evts.iloc[part["events"]], times["events"][part["events"]])
         chunk_spans = spns.iloc[part["spans"]]
         sent_at = int(ticks[min((i + 1) * ticks_per_batch, len(ticks)) - 1])
@@ -137,8 +138,9 @@ class _GpuBlocks:
     """A node's GPU sample rows converted to arrays once, handed to batches as per-GPU columnar blocks.
 
     Rows arrive sorted by (ts, gpu_index) and grouped into batches by ``chunk``; within a batch each GPU's
-    rows become one block in time order. A field without any value in a batch stays out of it, as
-    :func:`_sampled_columns` leaves it out of row-built batches.
+    rows become one block in time order. A field without any value in a batch stays out of it (missing, not
+    NaN-filled), as :func:`_add_host_rows` leaves out host fields. Values go to the builder as float64 arrays,
+    which it copies into the batch as packed bytes.
     """
 
     def __init__(self, rows: pd.DataFrame, ts: np.ndarray, chunk: np.ndarray) -> None:
@@ -158,28 +160,27 @@ class _GpuBlocks:
             return
         values = self._values[rows]
         sampled = np.flatnonzero(~np.isnan(values).all(axis=0))
+        names = [GPU_FIELD_NAMES[j] for j in sampled]
+        by_field = np.ascontiguousarray(values[:, sampled].T)  # a block's column is a contiguous slice of a row
+        ts, job = self._ts[rows].tolist(), self._job[rows].tolist()
+        rank, local_rank = self._rank[rows].tolist(), self._local_rank[rows].tolist()
         cuts = np.flatnonzero(np.diff(gpus)) + 1
-        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(gpus)]):
-            block = slice(rows.start + lo, rows.start + hi)
-            builder.add_gpu_block(
-                int(self._gpu[block.start]), self._ts[block].tolist(),
-                {GPU_FIELD_NAMES[j]: values[lo:hi, j].tolist() for j in sampled},
-                self._job[block].tolist(), self._rank[block].tolist(), self._local_rank[block].tolist())
+        for lo, hi in zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(gpus)].tolist()):
+            builder.add_gpu_block(int(gpus[lo]), ts[lo:hi], dict(zip(names, by_field[:, lo:hi])),
+                                  job[lo:hi], rank[lo:hi], local_rank[lo:hi])
 
 
-def _add_host_rows(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
-    names = _sampled_columns(rows, HOST_FIELD_NAMES)
-    values = rows[names].to_numpy(dtype=float)
-    for i in range(len(rows)):
-        builder.add_host_row(int(ts[i]), dict(zip(names, values[i])))
-
-
-def _sampled_columns(rows: pd.DataFrame, names: Sequence[str]) -> list[str]:
-    """Fields with at least one value in ``rows``; the others stay out of the batch (missing, not NaN-filled)."""
-    return [n for n in names if rows[n].notna().any()]
+def _add_host_rows(builder: BatchBuilder, values: np.ndarray, ts: np.ndarray) -> None:
+    """Add one batch's host rows (``values``: one row per host field, one column per time in ``ts``); fields
+    without any value in them stay out of the batch."""
+    if len(ts):
+        sampled = np.flatnonzero(~np.isnan(values).all(axis=1))
+        builder.add_host_block(ts.tolist(), {HOST_FIELD_NAMES[j]: values[j] for j in sampled})
 
 
 def _add_events(builder: BatchBuilder, rows: pd.DataFrame, ts: np.ndarray) -> None:
+    if not len(rows):
+        return  # itertuples builds a row type even for no rows
     for i, row in enumerate(rows.itertuples(index=False)):
         builder.add_event(_text(row.kind), int(ts[i]), gpu_index=int(row.gpu_index),
                           code=0 if pd.isna(row.code) else int(row.code), message=_text(row.message),

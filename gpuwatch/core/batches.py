@@ -12,6 +12,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from gpuwatch.core import fields
 from gpuwatch.core.spans import SPAN_COLUMN_NAMES
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -90,9 +92,17 @@ class BatchBuilder:
         per timestamp, NaN where a field was not sampled. Do not mix with :meth:`add_gpu_row` for one GPU."""
         if gpu_index in self._gpu_rows:
             raise ValueError(f"GPU {gpu_index}: rows already added to this batch")
-        self._gpu_blocks.append(pb.GpuSamples(
-            gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank,
-            columns=[pb.Column(field=name, values=values) for name, values in columns.items()]))
+        block = pb.GpuSamples(gpu_index=gpu_index, ts_ms=ts_ms, job_id=job_id, rank=rank, local_rank=local_rank)
+        block.MergeFromString(encoded_columns(_GPU_COLUMNS_FIELD, columns))
+        self._gpu_blocks.append(block)
+
+    def add_host_block(self, ts_ms: Sequence[int], columns: Mapping[str, Sequence[float]]) -> None:
+        """Many host rows at once, already columnar (replaying recordings): every column has one entry per
+        timestamp, NaN where a field was not sampled. Do not mix with :meth:`add_host_row` in one batch."""
+        if self._host["ts_ms"]:
+            raise ValueError("host rows already added to this batch")
+        self._host["ts_ms"] = [int(t) for t in ts_ms]
+        self._host_cols = dict(columns)
 
     def add_host_row(self, ts_ms: int, values: Mapping[str, float]) -> None:
         n = len(self._host["ts_ms"])
@@ -144,9 +154,8 @@ class BatchBuilder:
         n_host = len(self._host["ts_ms"])
         if n_host:
             batch.host.ts_ms.extend(self._host["ts_ms"])
-            batch.host.columns.extend(
-                pb.Column(field=k, values=_padded(v, n_host)) for k, v in self._host_cols.items()
-            )
+            batch.host.MergeFromString(encoded_columns(
+                _HOST_COLUMNS_FIELD, {name: _padded(values, n_host) for name, values in self._host_cols.items()}))
         batch.events.extend(self._events)
         if self._spans is not None:
             batch.spans.CopyFrom(self._spans)
@@ -164,8 +173,64 @@ def _append_values(cols: dict[str, list[float]], row: int, values: Mapping[str, 
         col.append(float(value))
 
 
-def _padded(col: list[float], n: int) -> list[float]:
-    return col + [NAN] * (n - len(col)) if len(col) < n else col
+def _padded(col: Sequence[float], n: int) -> Sequence[float]:
+    return list(col) + [NAN] * (n - len(col)) if len(col) < n else col
+
+
+_GPU_COLUMNS_FIELD = pb.GpuSamples.DESCRIPTOR.fields_by_name["columns"].number
+_HOST_COLUMNS_FIELD = pb.HostSamples.DESCRIPTOR.fields_by_name["columns"].number
+_COLUMN_FIELD = pb.Column.DESCRIPTOR.fields_by_name["field"].number
+_VALUES_FIELD = pb.Column.DESCRIPTOR.fields_by_name["values"].number
+_LENGTH_DELIMITED = 2
+_PACKED_HEADS: dict[int, bytes] = {}
+_COLUMN_HEADS: dict[tuple[int, str, int], bytes] = {}
+_MAX_CACHED = 4096  # distinct value counts and names seen; a peer inventing new ones cannot grow memory
+
+
+def encoded_columns(field_number: int, columns: Mapping[str, Sequence[float]]) -> bytes:
+    """``columns`` (field name -> values) as the wire bytes of the repeated Column field ``field_number`` of the
+    message holding them, exactly as protobuf's serializers write them: merging these bytes into that message
+    adds the columns. Values are copied as packed float64 bytes, not one Python float at a time, and the
+    bytes before each column's values are kept per (field, name, count): replaying a recording builds tens of
+    thousands of columns a second, where creating Column messages one by one cost most of the replay."""
+    parts = []
+    for name, values in columns.items():
+        data = np.asarray(values, dtype="<f8").tobytes()
+        key = (field_number, name, len(data) // 8)
+        head = _COLUMN_HEADS.get(key)
+        if head is None:
+            if len(_COLUMN_HEADS) >= _MAX_CACHED:
+                _COLUMN_HEADS.clear()
+            encoded = name.encode()
+            column_head = _tag(_COLUMN_FIELD) + _varint(len(encoded)) + encoded + packed_head(key[2])
+            head = _COLUMN_HEADS[key] = (_tag(field_number) + _varint(len(column_head) + len(data))
+                                         + column_head)
+        parts += (head, data)
+    return b"".join(parts)
+
+
+def packed_head(n: int) -> bytes:
+    """The wire bytes before ``n`` packed doubles in a Column (tag of ``values`` and byte length; nothing for
+    none: protobuf writes no empty field), as protobuf's serializers write them."""
+    head = _PACKED_HEADS.get(n)
+    if head is None:
+        if len(_PACKED_HEADS) >= _MAX_CACHED:
+            _PACKED_HEADS.clear()
+        head = _PACKED_HEADS[n] = _tag(_VALUES_FIELD) + _varint(8 * n) if n else b""
+    return head
+
+
+def _tag(field_number: int) -> bytes:
+    return _varint(field_number << 3 | _LENGTH_DELIMITED)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 # Field-name membership is checked for every column of every batch: sets, not the catalogue's tuples.
@@ -228,19 +293,12 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
                              f"(0..{MAX_INT64})")
     known_gpus = {g.index for g in batch.gpus}
     seen: set[int] = set()
-    for s in batch.samples:
-        where = f"samples for GPU {s.gpu_index}"
-        if s.gpu_index > MAX_GPU_INDEX:
-            raise BatchError(f"{where}: GPU index is out of range (0..{MAX_GPU_INDEX})")
-        if known_gpus and s.gpu_index not in known_gpus:
-            raise BatchError(f"{where}: GPU index not in the batch's gpus inventory")
-        if s.gpu_index in seen:
-            raise BatchError(f"{where}: GPU appears twice")
-        seen.add(s.gpu_index)
-        n = len(s.ts_ms)
-        for name, col in (("job_id", s.job_id), ("rank", s.rank), ("local_rank", s.local_rank)):
-            if len(col) not in (0, n):
-                raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
+    for s in batch.samples:  # the collector checks every block of every batch: the names are built on failure only
+        index, n = s.gpu_index, len(s.ts_ms)
+        if (index > MAX_GPU_INDEX or (known_gpus and index not in known_gpus) or index in seen
+                or len(s.job_id) not in (0, n) or len(s.rank) not in (0, n) or len(s.local_rank) not in (0, n)):
+            _block_error(s, known_gpus, seen)
+        seen.add(index)
     _check_sample_times(batch, earliest, latest)
     for e in batch.events:
         if not e.kind:
@@ -248,7 +306,8 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
         if e.gpu_index < -1:
             raise BatchError(f"event {e.kind!r}: gpu_index {e.gpu_index} is neither a GPU nor -1 (node-wide)")
     _check_times("events", [e.ts_ms for e in batch.events], earliest, latest)
-    lengths = {name: len(getattr(batch.spans, name)) for name in SPAN_COLUMN_NAMES}
+    spans = batch.spans
+    lengths = {name: len(getattr(spans, name)) for name in SPAN_COLUMN_NAMES}
     n_spans = lengths["start_us"]
     bad = [name for name, n in lengths.items() if n not in (0, n_spans)]
     if bad:
@@ -263,18 +322,34 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
         _check_times("spans", [int(start_us.min() // 1000), int(start_us.max() // 1000)], earliest, latest)
 
 
+def _block_error(s: pb.GpuSamples, known_gpus: set[int], seen: set[int]) -> None:
+    """Raise the BatchError that names what is wrong with the sample block ``s``."""
+    where = f"samples for GPU {s.gpu_index}"
+    if s.gpu_index > MAX_GPU_INDEX:
+        raise BatchError(f"{where}: GPU index is out of range (0..{MAX_GPU_INDEX})")
+    if known_gpus and s.gpu_index not in known_gpus:
+        raise BatchError(f"{where}: GPU index not in the batch's gpus inventory")
+    if s.gpu_index in seen:
+        raise BatchError(f"{where}: GPU appears twice")
+    n = len(s.ts_ms)
+    for name, col in (("job_id", s.job_id), ("rank", s.rank), ("local_rank", s.local_rank)):
+        if len(col) not in (0, n):
+            raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
+
+
 def _check_sample_times(batch: pb.TelemetryBatch, earliest: int, latest: int) -> None:
     """Every sample time in bounds: one vectorised pass over all of them, per block only to name a culprit."""
-    blocks = [(f"samples for GPU {s.gpu_index}", s.ts_ms) for s in batch.samples]
-    blocks.append(("host samples", batch.host.ts_ms))
-    total = sum(len(ts) for _, ts in blocks)
+    samples = batch.samples
+    blocks = [s.ts_ms for s in samples] + [batch.host.ts_ms]
+    total = sum(map(len, blocks))
     if not total:
         return
     import numpy as np  # here, not at the top: the agent builds batches and never loads numpy for it
 
-    every = np.fromiter(itertools.chain.from_iterable(ts for _, ts in blocks), np.int64, total)
-    if every.min() < earliest or every.max() > latest:
-        for where, ts in blocks:
+    every = np.fromiter(itertools.chain.from_iterable(blocks), np.int64, total)
+    if every.min() < earliest or every.max() > latest:  # name the block (only now: most batches are fine)
+        names = [f"samples for GPU {s.gpu_index}" for s in samples] + ["host samples"]
+        for where, ts in zip(names, blocks):
             _check_times(where, ts, earliest, latest)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from gpuwatch.core.settings import split_address
+from gpuwatch.core.settings import ClientSecurity, split_address
 from gpuwatch.core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -225,6 +225,14 @@ def open_channel(
     check_exposure(target, protected=False, insecure=insecure, what="to send a bearer token to",
                    needs="TLS (tls_ca)")
     return grpc.intercept_channel(channel, _BearerMetadata(token))
+
+
+def client_channel(target: str, client: ClientSecurity, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """:func:`open_channel` with a client's security settings (the agent's, a query command's, replay's): the
+    token is read from ``token_file`` here, so a bad file stops the client with one line naming it."""
+    token = read_token(client.token_file) if client.token_file else None
+    return open_channel(target, ca=client.tls_ca, cert=client.tls_cert, key=client.tls_key, token=token,
+                        insecure=client.insecure, options=options)
 
 
 # ---- listening ----------------------------------------------------------------------------------------

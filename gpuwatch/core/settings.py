@@ -4,9 +4,14 @@ Precedence is flags > environment (``GPUWATCH_<KEY>``) > file > defaults. Every 
 command starts, and a bad one stops it with one line naming the key, where the value came from (file path,
 environment variable or flag) and what is wrong, so a typo in a config file never surfaces hours later.
 
-A component declares its keys once as a tuple of :class:`Option`; :func:`add_arguments` turns them into
-flags and :func:`load_config` merges and checks the sources. The agent and collector schemas live here so
-that the example files in ``deploy/`` and the CLIs cannot drift apart.
+A component declares each setting once, as a :func:`setting` field of a dataclass (name = config-file key,
+``--flag`` and ``GPUWATCH_`` variable; annotation = type; default, help text, check): :class:`AgentSettings`,
+:class:`CollectorSettings` and :class:`ClientSecurity` (TLS and token of every client of the collector).
+:func:`options` lists them as :class:`Option` records, :func:`add_arguments` turns those into flags,
+:func:`load_config` merges and checks the sources and :meth:`Config.build` makes the settings object (the
+agent's :class:`~gpuwatch.agent.daemon.AgentConfig` is an :class:`AgentSettings` with more fields). The
+defaults the components also use (ports, intervals, limits) are named here and imported by them, so the
+example files in ``deploy/``, the CLIs and the components cannot drift apart.
 """
 from __future__ import annotations
 
@@ -15,8 +20,10 @@ import difflib
 import ipaddress
 import os
 import tomllib
+import types
+import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -27,6 +34,7 @@ ENV_PREFIX = "GPUWATCH_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
 Check = Callable[[Any], None]  # raises ValueError(problem) for a bad value
+T = typing.TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -105,96 +113,159 @@ def one_of(*choices: str) -> Check:
     return check
 
 
+# ---- declaring settings -------------------------------------------------------------------------------
+
+def setting(default: Any, help: str, check: Check | None = None) -> Any:
+    """One field of a settings class: its default, help text and optional check. The field's name is the
+    config-file key, ``--name-with-dashes`` the flag and ``GPUWATCH_NAME`` the environment variable; its
+    annotation (str, int, float or bool, optionally ``| None``) the type."""
+    return field(default=default, metadata={"help": help, "check": check})
+
+
+def options(settings_class: type) -> tuple[Option, ...]:
+    """The :class:`Option` of every :func:`setting` field of a settings dataclass, in declaration order."""
+    hints = typing.get_type_hints(settings_class)
+    found = []
+    for f in fields(settings_class):
+        if "help" not in f.metadata:
+            continue  # a field the class adds beyond its settings (a run flag, a test hook)
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):
+            kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        found.append(Option(f.name, kind, f.default, f.metadata["help"], f.metadata["check"]))
+    return tuple(found)
+
+
+# ---- defaults the components share with the schema (they import them from here) ----------------------
+
+DEFAULT_COLLECTOR_PORT = 7700
+DEFAULT_COLLECTOR_ADDRESS = f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}"
+DEFAULT_MEMORY_LIMIT = "1GB"
+DEFAULT_SPAN_RETENTION_S = 1800.0
+DEFAULT_QUERY_WORKERS = 16
+DEFAULT_MAX_IN_FLIGHT = 4096  # batches received and not yet committed, all streams together
+DEFAULT_STREAM_IDLE_S = 300.0  # agents send every batch_interval (5 s by default)
+DEFAULT_MAX_INGEST_STREAMS = 20_000  # one per agent; docs/scale.md sizes a collector for thousands
+DEFAULT_SCORE_INTERVAL_S = 60.0
+DEFAULT_FALSE_ALARM_BUDGET = 1.0  # false alarms per 1,000 GPU-days (docs/failure-model.md)
+DEFAULT_JOBS_INTERVAL_S = 30.0
+DEFAULT_JOBS_WINDOW_S = 300.0
+DEFAULT_HANG_S = 300.0
+DEFAULT_JOB_GPUS = 1024
+DEFAULT_CHECKPOINT_COST_S = 300.0
+
+
 # ---- component schemas --------------------------------------------------------------------------------
 
-DEFAULT_MEMORY_LIMIT = "1GB"  # gpuwatch.collector.store.base.DEFAULT_MEMORY_LIMIT
-DEFAULT_SPAN_RETENTION_S = 1800.0  # gpuwatch.collector.store.base.DEFAULT_SPAN_RETENTION_S
-DEFAULT_COLLECTOR_PORT = 7700  # gpuwatch.collector.server.DEFAULT_PORT
-DEFAULT_SCORE_INTERVAL_S = 60.0  # gpuwatch.collector.scoring.DEFAULT_INTERVAL_S
-DEFAULT_JOBS_INTERVAL_S = 30.0  # gpuwatch.collector.jobs.DEFAULT_INTERVAL_S
-DEFAULT_JOBS_WINDOW_S = 300.0  # gpuwatch.collector.jobs.DEFAULT_WINDOW_S
-DEFAULT_HANG_S = 300.0  # gpuwatch.collector.jobs.DEFAULT_HANG_S
-DEFAULT_JOB_GPUS = 1024  # gpuwatch.collector.alerts.DEFAULT_JOB_GPUS
-DEFAULT_CHECKPOINT_COST_S = 300.0  # gpuwatch.collector.alerts.DEFAULT_CHECKPOINT_COST_S
-LOG_LEVEL = Option("log_level", str, "info", "log level", one_of("debug", "info", "warning", "error"))
+def log_level_setting() -> Any:
+    """``log_level``, which every long-running command has."""
+    return setting("info", "log level", one_of("debug", "info", "warning", "error"))
 
-AGENT_OPTIONS: tuple[Option, ...] = (
-    Option("collector", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}",
-           "collector address HOST:PORT, or several HOST:PORT,HOST:PORT sharing one store (failed over in turn)",
-           addresses),
-    Option("node", str, None, "node name (default: the hostname)"),
-    Option("interval", float, 1.0, "fast-tier sampling interval in seconds", positive),
-    Option("slow_interval", float, 30.0, "slow-tier (reliability counters) interval in seconds", positive),
-    Option("batch_interval", float, 5.0, "how often a batch is cut and sent, seconds", positive),
-    Option("spool", str, None, "spool directory (default /var/lib/gpuwatch/spool or ~/.cache/gpuwatch/spool)"),
-    Option("spool_max_bytes", int, 256 * 1024 * 1024, "spool size bound; oldest batches dropped", positive),
-    Option("probe_socket", str, None, "Unix socket the in-process training probe sends to"),
-    Option("job_label", str, None, "environment variable naming the job (beyond SLURM/torchelastic)"),
-    Option("metrics_listen", str, None, "optional node-local Prometheus endpoint HOST:PORT", address),
-    Option("metrics_token_file", str, None, "bearer token Prometheus must send to the node-local endpoint"),
-    Option("metrics_names", str, "gpuwatch",
-           "metric names of the node-local endpoint: gpuwatch, or dcgm (dcgm-exporter's names and labels)",
-           one_of("gpuwatch", "dcgm")),
-    Option("tls_ca", str, None, "CA certificate (PEM) to verify the collector; enables TLS"),
-    Option("tls_cert", str, None, "client certificate (PEM) for mutual TLS"),
-    Option("tls_key", str, None, "client private key (PEM) for mutual TLS"),
-    Option("token_file", str, None, "file holding the bearer token sent to the collector"),
-    Option("insecure", bool, False,
-           "allow a plaintext token to a non-loopback collector, and metrics beyond loopback without a token"),
-    LOG_LEVEL,
-)
 
-COLLECTOR_OPTIONS: tuple[Option, ...] = (
-    Option("listen", str, f"127.0.0.1:{DEFAULT_COLLECTOR_PORT}", "gRPC listen address HOST:PORT", address),
-    Option("db", str, "gpuwatch.duckdb", "DuckDB database file (shorthand for --store PATH)"),
-    Option("store", str, None, "store URL: PATH or duckdb:///PATH (embedded DuckDB), chdb:///DIR (in-process "
-           "ClickHouse), clickhouse[s]://[USER:PASSWORD@]HOST:8123/DB (ClickHouse server); default --db"),
-    Option("clickhouse_cluster", str, None, "ClickHouse cluster NAME: tables are ReplicatedMergeTree ON CLUSTER "
-           "NAME behind Distributed tables (docs/scale.md)"),
-    Option("memory_limit", str, DEFAULT_MEMORY_LIMIT, "the store engine's memory limit (e.g. 1GB)"),
-    Option("span_retention", float, DEFAULT_SPAN_RETENTION_S, "seconds of raw probe spans kept per job (its own "
-           "clock; per-step aggregates and step marks are kept for --retention-days; 0 keeps all)", non_negative),
-    Option("retention_days", float, 30.0, "delete samples and events older than this (0 keeps everything)",
-           non_negative),
-    Option("max_workers", int, 16, "threads answering queries (ingest runs on the event loop, not on these)",
-           positive),
-    Option("max_in_flight", int, 4096, "batches received and not yet committed, all agents together; beyond it the "
-           "collector stops reading streams until the store catches up", positive),
-    Option("stream_idle_timeout", float, 300.0, "seconds an agent stream may send nothing before it is closed",
-           positive),
-    Option("max_ingest_streams", int, 20_000, "agent streams served at once; more are refused (RESOURCE_EXHAUSTED) "
-           "and retry later", positive),
-    Option("max_sample_age_days", float, 3650.0, "refuse batches with times further back than this", positive),
-    Option("max_sample_ahead_days", float, 30.0, "refuse batches with times further ahead than this", positive),
-    Option("metrics_listen", str, None, "Prometheus /metrics listen address HOST:PORT", address),
-    Option("metrics_interval", float, 5.0, "seconds between /metrics renders (a scrape gets the last one)",
-           positive),
-    Option("metrics_token_file", str, None, "bearer token Prometheus must send to /metrics"),
-    Option("metrics_gpu_telemetry", bool, True,
-           "export per-GPU and host telemetry on /metrics; false when Prometheus scrapes the agents' own /metrics"),
-    Option("tls_cert", str, None, "server certificate (PEM); enables TLS"),
-    Option("tls_key", str, None, "server private key (PEM)"),
-    Option("tls_client_ca", str, None, "CA (PEM) agents' client certificates must chain to (mutual TLS)"),
-    Option("token_file", str, None, "file holding the bearer token agents and queries must send"),
-    Option("insecure", bool, False, "allow listening on a non-loopback address without TLS"),
-    Option("alertmanager_url", str, None, "Prometheus Alertmanager base URL", http_url),
-    Option("webhook_url", str, None, "generic JSON webhook for alerts", http_url),
-    Option("model", str, None, "failure model file (default: the bundled model)"),
-    Option("score_interval", float, DEFAULT_SCORE_INTERVAL_S, "seconds between failure-scoring rounds", positive),
-    Option("score_clock", str, "auto", "time failure scoring runs on: wall, data (the newest sample's time, for "
-           "agents on simulated time or replays) or auto (data once the newest sample is over 15 min off the wall "
-           "clock)", one_of("auto", "wall", "data")),
-    Option("false_alarm_budget", float, 1.0, "failure alerts per 1,000 GPU-days accepted: the alert threshold is "
-           "calibrated to it on the fleet's recent scores", positive),
-    Option("jobs_interval", float, DEFAULT_JOBS_INTERVAL_S, "seconds between jobs-monitor rounds", positive),
-    Option("jobs_window", float, DEFAULT_JOBS_WINDOW_S, "seconds of recent spans analysed per job", positive),
-    Option("hang_threshold", float, DEFAULT_HANG_S,
-           "seconds without a completed step or op before a job counts as hung", non_negative),
-    Option("job_gpus", int, DEFAULT_JOB_GPUS, "GPUs of a typical job: sets its MTBF for the alerts' checkpoint advice",
-           positive),
-    Option("checkpoint_cost", float, DEFAULT_CHECKPOINT_COST_S,
-           "seconds one checkpoint stalls a job: the alerts' checkpoint-now break-even", positive),
-    LOG_LEVEL,
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client (the agent, the query commands, replay) proves itself to the collector and checks it: TLS
+    (``tls_ca``), mutual TLS (``tls_cert``/``tls_key``) and the bearer token in ``token_file``.
+    :func:`gpuwatch.core.security.client_channel` opens a channel with it."""
+
+    tls_ca: str | None = setting(None, "CA certificate (PEM) to verify the collector; enables TLS")
+    tls_cert: str | None = setting(None, "client certificate (PEM) for mutual TLS")
+    tls_key: str | None = setting(None, "client private key (PEM) for mutual TLS")
+    token_file: str | None = setting(None, "file holding the bearer token sent to the collector")
+    insecure: bool = setting(False, "allow a plaintext token to a non-loopback collector (the agent: also its "
+                                    "metrics endpoint beyond loopback without a token)")
+
+
+@dataclass(frozen=True)
+class AgentSettings(ClientSecurity):
+    """``gpuwatch agent`` (deploy/agent.toml). :class:`gpuwatch.agent.daemon.AgentConfig` extends it with what
+    one run adds."""
+
+    collector: str | None = setting(DEFAULT_COLLECTOR_ADDRESS, "collector address HOST:PORT, or several "
+                                    "HOST:PORT,HOST:PORT sharing one store (failed over in turn)", addresses)
+    node: str | None = setting(None, "node name (default: the hostname)")
+    interval: float = setting(1.0, "fast-tier sampling interval in seconds", positive)
+    slow_interval: float = setting(30.0, "slow-tier (reliability counters) interval in seconds", positive)
+    batch_interval: float = setting(5.0, "how often a batch is cut and sent, seconds", positive)
+    spool: str | None = setting(None, "spool directory (default /var/lib/gpuwatch/spool or ~/.cache/gpuwatch/spool)")
+    spool_max_bytes: int = setting(256 * 1024 * 1024, "spool size bound; oldest batches dropped", positive)
+    probe_socket: str | None = setting(None, "Unix socket the in-process training probe sends to")
+    job_label: str | None = setting(None, "environment variable naming the job (beyond SLURM/torchelastic)")
+    metrics_listen: str | None = setting(None, "optional node-local Prometheus endpoint HOST:PORT", address)
+    metrics_token_file: str | None = setting(None, "bearer token Prometheus must send to the node-local endpoint")
+    metrics_names: str = setting("gpuwatch", "metric names of the node-local endpoint: gpuwatch, or dcgm "
+                                 "(dcgm-exporter's names and labels)", one_of("gpuwatch", "dcgm"))
+    log_level: str = log_level_setting()
+
+
+@dataclass(frozen=True)
+class CollectorSettings:
+    """``gpuwatch collector`` (deploy/collector.toml); :func:`gpuwatch.apps.collector_cli.start_collector`."""
+
+    listen: str = setting(DEFAULT_COLLECTOR_ADDRESS, "gRPC listen address HOST:PORT", address)
+    db: str = setting("gpuwatch.duckdb", "DuckDB database file (shorthand for --store PATH)")
+    store: str | None = setting(None, "store URL: PATH or duckdb:///PATH (embedded DuckDB), chdb:///DIR (in-process "
+                                "ClickHouse), clickhouse[s]://[USER:PASSWORD@]HOST:8123/DB (ClickHouse server); "
+                                "default --db")
+    clickhouse_cluster: str | None = setting(None, "ClickHouse cluster NAME: tables are ReplicatedMergeTree ON "
+                                             "CLUSTER NAME behind Distributed tables (docs/scale.md)")
+    memory_limit: str = setting(DEFAULT_MEMORY_LIMIT, "the store engine's memory limit (e.g. 1GB)")
+    span_retention: float = setting(DEFAULT_SPAN_RETENTION_S, "seconds of raw probe spans kept per job (its own "
+                                    "clock; per-step aggregates and step marks are kept for --retention-days; 0 "
+                                    "keeps all)", non_negative)
+    retention_days: float = setting(30.0, "delete samples and events older than this (0 keeps everything)",
+                                    non_negative)
+    max_workers: int = setting(DEFAULT_QUERY_WORKERS, "threads answering queries (ingest runs on the event loop, "
+                               "not on these)", positive)
+    max_in_flight: int = setting(DEFAULT_MAX_IN_FLIGHT, "batches received and not yet committed, all agents "
+                                 "together; beyond it the collector stops reading streams until the store catches "
+                                 "up", positive)
+    stream_idle_timeout: float = setting(DEFAULT_STREAM_IDLE_S, "seconds an agent stream may send nothing before "
+                                         "it is closed", positive)
+    max_ingest_streams: int = setting(DEFAULT_MAX_INGEST_STREAMS, "agent streams served at once; more are refused "
+                                      "(RESOURCE_EXHAUSTED) and retry later", positive)
+    max_sample_age_days: float = setting(3650.0, "refuse batches with times further back than this", positive)
+    max_sample_ahead_days: float = setting(30.0, "refuse batches with times further ahead than this", positive)
+    metrics_listen: str | None = setting(None, "Prometheus /metrics listen address HOST:PORT", address)
+    metrics_interval: float = setting(5.0, "seconds between /metrics renders (a scrape gets the last one)",
+                                      positive)
+    metrics_token_file: str | None = setting(None, "bearer token Prometheus must send to /metrics")
+    metrics_gpu_telemetry: bool = setting(True, "export per-GPU and host telemetry on /metrics; false when "
+                                          "Prometheus scrapes the agents' own /metrics")
+    tls_cert: str | None = setting(None, "server certificate (PEM); enables TLS")
+    tls_key: str | None = setting(None, "server private key (PEM)")
+    tls_client_ca: str | None = setting(None, "CA (PEM) agents' client certificates must chain to (mutual TLS)")
+    token_file: str | None = setting(None, "file holding the bearer token agents and queries must send")
+    insecure: bool = setting(False, "allow listening on a non-loopback address without TLS")
+    alertmanager_url: str | None = setting(None, "Prometheus Alertmanager base URL", http_url)
+    webhook_url: str | None = setting(None, "generic JSON webhook for alerts", http_url)
+    model: str | None = setting(None, "failure model file (default: the bundled model)")
+    score_interval: float = setting(DEFAULT_SCORE_INTERVAL_S, "seconds between failure-scoring rounds", positive)
+    score_clock: str = setting("auto", "time failure scoring runs on: wall, data (the newest sample's time, for "
+                               "agents on simulated time or replays) or auto (data once the newest sample is over "
+                               "15 min off the wall clock)", one_of("auto", "wall", "data"))
+    false_alarm_budget: float = setting(DEFAULT_FALSE_ALARM_BUDGET, "failure alerts per 1,000 GPU-days accepted: "
+                                        "the alert threshold is calibrated to it on the fleet's recent scores",
+                                        positive)
+    jobs_interval: float = setting(DEFAULT_JOBS_INTERVAL_S, "seconds between jobs-monitor rounds", positive)
+    jobs_window: float = setting(DEFAULT_JOBS_WINDOW_S, "seconds of recent spans analysed per job", positive)
+    hang_threshold: float = setting(DEFAULT_HANG_S, "seconds without a completed step or op before a job counts "
+                                    "as hung", non_negative)
+    job_gpus: int = setting(DEFAULT_JOB_GPUS, "GPUs of a typical job: sets its MTBF for the alerts' checkpoint "
+                            "advice", positive)
+    checkpoint_cost: float = setting(DEFAULT_CHECKPOINT_COST_S, "seconds one checkpoint stalls a job: the alerts' "
+                                     "checkpoint-now break-even", positive)
+    log_level: str = log_level_setting()
+
+
+AGENT_OPTIONS: tuple[Option, ...] = options(AgentSettings)
+COLLECTOR_OPTIONS: tuple[Option, ...] = options(CollectorSettings)
+CLIENT_SECURITY_OPTIONS: tuple[Option, ...] = options(ClientSecurity)
+# the connection flags of the commands that query a collector (no config file: GPUWATCH_CONFIG is the agent's
+# or the collector's); --collector takes one address there
+CONNECTION_OPTIONS: tuple[Option, ...] = (
+    Option("collector", str, DEFAULT_COLLECTOR_ADDRESS, "collector HOST:PORT", address),
+    *CLIENT_SECURITY_OPTIONS,
 )
 
 
@@ -224,6 +295,12 @@ class Config(Mapping[str, Any]):
 
     def source(self, key: str) -> str:
         return self._sources[key]
+
+    def build(self, settings_class: type[T], **more: Any) -> T:
+        """An instance of ``settings_class`` (a dataclass of :func:`setting` fields, perhaps with more fields)
+        from the values it declares, plus ``more`` (values of its other fields, or overriding ones)."""
+        names = {f.name for f in fields(settings_class)}  # type: ignore[arg-type]
+        return settings_class(**{**{k: v for k, v in self._values.items() if k in names}, **more})
 
     def __repr__(self) -> str:
         return f"Config({self._values!r})"
@@ -288,15 +365,18 @@ def load_config(
     args: argparse.Namespace | Mapping[str, Any] | None = None,
     env: Mapping[str, str] = os.environ,
     path: str | os.PathLike[str] | None = None,
+    *,
+    config_file: bool = True,
 ) -> Config:
     """Merge defaults, the TOML file, ``GPUWATCH_<KEY>`` variables and flags (None = flag not given).
 
-    The file is ``path``, else the ``config`` flag, else ``$GPUWATCH_CONFIG``, else none. Unknown keys in the
-    file are errors; unrelated ``GPUWATCH_*`` variables are ignored because components share one environment.
-    Raises :class:`UserError` naming key, source and problem.
+    The file is ``path``, else the ``config`` flag, else ``$GPUWATCH_CONFIG``, else none (always none when
+    ``config_file`` is false: commands that only talk to a collector read no file). Unknown keys in the file
+    are errors; unrelated ``GPUWATCH_*`` variables are ignored because components share one environment, and
+    an empty one counts as unset. Raises :class:`UserError` naming key, source and problem.
     """
     flags = _flag_values(args)
-    path = path or flags.get("config") or env.get(CONFIG_ENV)
+    path = (path or flags.get("config") or env.get(CONFIG_ENV)) if config_file else None
     options = {o.key: o for o in schema}
     values = {o.key: o.default for o in schema}
     sources = {o.key: "default" for o in schema}
@@ -317,7 +397,7 @@ def load_config(
                 raise _unknown_key(key, f"config file {file_path}", list(options))
             take(options[key], raw, f"config file {file_path}", _typed)
     for option in schema:
-        if option.env_var in env:
+        if env.get(option.env_var):  # set and not empty: VAR= unsets it, as in a shell
             take(option, env[option.env_var], f"environment variable {option.env_var}", _from_text)
     for option in schema:
         raw = flags.get(option.key)
@@ -327,9 +407,11 @@ def load_config(
     return Config(values, sources)
 
 
-def add_arguments(parser: argparse.ArgumentParser, schema: Sequence[Option]) -> None:
-    """Add ``--config`` and one flag per option; flags default to None so file and environment can apply."""
-    parser.add_argument("--config", metavar="PATH", help=f"TOML config file (env {CONFIG_ENV})")
+def add_arguments(parser: argparse.ArgumentParser, schema: Sequence[Option], *, config_file: bool = True) -> None:
+    """Add ``--config`` (unless ``config_file`` is false) and one flag per option; flags default to None so file
+    and environment can apply."""
+    if config_file:
+        parser.add_argument("--config", metavar="PATH", help=f"TOML config file (env {CONFIG_ENV})")
     for option in schema:
         shown = f"{option.help} (default: {option.default}; env {option.env_var})"
         if option.type is bool:

@@ -1,0 +1,54 @@
+"""A simulated node to point an agent at: ``gpuwatch agent --simulate N --sim-*`` in one object.
+
+The agent reads GPUs only through pynvml, process environments through a reader it is given, and job spans only
+through its probe intake; it knows nothing of the simulator. :class:`SimulatedNode` is what the application
+layer installs beneath it: a :class:`~gpuwatch.simulator.fleet.SimulatedFleet` on a
+:class:`~gpuwatch.simulator.clock.SimClock` (installed beneath pynvml while the node is entered), the scripted
+degradations of ``--sim-fault``, and the synthetic training job of ``--sim-job``, whose spans reach the agent
+as a span source like a probe's. ``clock``, ``environ`` and ``span_sources`` are what the agent is handed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from gpuwatch.simulator.clock import SimClock
+from gpuwatch.simulator.degrade import Degradation, FaultSpec
+from gpuwatch.simulator.fleet import SimulatedFleet
+from gpuwatch.simulator.job import SimJob
+from gpuwatch.v1 import telemetry_pb2 as pb
+
+
+class SimulatedNode:
+    """``gpus`` simulated ``model`` GPUs named ``node``, on simulated time running ``speed`` x the wall clock.
+
+    ``start``/``origin`` place the clock (:class:`SimClock`); ``faults`` degrade GPUs from ``start`` on;
+    ``job`` runs a synthetic training job of that id on every GPU (one rank each, steps of ``job_step_s``
+    simulated seconds). Raises ValueError naming the bad value (a model, a speed, a fault on a GPU the node lacks).
+    """
+
+    def __init__(self, gpus: int, *, node: str = "sim", model: str = "H100", speed: float = 1.0,
+                 start: float | None = None, origin: float | None = None, faults: Sequence[FaultSpec] = (),
+                 job: str | None = None, job_step_s: float = 1.0) -> None:
+        self.model = model
+        self.clock = SimClock(speed, start, origin)
+        self.fleet = SimulatedFleet(gpus, model=model, node=node, clock=self.clock, job_id=job)
+        self.job = SimJob(job, node, self.clock, ranks=gpus, step_s=job_step_s) if job else None
+        for spec in faults:  # a GPU the node lacks: ValueError from drive()
+            self.fleet.drive(spec.gpu, Degradation.from_spec(spec, node, self.clock.start))
+
+    @property
+    def environ(self) -> Callable[[int], dict[str, str] | None]:
+        """The environment of a simulated training process by PID (the agent's /proc/<pid>/environ)."""
+        return self.fleet.environ
+
+    @property
+    def span_sources(self) -> list[Callable[[], pb.SpanTable]]:
+        """The synthetic job's finished steps, drained like a probe listener's spans (none without a job)."""
+        return [self.job.spans] if self.job is not None else []
+
+    def __enter__(self) -> SimulatedNode:
+        self.fleet.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fleet.uninstall()
