@@ -37,8 +37,12 @@ PROMETHEUS = "/usr/bin/prometheus"
 TOKEN = "s3cret-token"  # the bearer token of the security tests
 T0 = 1_767_225_600_000  # 2026-01-01T00:00Z: where recorded and simulated test telemetry starts
 MIN = 60_000
+#: The real Kineto traces of the shared test data: ../shared beside the repository, or where the project's
+#: machines mount it (a clone elsewhere, as CI's, has no ../shared).
+KINETO_DATA = next((path for path in (os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto"),
+                                      "/work/shared/data/kineto") if os.path.isdir(path)), "/work/shared/data/kineto")
 #: Two ranks of a real 128-rank Kineto trace (shared test data).
-KINETO_SAMPLED = "/work/shared/data/kineto/sampled_2ranks_of128"
+KINETO_SAMPLED = os.path.join(KINETO_DATA, "sampled_2ranks_of128")
 
 
 # ------------------------------------------------------------------------------------------ waiting

@@ -7,10 +7,9 @@ import os
 from gpuwatch.apps.cli import main
 from gpuwatch.apps.analyze_cli import format_table
 from gpuwatch.efficiency.result import Analysis
+from helpers import KINETO_DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
-if not os.path.isdir(DATA):
-    DATA = "/work/shared/data/kineto"
+DATA = KINETO_DATA
 SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
 CATEGORIES = {"compute", "memcpy", "comm_transfer", "comm_wait", "bubble", "small_kernel_overhead", "host_stall", "idle_other"}
 

@@ -14,10 +14,9 @@ import pytest
 from gpuwatch.apps.cli import main
 from gpuwatch.efficiency.partition import CATEGORIES
 from gpuwatch.efficiency.html import COLOURS
+from helpers import KINETO_DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
-if not os.path.isdir(DATA):
-    DATA = "/work/shared/data/kineto"
+DATA = KINETO_DATA
 SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
 STRAGGLER_RED = (0xCF, 0x22, 0x2E)
 

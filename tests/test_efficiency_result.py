@@ -8,8 +8,9 @@ import orjson
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.load import load_paths
 from gpuwatch.efficiency.result import Analysis, Coverage, RankBreakdown, StepBreakdown, WhatIf
+from helpers import KINETO_DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
+DATA = KINETO_DATA
 SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
 
 

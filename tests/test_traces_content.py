@@ -11,8 +11,9 @@ import pytest
 from gpuwatch.collector.breakdowns import load_submitted
 from gpuwatch.core.errors import UserError
 from gpuwatch.efficiency.load import load_file
+from helpers import KINETO_DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
+DATA = KINETO_DATA
 GZ = os.path.join(DATA, "sampled_2ranks_of128", "rank1.json.gz")
 
 

@@ -16,10 +16,9 @@ from gpuwatch.efficiency.matching import match_collectives
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P
 from gpuwatch.efficiency.traces.kineto import load_kineto
 from gpuwatch.core.errors import UserError
+from helpers import KINETO_DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
-if not os.path.isdir(DATA):
-    DATA = "/work/shared/data/kineto"
+DATA = KINETO_DATA
 CONTROL = os.path.join(DATA, "control_rank3_of8", "rank3.json.gz")
 SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
 OLD_CATEGORIES = {"kernel": "Kernel", "gpu_memcpy": "Memcpy", "gpu_memset": "Memset", "cuda_runtime": "Runtime"}

@@ -11,10 +11,9 @@ import pytest
 
 from gpuwatch.efficiency import RankTimeline, analyze, load_paths
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, P2P
+from helpers import KINETO_DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "kineto")
-if not os.path.isdir(DATA):
-    DATA = "/work/shared/data/kineto"
+DATA = KINETO_DATA
 
 # Activity columns of the constructed timelines: (start, dur, kind, stream, name, step, coll_type, group, seq)
 STREAM_COMPUTE, STREAM_COMM, STREAM_P2P = 7, 20, 30
