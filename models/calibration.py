@@ -9,9 +9,12 @@ crosses that rarely.
 
 How (a peaks-over-threshold estimate, in logit space):
 
-1. Take every GPU's scores in a trailing window (default 14 days) — only observations strictly before the
-   decision time. Scores of a GPU in the two days before one of its faults (fault evidence already seen) are
-   left out: those alarms would have been true ones. So are its scores in the fault episode's hour after
+1. Take every GPU's scores in a trailing window (default 30 days) — only observations strictly before the
+   decision time, and only **settled** ones: older than two days, so that a fault that would make them true
+   alarms has had its chance to show. Scores of a GPU in the two days before one of its faults (fault
+   evidence already seen) are left out: those alarms would have been true ones. Without the settling, the
+   GPUs degrading right now (whose faults are still to come) sat among the highest "false" peaks, and the
+   threshold rose with every precursor in progress and fell after each fault. So are its scores in the fault episode's hour after
    it: those rows describe the fault itself (its XIDs, the precursor in the windows), and the alert policy
    opens no alert on a GPU that has just failed (models/alerting.py).
 2. Decluster: the rows above a high base level (the 99.5th percentile) form runs per GPU, split where the GPU
@@ -21,7 +24,9 @@ How (a peaks-over-threshold estimate, in logit space):
    tail above the k-th largest peak is taken as exponential in logit space (the generalised Pareto tail
    with shape 0), whose scale is the mean excess, and the threshold is extrapolated from it.
 
-Until the window holds ``MIN_GPU_DAYS`` the model's saved threshold is used: it is only the start value.
+Until the window holds ``MIN_GPU_DAYS`` of settled scores the model's saved threshold is used: it is only the
+start value. (With fewer, a budget of one alarm per 1,000 GPU-days is extrapolated from a few hours of a
+fleet and the threshold swings from one refresh to the next.)
 """
 from __future__ import annotations
 
@@ -32,11 +37,13 @@ import numpy as np
 
 from gpuwatch.models.faults import COALESCE_S
 
-WINDOW_S = 14 * 86400.0
-MIN_GPU_DAYS = 20.0
+WINDOW_S = 30 * 86400.0
+MIN_GPU_DAYS = 100.0
 REFRESH_S = 3600.0
 #: Rows a GPU's own fault makes "true": the alerts before it were right, whatever they cost.
 FAULT_LOOKBACK_S = 48 * 3600.0
+#: Scores younger than this are not yet known to be false alarms (their GPU may fail within the lookback).
+SETTLE_S = FAULT_LOOKBACK_S
 #: Rows after a fault that belong to its episode (faults.COALESCE_S): the fault, not a false alarm.
 FAULT_AFTERMATH_S = float(COALESCE_S)
 BASE_QUANTILE = 0.995
@@ -128,7 +135,7 @@ class BudgetCalibrator:
         while self._rounds and self._rounds[0][0] < now_ms - self.window_ms:
             self._rounds.popleft()
         self._computed_at_ms = int(now_ms)
-        past = [r for r in self._rounds if r[0] < now_ms]
+        past = [r for r in self._rounds if r[0] < now_ms - SETTLE_S * 1000]
         n_rows = sum(len(r[1]) for r in past)
         gpu_days = n_rows * self.step_ms / 86_400_000
         if gpu_days < self.min_gpu_days:

@@ -7,6 +7,11 @@ between fleets, whose typical counter levels, noise and temperatures differ (doc
   reset-aware: a drop is a driver reload, the new value is all growth) and the same growth against the
   GPU's own pace over the 18 h before them, and the last hour against the hour before it (a degradation
   keeps rising where a benign burst levels off);
+- the **shape of the last hours** of the commoner counters and of temperature: how many of the last six
+  hours ran above the GPU's own baseline, the last hour against the mean of those elevated hours and
+  against the busiest of the six, the rate 1-3 h ago against the baseline, and the slope of the hourly
+  mean temperature. A degradation builds up over hours and is still rising when the GPU fails; a benign
+  burst starts at full rate, stays flat and stops; a fan wearing out warms the GPU slowly;
 - each GPU against **its peers** at the same step: the fleet percentile of its growth (rank, so a fleet
   whose every GPU logs CRC noise does not look sick), its growth against its node's median, temperature
   and clock against the node median, power and utilisation against its job's median;
@@ -79,16 +84,21 @@ _PEER_INPUTS = ["temp", "mem_temp", "sm_clock", "power_ratio", "util"]
 #: Counters rare enough on a healthy GPU anywhere that their plain growth is a feature; the others enter the
 #: model only against the GPU's own baseline and its peers (their typical level differs between fleets).
 RARE_COUNTERS = ("dbe", "remap", "nvlink_replay")
+#: Counters common enough to have a shape over hours (the rare ones are one-off events).
+SHAPE_COUNTERS = ("sbe", "pcie_replay", "nvlink_crc", "throttle_thermal")
+#: Hours of the shape features.
+_SHAPE_H = 6
 
 
 def feature_names() -> list[str]:
     """Model input columns, in order."""
     names = [f"{c}_{k}" for c in RARE_COUNTERS for k in ("log1h", "log6h")]
     names += [f"{c}_{k}" for c in COUNTERS for k in ("vs_self", "trend", "accel")]
+    names += [f"{c}_{k}" for c in SHAPE_COUNTERS for k in ("vs_run", "from_peak", "persist6h", "before1h")]
     names += [f"{c}_{k}" for c in PEER_COUNTERS for k in ("rank1h", "rank6h", "vs_node")]
     names += [f"{r}_{k}" for r in REASONS for k in ("share1h", "share6h", "vs_self")]
     names += [*FLAGS, "pcie_width_ratio", "pcie_gen_ratio", "pcie_replay_over_limit"]
-    names += ["temp_trend", "temp_vs_self", "mem_temp_trend"]
+    names += ["temp_trend", "temp_vs_self", "mem_temp_trend", "temp_slope6h"]
     names += [f"xid_precursor_{w}h" for w in (1, 6, 24)]
     names += ["xid_app_1h", "xid_app_24h", "xid_fatal_1h", "xid_fatal_24h"]
     names += ["hours_since_precursor_xid"]
@@ -183,8 +193,8 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
     xid_at = _xid_bins(events, uniques, lo, n_bin, origin, step)
     floor = _life_start(xid_at, n_gpu, n_bin)
 
-    def win(x: np.ndarray, w: int) -> np.ndarray:
-        return _window_sum(x, w, floor)
+    def win(x: np.ndarray, w: int, back: int = 0) -> np.ndarray:
+        return _window_sum(x, w, floor, back)
     cols: dict[str, np.ndarray] = {}
     for short, sources in COUNTERS.items():
         inc = sum(dense_growth(c) for c in sources)
@@ -194,6 +204,16 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
         cols[f"{short}_vs_self"] = np.log1p(d1) - base
         cols[f"{short}_trend"] = np.log1p(d6 / 6) - base
         cols[f"{short}_accel"] = np.log1p(d1) - np.log1p(d2 - d1)  # still rising, not a burst that levelled off
+        if short in SHAPE_COUNTERS:
+            hourly = np.stack([win(inc, per_hour, k * per_hour) for k in range(_SHAPE_H)])  # [0] = the last hour
+            cols[f"{short}_from_peak"] = np.log1p(hourly[0]) - np.log1p(hourly.max(axis=0))
+            above = hourly > 2.0 * np.maximum(d24 - d6, 0.0) / _BASELINE_H + 1.0
+            n_above = above.sum(axis=0)
+            cols[f"{short}_persist6h"] = n_above / _SHAPE_H
+            run_mean = _ratio((hourly * above).sum(axis=0), n_above.astype(float))
+            cols[f"{short}_vs_run"] = np.where(n_above > 0, np.log1p(hourly[0]) - np.log1p(np.nan_to_num(run_mean)),
+                                               0.0)
+            cols[f"{short}_before1h"] = np.log1p((hourly[1] + hourly[2]) / 2) - base
         if short in PEER_COUNTERS:
             cols[f"_{short}_d1h"], cols[f"_{short}_d6h"] = d1, d6
     reasons = samples[REASON_COLUMN].to_numpy(dtype=float)
@@ -221,6 +241,10 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
         m1, m6, m24 = (_window_mean(means[short], w * per_hour, floor) for w in (1, 6, 24))
         cols[f"{short}_trend"] = m1 - m6
         if short == "temp":
+            present_h = (~np.isnan(means[short])).astype(float)
+            hourly_temp = np.stack([_ratio(win(np.nan_to_num(means[short]), per_hour, k * per_hour),
+                                           win(present_h, per_hour, k * per_hour)) for k in range(_SHAPE_H)])
+            cols["temp_slope6h"] = _hourly_slope(hourly_temp)
             n6 = win((~np.isnan(means[short])).astype(float), 6 * per_hour)
             n24 = win((~np.isnan(means[short])).astype(float), 24 * per_hour)
             cols["temp_vs_self"] = m1 - _ratio(m24 * n24 - np.nan_to_num(m6) * n6, n24 - n6)
@@ -230,12 +254,10 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
     cols.update(_event_features(xid_at, n_gpu, n_bin, per_hour, floor))
     gi, bi = np.nonzero(present) if anchor is None else (np.arange(n_gpu), np.full(n_gpu, n_bin - 1))
     node_gpu = uniques.to_series().str.split("\x00", expand=True) if n_gpu else pd.DataFrame(columns=[0, 1])
-    out = pd.DataFrame({"node": node_gpu[0].to_numpy()[gi], "gpu_index": node_gpu[1].astype(int).to_numpy()[gi],
-                        "t_ms": origin + (bi + lo) * step})
-    out["job_id"] = dense_job(samples["job_id"].astype(str).to_numpy()[order][last_of_bin], cells, n_gpu, n_bin)[gi, bi]
-    for name, arr in cols.items():
-        out[name] = arr[gi, bi]
-    return out
+    job = dense_job(samples["job_id"].astype(str).to_numpy()[order][last_of_bin], cells, n_gpu, n_bin)[gi, bi]
+    return pd.DataFrame({"node": node_gpu[0].to_numpy()[gi], "gpu_index": node_gpu[1].astype(int).to_numpy()[gi],
+                         "t_ms": origin + (bi + lo) * step, "job_id": job,
+                         **{name: arr[gi, bi] for name, arr in cols.items()}})
 
 
 def dense_job(values: np.ndarray, cells: np.ndarray, n_gpu: int, n_bin: int) -> np.ndarray:
@@ -256,13 +278,28 @@ def _cumsum0(x: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros((x.shape[0], 1)), np.cumsum(x, axis=1)], axis=1)
 
 
-def _window_sum(inc: np.ndarray, w: int, floor: np.ndarray | None = None) -> np.ndarray:
-    """Sum over the last ``w`` bins of each GPU, not reaching back before ``floor`` (its life's first bin)."""
+def _window_sum(inc: np.ndarray, w: int, floor: np.ndarray | None = None, back: int = 0) -> np.ndarray:
+    """Sum over ``w`` bins of each GPU ending ``back`` bins before the current one (0: the last ``w`` bins),
+    not reaching back before ``floor`` (its life's first bin)."""
     cs = _cumsum0(inc)
     n = inc.shape[1]
     idx = np.arange(1, n + 1)
-    start = np.maximum(idx - w, 0)[None, :] if floor is None else np.maximum(idx - w, floor)
-    return cs[:, idx] - np.take_along_axis(cs, np.broadcast_to(start, inc.shape), axis=1)
+    lowest = np.zeros((1, n), np.int64) if floor is None else floor
+    end = np.maximum(idx - back, lowest)
+    start = np.maximum(idx - back - w, lowest)
+    return (np.take_along_axis(cs, np.broadcast_to(end, inc.shape), axis=1)
+            - np.take_along_axis(cs, np.broadcast_to(start, inc.shape), axis=1))
+
+
+def _hourly_slope(hourly: np.ndarray) -> np.ndarray:
+    """Least-squares slope per hour of values given newest first (``hourly[0]`` = the last hour), over the
+    hours that have a value (NaN where fewer than two have)."""
+    seen = ~np.isnan(hourly)
+    x = np.broadcast_to(-np.arange(len(hourly), dtype=float).reshape(-1, *[1] * (hourly.ndim - 1)), hourly.shape)
+    n = seen.sum(axis=0)
+    x_mean = _ratio(np.where(seen, x, 0.0).sum(axis=0), n.astype(float))
+    dx = np.where(seen, x - x_mean, 0.0)
+    return np.where(n >= 2, _ratio((dx * np.nan_to_num(hourly)).sum(axis=0), (dx ** 2).sum(axis=0)), np.nan)
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -132,3 +132,22 @@ def test_scores_just_after_a_fault_neither_alert_nor_raise_the_bar():
     assert len(mine) == 1 and mine["end_ms"].iloc[0] == fault_ms - 1  # one alert, ended by the fault
     at = rows["t_ms"].to_numpy() == T0 + 6 * 86_400_000
     assert told.threshold[at][0] < untold.threshold[at][0]
+
+
+def test_scores_count_as_false_alarms_only_once_settled():
+    """A GPU scoring high right now may be failing (its fault still to come): its scores join the false-alarm
+    estimate only once two days have passed without a fault of it."""
+    rows = fleet_scores(n_gpus=32, days=10)
+    later = T0 + 9 * 86_400_000
+
+    def threshold_with_a_burst(ends_before_ms: int) -> float:
+        r = rows.copy()
+        burst = (r["node"] == "n0") & (r["gpu_index"] == 0) & r["t_ms"].between(ends_before_ms - 6 * HOUR,
+                                                                              ends_before_ms)
+        r.loc[burst, "risk"] = 0.99
+        rep = replay(r, r["risk"].to_numpy(), NO_FAULTS, policy=AlertPolicy(0.5), step_s=STEP_S, budget=5.0)
+        return float(rep.threshold[r["t_ms"].to_numpy() == later][0])
+
+    quiet = threshold_with_a_burst(T0)  # no burst inside the data
+    assert threshold_with_a_burst(later - 12 * HOUR) == quiet  # too recent to be known false
+    assert threshold_with_a_burst(later - 3 * 86_400_000) > quiet  # settled: a false alarm raises the bar

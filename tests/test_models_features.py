@@ -85,3 +85,26 @@ def test_accel_tells_a_rising_rate_from_one_that_levelled_off():
                             minute_samples("n1", 1, minutes, gpu_pcie_replay_total=flat)]), event_rows())
     last = f[f["t_ms"] == f["t_ms"].max()].set_index("gpu_index")
     assert last.loc[0, "pcie_replay_accel"] > 0.3 > abs(last.loc[1, "pcie_replay_accel"])
+
+
+def test_shape_tells_a_building_degradation_from_a_burst_that_stopped_and_a_slow_drift():
+    """Over 6 h: errors building up hour by hour, a flat burst that ran 2 h and stopped 30 min ago, and a GPU
+    warming 8 C over two days against one heating 15 C in its last 3 h."""
+    minutes = 8 * 60
+    m = np.arange(minutes)
+    building = np.cumsum(np.clip(m - 120, 0, None) / 60.0)  # rate rising from minute 120 to the end
+    burst = np.cumsum(np.where((m >= minutes - 150) & (m < minutes - 30), 40.0, 0.0))
+    drift = 50 + 8 * m / (48 * 60)
+    heating = 50 + 15 * np.clip((m - (minutes - 180)) / 180, 0, 1) ** 2
+    f = features(pd.concat([minute_samples("n1", 0, minutes, gpu_pcie_replay_total=building),
+                            minute_samples("n1", 1, minutes, gpu_pcie_replay_total=burst),
+                            minute_samples("n1", 2, minutes, gpu_temperature_celsius=drift),
+                            minute_samples("n1", 3, minutes, gpu_temperature_celsius=heating)]), event_rows())
+    last = f[f["t_ms"] == f["t_ms"].max()].set_index("gpu_index")
+    assert last.loc[0, "pcie_replay_vs_run"] > 0.3 > 0 > last.loc[1, "pcie_replay_vs_run"]
+    assert last.loc[0, "pcie_replay_from_peak"] == 0 > -0.5 > last.loc[1, "pcie_replay_from_peak"]
+    assert last.loc[0, "pcie_replay_persist6h"] > last.loc[1, "pcie_replay_persist6h"] > 0
+    assert last.loc[3, "temp_slope6h"] > 1.0 > 0.5 > last.loc[2, "temp_slope6h"] > 0
+    first_hours = f[f["t_ms"] <= f["t_ms"].min() + 3_600_000 * 2]
+    assert (first_hours["pcie_replay_persist6h"] == 0).all()  # the future is not seen
+    assert (first_hours.loc[first_hours["gpu_index"] == 3, "temp_slope6h"].fillna(0) == 0).all()
