@@ -118,7 +118,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
                   for name, m in (("retrained", model), ("shipped", shipped_model))}
     if args.save_default:
         save_model(shipped_model, default_model_path())
-        MODEL_CARD.write_text(model_card(shipped_model, shipped_sets, shipped, args))
+        MODEL_CARD.write_text(model_card(shipped_model, shipped_sets, shipped, validation["shipped"], args))
         print(f"default model written: {default_model_path()} ({default_model_path().stat().st_size:,} bytes), "
               f"card {MODEL_CARD}")
     score_s = time_score(work / f"{args.heldout_profile}-202", args.budget)
@@ -157,7 +157,7 @@ def train_shipped(args: argparse.Namespace, work: Path, times: dict) -> tuple[di
     return model, names
 
 
-def model_card(model: dict, trained_on: list[str], result: dict, args: argparse.Namespace) -> str:
+def model_card(model: dict, trained_on: list[str], result: dict, validation: dict, args: argparse.Namespace) -> str:
     """The shipped model's card: what it was trained on and how it did on a configuration it never saw."""
     return "\n".join([
         "# Shipped failure model (models/data/default_model.skops)", "",
@@ -172,6 +172,9 @@ def model_card(model: dict, trained_on: list[str], result: dict, args: argparse.
         f"Budget {args.budget:g} false alarms per 1,000 GPU-days, threshold calibrated online on the fleet's own "
         "unlabelled scores; rules = DCGM health limits on 1-h rates, one scale factor tuned to the same budget on the "
         "training data.", "", "```", format_table(result), "```", "",
+        f"## Validation configuration: `{args.validation_profile}` (seed 303), neither trained on nor held out", "",
+        "Where the features, the training set and the calibration were chosen; same budget and columns.", "",
+        "```", format_table(validation), "```", "",
         "Sudden faults (GSP, fell off the bus without warning) are not predictable from telemetry; they are "
         "reported apart (`event_recall_sudden`). Re-evaluate on your own fleet (`gpuwatch evaluate`, `gpuwatch "
         "score`) before trusting the numbers above.", ""])
