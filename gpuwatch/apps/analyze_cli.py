@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# The analysis does no linear algebra, but numpy's OpenBLAS starts a thread per core as numpy is imported
+# (in this process and in every worker reading a trace), which slows the start, most on a busy machine
+# (docs/efficiency.md, "Speed"). One thread, unless the user says otherwise; set before the imports below
+# bring numpy in.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.efficiency.engine import analyze
