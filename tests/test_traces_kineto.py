@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from collections import Counter
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from gpuwatch.efficiency import analyze, load_paths
 from gpuwatch.efficiency.timeline import COLLECTIVE, P2P
+from gpuwatch.efficiency.traces.collectives import is_comm_kernel
 from gpuwatch.efficiency.traces.kineto import load_kineto
 from gpuwatch.core.errors import UserError
 from helpers import KINETO_DATA
@@ -161,3 +163,13 @@ def test_bad_inputs_name_the_file(tmp_path):
     other_job = write_trace(tmp_path / "other.json", COMM_EVENTS, rank=1, world=16)
     with pytest.raises(UserError, match="different jobs"):
         analyze(load_paths([good, other_job]))
+
+
+@pytest.mark.parametrize("name", ["ncclDevKernel_AllGather_RING_LL", "NCCLKERNEL_x", "void RCCL<float>", "hcclSend",
+                                  "cross_device_reduce_1stage", "UserBuffers_fp8", "ampere_sgemm_128x64", "n_ccl",
+                                  "kernel_\u212a_nccl", "NCC\u0141", "USERBUFFER\u017f"])
+def test_comm_kernel_names_read_as_by_the_case_insensitive_pattern(name):
+    """The fast path for ASCII names (lower-case, then `in`) answers as the case-insensitive expression does,
+    and names with other characters are left to the expression."""
+    expected = re.search("nccl|rccl|hccl|cross_device_reduce|userbuffers", name, re.IGNORECASE) is not None
+    assert is_comm_kernel(name) == expected
