@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if (args.flops_per_step is None) != (args.peak_tflops is None):
         raise UserError("MFU needs both --flops-per-step and --peak-tflops; give both or neither")
-    timelines = load_paths(args.paths, progress=_progress)
+    timelines = load_paths(args.paths, progress=_progress, fork=True)  # this command runs nothing else
     doc = analyze(
         timelines, per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
         peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, keep_segments=bool(args.perfetto),
