@@ -8,18 +8,23 @@ waited-for children: gpuwatch's workers come from a fork server, which nobody wa
 turns and the best of `--runs` counts, with the load average before and after, as the machine may be
 shared. Then the agreement of compute and idle with HTA's temporal breakdown over HTA's window
 (`--steps hta`), and where gpuwatch's time goes: decompression alone (zlib and ISA-L), the floor of
-reading everything (decompression and a full orjson parse), gpuwatch's filtered stream, the whole load,
-the breakdown, the what-if, the JSON output, and the interpreter with its imports (also `python -c pass`
-of each tool's interpreter: their start-up differs with the site hooks of each environment).
+reading everything (decompression and a full orjson parse), the floor of reading only what gpuwatch keeps
+(decompression and an orjson parse of just those events), gpuwatch's filtered stream, the whole load, the
+breakdown, the what-if, the JSON output, and the interpreter with its imports (also `python -c pass` of
+each interpreter: their start-up differs with the site hooks of each environment).
 
-CPU time is printed beside the wall time: on a loaded machine it moves far less than wall time. HTA comes
-from this interpreter when it imports (`pip install HolisticTraceAnalysis==0.5.0`, bench only), else from
-a venv (`--hta-venv`, default ~/.cache/gpuwatch-bench/hta-venv, created on first use). The project's
-sources are byte-compiled first, as a regular install does. Targets: >= 12x on single traces, >= 20x on
-the 8-rank set, agreement within 0.5 % of the window.
+Both tools run as a user installs them, each from a venv made the same way (`python -m venv`, no system
+site-packages): HTA from `--hta-venv` (default ~/.cache/gpuwatch-bench/hta-venv, HolisticTraceAnalysis
+0.5.0 installed on first use; or this interpreter, if it imports HTA), gpuwatch as the `gpuwatch` command
+of a regular install of this tree into `--gpuwatch-venv` (reinstalled every run). Beside them: `python -m
+gpuwatch` of this (development) interpreter, which pays this machine's .pth hooks and the editable
+install's finder at every start, and with `--old-tree DIR` an older tree installed as this one is, for a
+before/after in the same run. CPU time is printed beside the wall time: on a loaded machine it moves far
+less than wall time. Targets: >= 12x on single traces, >= 20x on the 8-rank set, agreement within 0.5 %
+of the window.
 
     python bench/analyze.py [--trace FILE ...] [--runs 3] [--multi-runs 2] [--multi-mb 450] [--no-hta]
-                            [--hta-venv DIR] [--keep DIR] [--only-multi]
+                            [--hta-venv DIR] [--gpuwatch-venv DIR] [--old-tree DIR] [--keep DIR] [--only-multi]
 """
 from __future__ import annotations
 
@@ -233,12 +238,12 @@ def compare(label: str, folder: str, size_mb: float, runs: int, python: str | No
     gw, hta = best["gpuwatch"], best.get("hta")
     print(f"\n{label} ({size_mb:.1f} MB on disk); best of {runs}, taking turns; load average before {load_before}, "
           f"after {_load()}")
-    print(f"{'tool':<26}{'wall s (best)':>14}{'all runs':>22}{'CPU s (tree)':>14}{'peak MB (tree)':>16}")
+    print(f"{'tool':<26}{'wall s (best)':>14}  {'all runs':<32}{'CPU s (tree)':>14}{'peak MB (tree)':>16}")
     for name, row in (("gpuwatch analyze --json", gw), ("HTA 0.5.0 temporal", hta),
                       ("(python -m gpuwatch, dev)", best["dev"]), ("(older tree, installed)", best.get("old"))):
         if row is not None:
             walls = ", ".join(f"{w:.2f}" for w in row["walls"])
-            print(f"{name:<26}{row['wall_s']:>14.2f}{walls:>22}{row['cpu_s']:>14.2f}{row['peak_mb']:>16.0f}")
+            print(f"{name:<26}{row['wall_s']:>14.2f}  {walls:<32}{row['cpu_s']:>14.2f}{row['peak_mb']:>16.0f}")
     if hta is not None:
         print(f"speed-up {hta['wall_s'] / gw['wall_s']:.1f}x wall, {hta['cpu_s'] / gw['cpu_s']:.1f}x CPU time; "
               f"memory {gw['peak_mb'] / hta['peak_mb']:.2f}x of HTA; development venv {hta['wall_s'] / best['dev']['wall_s']:.1f}x wall")
