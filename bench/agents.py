@@ -10,10 +10,15 @@ that process, timestamps of that slot); the collector decodes and stores each ba
 
 Printed per N: metric values/s acknowledged (= committed; acks follow the commit), batches/s, ack latency
 p50/p99 (send to ack, measured in the emulator), how many agents got at least one ack, the latency of
-``ListNodes`` queries issued during the run, and the collector's peak RSS. ``--idle K`` first opens K
-streams that never send (the "idle streams starve the server" reproduction).
+``ListNodes`` queries issued during the run, the collector's peak RSS, the CPU (user + system) per acked
+batch of the collector and of the emulator processes (what the emulator itself takes from the shared
+cores), and the load average. Streams that failed are counted by status, with how long after they were
+opened they failed and whether before their first ack. ``--idle K`` first opens K streams that never
+send (the "idle streams starve the server" reproduction). ``--before-python PY`` runs each N first against
+the collector of another installation (the previous code in its own venv), with the same emulator.
 
-    python bench/agents.py [--agents 500,2000,5000] [--seconds 30] [--procs 2] [--idle 0]
+    python bench/agents.py [--agents 500,2000,5000] [--seconds 30] [--procs 2] [--idle 0] [--connect-rate 400]
+                           [--before-python PY]
 """
 from __future__ import annotations
 
@@ -130,11 +135,13 @@ async def _agent(index: int, address: str, args: argparse.Namespace, bodies: Slo
             while not new_batches.empty():  # queued batches are in unacked already
                 new_batches.get_nowait()
             resend = [unacked[seq] for seq in sorted(unacked)]
+            call_started, call_acks = time.perf_counter(), 0
             try:
                 call = channel.stream_stream(_STREAM, request_serializer=None,
                                              response_deserializer=pb.BatchAck.FromString)(requests(resend))
                 async for ack in call:
                     unacked.pop(ack.sequence, None)
+                    call_acks += 1
                     t = sent_at.pop(ack.sequence, None)
                     if t is not None and stats["measuring"]:
                         stats["latencies"].append(time.perf_counter() - t)
@@ -148,6 +155,8 @@ async def _agent(index: int, address: str, args: argparse.Namespace, bodies: Slo
                 if stop.is_set():
                     return
                 stats["errors"][f"{exc.code().name} (reconnected)"] += 1
+                stats["details"].setdefault(exc.code().name, exc.details())
+                stats["failed_calls"].append((time.perf_counter() - call_started, call_acks))
                 await asyncio.sleep(random.uniform(backoff / 2, backoff))
                 backoff = min(10.0, backoff * 2)
     finally:
@@ -184,7 +193,8 @@ def emulator(first: int, count: int, idle: int, address: str, args: argparse.Nam
 
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # streams torn down at the end are not news
     raise_open_file_limit()  # one connection, i.e. one fd, per agent
-    stats = {"sent": 0, "acked": 0, "latencies": [], "measuring": False, "errors": Counter()}
+    stats = {"sent": 0, "acked": 0, "latencies": [], "measuring": False, "errors": Counter(), "details": {},
+             "failed_calls": []}
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -194,8 +204,8 @@ def emulator(first: int, count: int, idle: int, address: str, args: argparse.Nam
         tasks = []
         for i in range(count):
             tasks.append(asyncio.create_task(_agent(first + i, address, args, bodies, stats, stop, connected)))
-            if i % 100 == 99:
-                await asyncio.sleep(0.25)  # connect in waves, as a rolling fleet start would
+            if i % 50 == 49:  # connect in waves of 50, as a rolling fleet start would, at --connect-rate
+                await asyncio.sleep(50 * args.procs / args.connect_rate)
         loop = asyncio.get_running_loop()
         while True:
             command = await loop.run_in_executor(None, control.get)
@@ -204,7 +214,8 @@ def emulator(first: int, count: int, idle: int, address: str, args: argparse.Nam
             elif command == "report":
                 stats["measuring"] = False
                 results.put({"acked": stats["acked"], "sent": stats["sent"], "latencies": stats["latencies"],
-                             "connected": connected[0], "errors": dict(stats["errors"])})
+                             "connected": connected[0], "errors": dict(stats["errors"]),
+                             "details": stats["details"], "failed_calls": stats["failed_calls"]})
             elif command == "stop":
                 stop.set()
                 await asyncio.wait(tasks + idle_tasks, timeout=10)
@@ -213,11 +224,11 @@ def emulator(first: int, count: int, idle: int, address: str, args: argparse.Nam
     asyncio.run(main())
 
 
-def start_collector(tmp: str, log_level: str) -> tuple[subprocess.Popen, str]:
+def start_collector(tmp: str, log_level: str, python: str = sys.executable) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{_free_port()}"
     log = open(os.path.join(tmp, "collector.log"), "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatch", "collector", "--listen", address, "--db", os.path.join(tmp, "agents.duckdb"),
+        [python, "-m", "gpuwatch", "collector", "--listen", address, "--db", os.path.join(tmp, "agents.duckdb"),
          "--score-interval", "3600", "--jobs-interval", "3600", "--log-level", log_level],
         stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=raise_open_file_limit, cwd=tmp)
     line = proc.stdout.readline()
@@ -243,9 +254,21 @@ def query_latencies(address: str, stop: threading.Event, out: list) -> None:
             out.append(None)
 
 
-def run_fleet(n: int, args: argparse.Namespace) -> dict:
+def _cpu(processes: list[psutil.Process]) -> float:
+    """User + system CPU seconds of ``processes`` (0 for one that is gone)."""
+    total = 0.0
+    for p in processes:
+        try:
+            times = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def run_fleet(n: int, args: argparse.Namespace, python: str = sys.executable) -> dict:
     tmp = tempfile.TemporaryDirectory()
-    collector, address = start_collector(tmp.name, args.log_level)
+    collector, address = start_collector(tmp.name, args.log_level, python)
     ps = psutil.Process(collector.pid)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -264,9 +287,11 @@ def run_fleet(n: int, args: argparse.Namespace) -> dict:
     stop_queries = threading.Event()
     querier = threading.Thread(target=query_latencies, args=(address, stop_queries, queries), daemon=True)
     querier.start()
+    emulators = [psutil.Process(p.pid) for p in procs]
     for c in controls:
         c.put("measure")
     start = time.perf_counter()
+    cpu_before = _cpu([ps]), _cpu(emulators)
     peak_rss = 0
     while time.perf_counter() - start < args.seconds:
         peak_rss = max(peak_rss, ps.memory_info().rss)
@@ -274,6 +299,8 @@ def run_fleet(n: int, args: argparse.Namespace) -> dict:
     for c in controls:
         c.put("report")
     elapsed = time.perf_counter() - start
+    collector_cpu, emulator_cpu = _cpu([ps]) - cpu_before[0], _cpu(emulators) - cpu_before[1]
+    load = os.getloadavg()[0]
     reports = [results.get(timeout=120) for _ in procs]
     stop_queries.set()
     querier.join(15)
@@ -306,7 +333,11 @@ def run_fleet(n: int, args: argparse.Namespace) -> dict:
         "query_p50_ms": float(np.median(ok_queries)) if ok_queries else float("nan"),
         "query_max_ms": max(ok_queries) if ok_queries else float("nan"),
         "queries_failed": sum(1 for x in queries if x is None), "queries": len(queries), "errors": errors,
-        "collector_log": collector_log[-5:],
+        "collector_log": collector_log[-5:], "load": load,
+        "collector_ms_per_batch": collector_cpu / acked * 1000 if acked else float("nan"),
+        "emulator_ms_per_batch": emulator_cpu / acked * 1000 if acked else float("nan"),
+        "details": {code: detail for r in reports for code, detail in r["details"].items()},
+        "failed_calls": [f for r in reports for f in r["failed_calls"]],
     }
 
 
@@ -320,25 +351,38 @@ def main() -> int:
     parser.add_argument("--ticks", type=int, default=5, help="1 Hz ticks per batch")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between an agent's batches")
     parser.add_argument("--idle", type=int, default=0, help="extra streams that never send")
+    parser.add_argument("--connect-rate", type=float, default=400.0,
+                        help="new agent connections per second, all emulator processes together (at 800/s about "
+                             "1,000 of 5,000 agents' first streams failed within 50 ms and backed off)")
     parser.add_argument("--log-level", default="warning", help="the collector's log level")
+    parser.add_argument("--before-python", metavar="PY",
+                        help="also run each N against the collector of another installation (the previous code in "
+                             "its own venv), right before this one, with the same emulator")
     args = parser.parse_args()
     raise_open_file_limit()
     print(f"{values_per_batch(args.gpus, args.ticks)} values per batch ({args.gpus} GPUs x {args.ticks} ticks), "
-          f"one batch per agent every {args.interval:g} s; {args.idle} idle streams; {os.cpu_count()} CPUs", flush=True)
-    header = (f"{'agents':>7} {'expected b/s':>12} {'acked b/s':>10} {'values/s':>11} {'ack p50 ms':>10} "
-              f"{'ack p99 ms':>10} {'agents acked':>12} {'nodes p50/max ms':>16} {'RSS MiB':>8}")
-    rows = []
+          f"one batch per agent every {args.interval:g} s; agents connect at {args.connect_rate:g}/s; "
+          f"{args.idle} idle streams; {os.cpu_count()} CPUs", flush=True)
+    print(f"{'collector':>9} {'agents':>7} {'expected b/s':>12} {'acked b/s':>10} {'values/s':>11} {'ack p50 ms':>10} "
+          f"{'ack p99 ms':>10} {'agents acked':>12} {'nodes p50/max ms':>16} {'RSS MiB':>8} {'CPU ms/b coll/emu':>17} "
+          f"{'load':>5}", flush=True)
+    runs = [("before", args.before_python), ("this", sys.executable)] if args.before_python else [("this", sys.executable)]
     for n in (int(x) for x in args.agents.split(",")):
-        r = run_fleet(n, args)
-        rows.append(r)
-        print(header if len(rows) == 1 else "", end="\n" if len(rows) == 1 else "")
-        print(f"{r['agents']:>7} {r['expected_batches_s']:>12.0f} {r['batches_s']:>10.0f} {r['values_s']:>11,.0f} "
-              f"{r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} {r['agents_acked']:>6}/{r['agents']:<5} "
-              f"{r['query_p50_ms']:>7.0f}/{r['query_max_ms']:<8.0f} {r['rss_mib']:>8.0f}"
-              + (f"  failed queries {r['queries_failed']}/{r['queries']}" if r["queries_failed"] else "")
-              + (f"  errors {r['errors']}" if r["errors"] else ""), flush=True)
-        if r["errors"]:
-            print("   collector log:", *r["collector_log"], sep="\n   ", flush=True)
+        for label, python in runs:
+            r = run_fleet(n, args, python)
+            print(f"{label:>9} {r['agents']:>7} {r['expected_batches_s']:>12.0f} {r['batches_s']:>10.0f} "
+                  f"{r['values_s']:>11,.0f} {r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} {r['agents_acked']:>6}/{r['agents']:<5} "
+                  f"{r['query_p50_ms']:>7.0f}/{r['query_max_ms']:<8.0f} {r['rss_mib']:>8.0f} "
+                  f"{r['collector_ms_per_batch']:>8.2f}/{r['emulator_ms_per_batch']:<8.2f} {r['load']:>5.1f}"
+                  + (f"  failed queries {r['queries_failed']}/{r['queries']}" if r["queries_failed"] else "")
+                  + (f"  errors {r['errors']}" if r["errors"] else ""), flush=True)
+            if r["errors"]:
+                ages = np.array([age for age, _ in r["failed_calls"]])
+                print(f"   failed streams: median {np.median(ages):.1f} s / p90 {np.percentile(ages, 90):.1f} s after "
+                      f"they were opened, {sum(acks == 0 for _, acks in r['failed_calls'])} of {len(ages)} before "
+                      "their first ack; first error of each kind:",
+                      *(f"{k}: {v}" for k, v in r["details"].items()), sep="\n   ")
+                print("   collector log:", *r["collector_log"], sep="\n   ", flush=True)
     return 0
 
 

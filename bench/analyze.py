@@ -8,18 +8,23 @@ waited-for children: gpuwatch's workers come from a fork server, which nobody wa
 turns and the best of `--runs` counts, with the load average before and after, as the machine may be
 shared. Then the agreement of compute and idle with HTA's temporal breakdown over HTA's window
 (`--steps hta`), and where gpuwatch's time goes: decompression alone (zlib and ISA-L), the floor of
-reading everything (decompression and a full orjson parse), gpuwatch's filtered stream, the whole load,
-the breakdown, the what-if, the JSON output, and the interpreter with its imports (also `python -c pass`
-of each tool's interpreter: their start-up differs with the site hooks of each environment).
+reading everything (decompression and a full orjson parse), the floor of reading only what gpuwatch keeps
+(decompression and an orjson parse of just those events), gpuwatch's filtered stream, the whole load, the
+breakdown, the what-if, the JSON output, and the interpreter with its imports (also `python -c pass` of
+each interpreter: their start-up differs with the site hooks of each environment).
 
-CPU time is printed beside the wall time: on a loaded machine it moves far less than wall time. HTA comes
-from this interpreter when it imports (`pip install HolisticTraceAnalysis==0.5.0`, bench only), else from
-a venv (`--hta-venv`, default ~/.cache/gpuwatch-bench/hta-venv, created on first use). The project's
-sources are byte-compiled first, as a regular install does. Targets: >= 12x on single traces, >= 20x on
-the 8-rank set, agreement within 0.5 % of the window.
+Both tools run as a user installs them, each from a venv made the same way (`python -m venv`, no system
+site-packages): HTA from `--hta-venv` (default ~/.cache/gpuwatch-bench/hta-venv, HolisticTraceAnalysis
+0.5.0 installed on first use; or this interpreter, if it imports HTA), gpuwatch as the `gpuwatch` command
+of a regular install of this tree into `--gpuwatch-venv` (reinstalled every run). Beside them: `python -m
+gpuwatch` of this (development) interpreter, which pays this machine's .pth hooks and the editable
+install's finder at every start, and with `--old-tree DIR` an older tree installed as this one is, for a
+before/after in the same run. CPU time is printed beside the wall time: on a loaded machine it moves far
+less than wall time. Targets: >= 12x on single traces, >= 20x on the 8-rank set, agreement within 0.5 %
+of the window.
 
     python bench/analyze.py [--trace FILE ...] [--runs 3] [--multi-runs 2] [--multi-mb 450] [--no-hta]
-                            [--hta-venv DIR] [--keep DIR] [--only-multi]
+                            [--hta-venv DIR] [--gpuwatch-venv DIR] [--old-tree DIR] [--keep DIR] [--only-multi]
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ KINETO = os.path.join(ROOT, "..", "shared", "data", "kineto")
 DEFAULT_TRACES = [os.path.join(KINETO, "control_rank3_of8", "rank3.json.gz"),
                   os.path.join(KINETO, "ns_resolution_rank0", "rank0.json.gz")]
 VENV = os.path.expanduser("~/.cache/gpuwatch-bench/hta-venv")
+GW_VENV = os.path.expanduser("~/.cache/gpuwatch-bench/gpuwatch-venv")
 
 # Runs a command and prints its wall time and the peak of the RSS summed over its process tree.
 MEASURE = """
@@ -117,6 +123,7 @@ def paused(fn):
 def stream():
     for _ in TraceEventStream(path, only=_WANTED):
         pass
+kept = orjson.dumps([e for events in TraceEventStream(path, only=_WANTED) for e in events])
 tls = load_paths([path])
 m = match_collectives(tls)
 doc = analyze(tls)
@@ -126,16 +133,19 @@ print(json.dumps({
     "gunzip_isal_s": best(lambda: isal_zlib.decompress(raw, 31)) if gz else 0.0,
     "bare_floor_s": best(lambda: orjson.loads(gzip.decompress(raw) if gz else raw)),
     "best_floor_s": best(lambda: paused(lambda: orjson.loads(isal_zlib.decompress(raw, 31) if gz else raw))),
+    "kept_parse_s": best(lambda: paused(lambda: orjson.loads(kept))), "kept_mb": len(kept) / 1e6,
     "stream_s": best(stream), "load_s": best(lambda: load_paths([path])),
     "breakdown_s": best(lambda: analyze(tls, with_what_if=False)), "what_if_s": best(lambda: what_if(tls, m)),
-    "output_s": best(lambda: orjson.dumps({k: v for k, v in doc.items() if not k.startswith("_")},
-                                          option=orjson.OPT_INDENT_2)),
+    "output_s": best(lambda: orjson.dumps(doc.to_json(), option=orjson.OPT_INDENT_2)),
 }))
 """
 
 
 def measure(cmd: list[str]) -> dict:
-    result = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True, check=True)
+    # Run from elsewhere than the tree: `python -c` puts the working folder first on sys.path, and the
+    # tree's gpuwatch/ folder would shadow the installed package.
+    result = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True, check=True,
+                            cwd=tempfile.gettempdir())
     return json.loads(result.stdout)
 
 
@@ -155,6 +165,31 @@ def hta_python(use_hta: bool, venv: str) -> str | None:
             print(f"HTA 0.5.0 could not be installed: {install.stderr.strip()[-300:]}")
             return None
     return python
+
+
+def gpuwatch_command(venv: str, root: str = ROOT) -> list[str]:
+    """The `gpuwatch` command as a user installs it, in a venv made as HTA's is (`python -m venv`: no system
+    site-packages, so none of the machine's .pth hooks run at start-up) with a regular install of this tree
+    (byte-compiled by pip; not the editable install of a development venv, whose finder is imported by every
+    interpreter start). Its dependencies are this interpreter's, named as plain folders in a .pth file: a
+    folder named there goes on sys.path without the .pth files inside it being run. Reinstalled on every
+    run, so that it is the code of the tree (`root`: this one, or an older one to compare with)."""
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    site_dir = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    deps = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+    with open(os.path.join(site_dir, "gpuwatch_bench_deps.pth"), "w") as f:
+        f.write("".join(f"{p}\n" for p in deps))
+    with tempfile.TemporaryDirectory(prefix="gw-bench-wheel-") as wheels:
+        source = os.path.join(wheels, "src")  # built from a copy: a build leaves build/ behind
+        shutil.copytree(root, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__"))
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels, source],
+                       check=True, capture_output=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
+                        *[os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl")]], check=True, capture_output=True)
+    return [os.path.join(venv, "bin", "gpuwatch")]
 
 
 def best_of(runs: int, cmds: dict[str, list[str]]) -> dict[str, dict]:
@@ -181,15 +216,21 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
-STARTUP = [sys.executable, "-c", "import gpuwatch.apps.cli, gpuwatch.apps.analyze_cli, gpuwatch.efficiency.traces.kineto"]
+STARTUP = ["-c", "import gpuwatch.apps.cli, gpuwatch.apps.analyze_cli, gpuwatch.efficiency.traces.kineto"]
 
 
-def compare(label: str, folder: str, size_mb: float, runs: int, python: str | None) -> dict:
-    """gpuwatch and HTA on one folder, side by side (and gpuwatch's start-up alone); prints one table row
-    per tool."""
+def compare(label: str, folder: str, size_mb: float, runs: int, python: str | None, gpuwatch: list[str],
+            old: list[str] | None) -> dict:
+    """gpuwatch (the installed command `gpuwatch`, and this interpreter's `python -m gpuwatch`) and HTA on one
+    folder, side by side (and gpuwatch's start-up alone); prints one table row per tool."""
     load_before = _load()
-    cmds = {"gpuwatch": [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"], "startup": STARTUP,
-            "bare": [sys.executable, "-c", "pass"]}
+    cmds = {"gpuwatch": [*gpuwatch, "analyze", folder, "--json"],
+            "dev": [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"],
+            "startup": [os.path.join(os.path.dirname(gpuwatch[0]), "python"), *STARTUP],
+            "bare": [os.path.join(os.path.dirname(gpuwatch[0]), "python"), "-c", "pass"],
+            "dev_bare": [sys.executable, "-c", "pass"]}
+    if old:
+        cmds["old"] = [*old, "analyze", folder, "--json"]
     if python:
         cmds["hta"] = [python, "-c", HTA_SCRIPT, folder]
         cmds["hta_bare"] = [python, "-c", "pass"]
@@ -197,24 +238,28 @@ def compare(label: str, folder: str, size_mb: float, runs: int, python: str | No
     gw, hta = best["gpuwatch"], best.get("hta")
     print(f"\n{label} ({size_mb:.1f} MB on disk); best of {runs}, taking turns; load average before {load_before}, "
           f"after {_load()}")
-    print(f"{'tool':<26}{'wall s (best)':>14}{'all runs':>22}{'CPU s (tree)':>14}{'peak MB (tree)':>16}")
-    for name, row in (("gpuwatch analyze --json", gw), ("HTA 0.5.0 temporal", hta)):
+    print(f"{'tool':<26}{'wall s (best)':>14}  {'all runs':<32}{'CPU s (tree)':>14}{'peak MB (tree)':>16}")
+    for name, row in (("gpuwatch analyze --json", gw), ("HTA 0.5.0 temporal", hta),
+                      ("(python -m gpuwatch, dev)", best["dev"]), ("(older tree, installed)", best.get("old"))):
         if row is not None:
             walls = ", ".join(f"{w:.2f}" for w in row["walls"])
-            print(f"{name:<26}{row['wall_s']:>14.2f}{walls:>22}{row['cpu_s']:>14.2f}{row['peak_mb']:>16.0f}")
+            print(f"{name:<26}{row['wall_s']:>14.2f}  {walls:<32}{row['cpu_s']:>14.2f}{row['peak_mb']:>16.0f}")
     if hta is not None:
         print(f"speed-up {hta['wall_s'] / gw['wall_s']:.1f}x wall, {hta['cpu_s'] / gw['cpu_s']:.1f}x CPU time; "
-              f"memory {gw['peak_mb'] / hta['peak_mb']:.2f}x of HTA")
+              f"memory {gw['peak_mb'] / hta['peak_mb']:.2f}x of HTA; development venv {hta['wall_s'] / best['dev']['wall_s']:.1f}x wall")
         print(f"bare interpreter start-up (`python -c pass`): gpuwatch's {best['bare']['wall_s']:.3f} s wall / "
-              f"{best['bare']['cpu_s']:.3f} s CPU, HTA's {best['hta_bare']['wall_s']:.3f} / {best['hta_bare']['cpu_s']:.3f} s")
+              f"{best['bare']['cpu_s']:.3f} s CPU, HTA's {best['hta_bare']['wall_s']:.3f} / {best['hta_bare']['cpu_s']:.3f} s, "
+              f"the development venv's {best['dev_bare']['wall_s']:.3f} / {best['dev_bare']['cpu_s']:.3f} s (this machine's "
+              f".pth hooks and the editable install's finder)")
     return {"gpuwatch": gw, "hta": hta, "startup": best["startup"]}
 
 
-def single(trace: str, runs: int, python: str | None) -> None:
+def single(trace: str, runs: int, python: str | None, gpuwatch: list[str], old: list[str] | None) -> None:
     folder = tempfile.mkdtemp(prefix="gw-bench-")
     try:
         os.symlink(os.path.abspath(trace), os.path.join(folder, os.path.basename(trace)))
-        result = compare(f"trace {os.path.relpath(trace, ROOT)}", folder, os.path.getsize(trace) / 1e6, runs, python)
+        result = compare(f"trace {os.path.relpath(trace, ROOT)}", folder, os.path.getsize(trace) / 1e6, runs, python,
+                         gpuwatch, old)
         window = json.loads(measure([sys.executable, "-c", GPUWATCH_WINDOW, folder])["stdout"])[0]
         _print_window(window, json.loads(result["hta"]["stdout"])[0] if result["hta"] else None)
         phases = json.loads(subprocess.run([sys.executable, "-c", PHASES, trace], capture_output=True, text=True,
@@ -246,8 +291,12 @@ def _print_phases(p: dict, wall: float, startup: float) -> None:
     print(f"  decompression alone: zlib {p['gunzip_zlib_s']:.3f} s, ISA-L (what gpuwatch uses) {p['gunzip_isal_s']:.3f} s")
     print(f"  floor of reading everything: gzip.decompress + orjson.loads {p['bare_floor_s']:.3f} s; "
           f"ISA-L + orjson.loads with the cycle collector paused {p['best_floor_s']:.3f} s")
+    needed = p["gunzip_isal_s"] + p["kept_parse_s"]
+    print(f"  floor of reading what gpuwatch needs: ISA-L + orjson.loads of only the events it keeps ({p['kept_mb']:.1f} MB "
+          f"compact) {needed:.3f} s, as if finding them cost nothing")
     print(f"  gpuwatch stream (decompress + filter + parse of the events it needs) {p['stream_s']:.3f} s = "
-          f"{p['stream_s'] / p['bare_floor_s']:.2f}x of the bare floor, {p['stream_s'] / p['best_floor_s']:.2f}x of the best")
+          f"{p['stream_s'] / p['bare_floor_s']:.2f}x of the bare floor, {p['stream_s'] / p['best_floor_s']:.2f}x of the best, "
+          f"{p['stream_s'] / needed:.2f}x of the floor of what it needs")
     print(f"  load (stream + columns + launch/step/collective joins) {p['load_s']:.3f} s; "
           f"classification and breakdown {p['breakdown_s']:.3f} s; what-if {p['what_if_s']:.3f} s; "
           f"JSON output {p['output_s']:.3f} s")
@@ -293,13 +342,14 @@ def _shift(e: dict, shift: float, corr_shift: int) -> dict:
     return e
 
 
-def multi(trace: str, target_mb: int, runs: int, python: str | None, keep: str | None) -> None:
+def multi(trace: str, target_mb: int, runs: int, python: str | None, gpuwatch: list[str], old: list[str] | None,
+          keep: str | None) -> None:
     folder = keep or tempfile.mkdtemp(prefix="gw-bench-multi-")
     os.makedirs(folder, exist_ok=True)
     try:
         size = build_synthetic(trace, folder, target_mb)
         result = compare(f"8-rank set built from {os.path.basename(os.path.dirname(trace))}", folder, size / 1e6,
-                         runs, python)
+                         runs, python, gpuwatch, old)
         gw_ranks = len(json.loads(result["gpuwatch"]["stdout"])["ranks"])
         hta_ranks = len(json.loads(result["hta"]["stdout"])) if result["hta"] else None
         print(f"ranks analysed: gpuwatch {gw_ranks}, HTA {hta_ranks}")
@@ -325,16 +375,22 @@ def main() -> None:
     parser.add_argument("--hta-venv", default=os.environ.get("GPUWATCH_HTA_VENV", VENV),
                         help=f"venv holding (or to hold) HTA 0.5.0, if this interpreter has none (default {VENV}, "
                              "or $GPUWATCH_HTA_VENV)")
+    parser.add_argument("--gpuwatch-venv", default=GW_VENV,
+                        help=f"venv to install this tree's gpuwatch into, as a user would (default {GW_VENV})")
+    parser.add_argument("--old-tree", metavar="DIR", help="also time the gpuwatch of this tree (e.g. a "
+                        "`git worktree add DIR COMMIT`), installed the same way: before/after in one run")
     parser.add_argument("--keep", help="write the 8-rank set here and keep it")
     parser.add_argument("--only-multi", action="store_true", help="skip the single traces")
     args = parser.parse_args()
     python = hta_python(not args.no_hta, args.hta_venv)
+    gpuwatch = gpuwatch_command(args.gpuwatch_venv)
+    old = gpuwatch_command(args.gpuwatch_venv + "-old", args.old_tree) if args.old_tree else None
     compile_sources()
     started = time.perf_counter()
     for trace in [] if args.only_multi else args.trace or DEFAULT_TRACES:
-        single(trace, args.runs, python)
+        single(trace, args.runs, python, gpuwatch, old)
     if args.multi_mb:
-        multi((args.trace or DEFAULT_TRACES)[0], args.multi_mb, args.multi_runs, python, args.keep)
+        multi((args.trace or DEFAULT_TRACES)[0], args.multi_mb, args.multi_runs, python, gpuwatch, old, args.keep)
     print(f"\nbench took {time.perf_counter() - started:.0f} s; load average now {_load()}")
 
 

@@ -4,8 +4,9 @@ Each sender is one agent (its own process, one gRPC stream, a bounded in-flight 
 batches of GPUS GPUs x TICKS ticks with every GPU and host field of gpuwatch.core.fields, serialized before the
 clock starts so the collector, not the senders, is the bottleneck. Prints metric values per second acked
 (= stored: acks come after commit), batches/s, the collector's CPU seconds per batch (user + sys of its
-process: a measure of its own cost that other load on the machine inflates far less than wall time), and
-checks the row counts in the store at the end.
+process: a measure of its own cost that other load on the machine inflates far less than wall time), the
+senders' own CPU per batch (what the load generator takes from the same cores), and checks the row counts
+in the store at the end.
 Target on a 2-core machine: >= 500,000 metric values/s. Then runs bench/agent_cost.py if it exists.
 
     python bench/ingest.py [--senders 4] [--batches 600] [--collector HOST:PORT]
@@ -61,9 +62,9 @@ def sender(agent: int, address: str, args: argparse.Namespace, ready: mp.Barrier
     batches = build_batches(agent, args.batches, args.gpus, args.ticks)
     ch = client.channel(address, timeout=30)
     ready.wait()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     acked = sum(1 for ack in client.stream_batches(ch, batches, window=args.window) if not ack.duplicate)
-    results.put((agent, acked, start, time.perf_counter(), sum(map(len, batches))))
+    results.put((agent, acked, start, time.perf_counter(), sum(map(len, batches)), _cpu_seconds() - cpu))
 
 
 def _cpu_seconds() -> float:
@@ -129,7 +130,10 @@ def main() -> int:
     host_rows = batches * args.ticks
     values = gpu_rows * len(fields.GPU_FIELD_NAMES) + host_rows * len(fields.HOST_FIELD_NAMES)
     megabytes = sum(r[4] for r in reports) / 1e6
-    print(f"senders: {args.senders}, window {args.window}, wall {elapsed:.2f} s, {megabytes:.1f} MB sent")
+    sender_cpu = sum(r[5] for r in reports)
+    print(f"senders: {args.senders}, window {args.window}, wall {elapsed:.2f} s, {megabytes:.1f} MB sent, "
+          f"load average {os.getloadavg()[0]:.1f}; the senders' own CPU: {sender_cpu:.2f} s, "
+          f"{sender_cpu / max(1, sum(r[1] for r in reports)) * 1000:.3f} ms per batch")
     print(f"acked (= committed): {batches} batches, {batches / elapsed:,.0f} batches/s, "
           f"{values / elapsed:,.0f} metric values/s, {gpu_rows / elapsed:,.0f} GPU rows/s")
     if server is not None:  # CPU of this process: the collector's, as the senders are processes of their own

@@ -551,6 +551,12 @@ def _server_options() -> list[tuple[str, Any]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
+        # gRPC core cancels a new call that waits longer than this (its default: 30 s) for the server to take
+        # it. The asyncio server takes one new call per turn of its event loop, so when thousands of agents
+        # (re)connect while ingest is saturated, streams wait longer than 30 s and were cancelled (CANCELLED
+        # at the agent, which reconnected and resent its window: bench/agents.py at 5,000 agents). A waiting
+        # stream costs a pending call's memory here; its batches wait in the agent's spool (HTTP/2 flow control).
+        ("grpc.server_max_unrequested_time_in_server", int(CONNECTION_IDLE_S)),
     ]
 
 

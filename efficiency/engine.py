@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from gpuwatch.efficiency.arrays import distinct
 from gpuwatch.efficiency.matching import match_collectives
 from gpuwatch.efficiency.partition import (
     CATEGORIES, COMPUTE_C, MEMCPY_C, Partition, StepSlice, partition,
@@ -111,7 +112,7 @@ def _verdict(stragglers: list[Straggler], coverage: Coverage) -> str:
 
 
 def _window_entry(window: dict, timelines: list[RankTimeline], parts: list[Partition]) -> Window:
-    steps = sorted({int(s) for tl in timelines for s in np.unique(tl.step) if s >= 0})
+    steps = sorted({int(s) for tl in timelines for s in distinct(tl.step) if s >= 0})
     return Window(
         **window,
         start_us=min(p.origin_us + _us(p.start_ns) for p in parts),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,15 +35,18 @@ def expand_paths(paths: list[str]) -> list[str]:
 
 
 def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None = None,
-               workers: int | None = None) -> list[RankTimeline]:
+               workers: int | None = None, fork: bool = False) -> list[RankTimeline]:
     """Rank timelines from Kineto JSON (plain/gz) and CSV/Parquet span tables; `progress(file, bytes)`
     is called as large files are read (it must be a module-level function to be used from workers).
 
     Several files are read by up to `workers` processes at once (default: one per CPU): parsing is
     CPU-bound Python, and a rank's timeline is a few arrays, cheap to send back. Workers come from a fork
     server, not a plain fork: the caller may be a collector or a test with gRPC threads running, and a
-    forked copy of those crashes. One file is read in this process: no worker, and the process-pool modules
-    are not even imported."""
+    forked copy of those crashes. A caller that runs nothing else (the `analyze` command) passes `fork=True`:
+    then, where a plain fork is safe (`_forkable`), the workers are forked copies of it that start at once
+    with what it has imported, instead of waiting for a fork server to start an interpreter and import the
+    reader (half a second of a 2-rank set on a busy 2-core machine). One file is read in this process: no
+    worker, and the process-pool modules are not even imported."""
     files = expand_paths(paths)
     default_rank = 0 if len(files) == 1 else None
     jobs = [(path, functools.partial(progress, path) if progress else None) for path in files]
@@ -51,13 +56,23 @@ def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None 
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    context = multiprocessing.get_context("forkserver")
-    # The server imports the reader once; each worker forked from it starts with it (else every worker
-    # imports numpy and the reader on its first file).
-    context.set_forkserver_preload(["gpuwatch.efficiency.traces.kineto"])
+    if fork and _forkable():
+        context = multiprocessing.get_context("fork")
+    else:
+        context = multiprocessing.get_context("forkserver")
+        # The server imports the reader once; each worker forked from it starts with it (else every worker
+        # imports numpy and the reader on its first file).
+        context.set_forkserver_preload(["gpuwatch.efficiency.traces.kineto"])
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         loaded = pool.map(functools.partial(_load_one, default_rank=default_rank), jobs)
         return [tl for found in loaded for tl in found]
+
+
+def _forkable() -> bool:
+    """Whether a plain fork of this process is safe: on Linux, with no other Python thread running and none
+    of the libraries loaded that start threads of their own (a forked child holds copies of their locks)."""
+    return (sys.platform == "linux" and threading.active_count() == 1
+            and not any(name in sys.modules for name in ("grpc", "duckdb", "chdb", "pyarrow")))
 
 
 def _load_one(job: tuple[str, Callable[[int], None] | None], default_rank: int | None) -> list[RankTimeline]:

@@ -12,6 +12,7 @@ from math import exp, lgamma, log
 
 import numpy as np
 
+from gpuwatch.efficiency.arrays import distinct, median
 from gpuwatch.efficiency.matching import Matching
 from gpuwatch.efficiency.result import Straggler
 
@@ -30,20 +31,20 @@ def find_stragglers(matching: Matching, busy_per_step_us: dict[int, float]) -> t
     np.maximum.at(latest, inst, start)
     at_latest = start == latest[inst]
     unique_last = at_latest & (np.bincount(inst, weights=at_latest)[inst] == 1)
-    median = _group_median(inst, start, len(ids))
+    median_start = _group_median(inst, start, len(ids))
 
     stragglers, delayed = [], []
-    for r in np.unique(rank):
+    for r in distinct(rank):
         mine = rank == r
         n = int(mine.sum())
         last = int(unique_last[mine].sum())
         chance = float(np.mean(1.0 / size[inst[mine]]))
         share = last / n
-        peers = np.setdiff1d(np.unique(rank[np.isin(inst, inst[mine])]), [r])
+        peers = [p for p in distinct(rank[np.isin(inst, inst[mine])]) if p != r]
         peer_busy = [busy_per_step_us[int(p)] for p in peers if int(p) in busy_per_step_us]
         if not peer_busy or share < (1 + chance) / 2 or _binomial_tail(n, last, chance) >= P_VALUE:
             continue
-        peer_median = float(np.median(peer_busy))
+        peer_median = median(peer_busy)
         busy = busy_per_step_us.get(int(r), 0.0)
         evidence = Straggler(
             rank=int(r),
@@ -51,7 +52,7 @@ def find_stragglers(matching: Matching, busy_per_step_us: dict[int, float]) -> t
             chance_share=round(chance, 4),
             collectives=n,
             last_count=last,
-            mean_lateness_us=round(float(np.mean(start[mine] - median[inst[mine]])), 3),
+            mean_lateness_us=round(float(np.mean(start[mine] - median_start[inst[mine]])), 3),
             busy_per_step_us=round(busy, 3),
             peer_median_busy_per_step_us=round(peer_median, 3),
             busy_ratio=round(busy / peer_median, 4) if peer_median > 0 else None,

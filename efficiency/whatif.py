@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpuwatch.efficiency.arrays import distinct, median
 from gpuwatch.efficiency.matching import Matching
 from gpuwatch.efficiency.result import KindSlowdown, RankSlowdown, WhatIf
 from gpuwatch.efficiency.timeline import COLLECTIVE, KIND_NAMES, P2P, UNKNOWN, RankTimeline
@@ -195,7 +196,7 @@ def _dependencies(start: np.ndarray, end: np.ndarray, lane: np.ndarray) -> tuple
     left out. Also each op's predecessor on its lane (-1 for the first)."""
     n = len(start)
     found = []
-    for ln in np.unique(lane):
+    for ln in distinct(lane):
         on = np.flatnonzero(lane == ln)
         p = np.searchsorted(start[on], start, side="left") - 1
         ok = p >= 0
@@ -206,7 +207,7 @@ def _dependencies(start: np.ndarray, end: np.ndarray, lane: np.ndarray) -> tuple
     dep = np.stack(found, axis=1) if found else np.empty((n, 0), np.int64)
     # The same-lane predecessor of each op (already implies what it depends on).
     pred = np.full(n, -1)
-    for ln in np.unique(lane):
+    for ln in distinct(lane):
         on = np.flatnonzero(lane == ln)
         pred[on[1:]] = on[:-1]
     implied = np.zeros_like(dep, dtype=bool)
@@ -324,9 +325,9 @@ def _ideal_durations(graph: _Graph) -> np.ndarray:
         sums = np.bincount(code[local], weights=graph.transfer[local], minlength=code.max() + 1)
         counts = np.bincount(code[local], minlength=code.max() + 1)
         ideal[local] = sums[code[local]] / counts[code[local]]
-    for c in np.unique(code[graph.comm]):
+    for c in distinct(code[graph.comm]):
         mine = graph.comm & (code == c)
-        ideal[mine] = np.median(graph.transfer[mine])
+        ideal[mine] = median(graph.transfer[mine])
     return ideal
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpuwatch.efficiency.arrays import distinct
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.core.errors import UserError
 
@@ -31,7 +32,7 @@ def select_steps(timelines: list[RankTimeline], spec: str | None) -> tuple[list[
         rule = f"activities of steps {shown} (by the step whose annotation holds their launch)"
     for before, after in zip(timelines, chosen):
         if not len(after):
-            known = sorted({int(s) for s in np.unique(before.step) if s >= 0})
+            known = sorted({int(s) for s in distinct(before.step) if s >= 0})
             have = f"steps {known[0]}..{known[-1]}" if known else "no step annotations"
             raise UserError(f"--steps {spec}: {before.source or f'rank {before.rank}'} has no GPU activity there ({have})")
     return chosen, {"selection": spec, "rule": rule}

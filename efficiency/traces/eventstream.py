@@ -155,16 +155,23 @@ class EventFilter:
         after = _bytes_at(data, starts + at_cat + length, len(to_name) + _words(self.name_prefixes, self.skip_heads))
         known = framed & wanted_phase & _rows_equal(window, len(head) + 1, to_cat) & closed & _rows_equal(after, 0, to_name)
         name = after[:, len(to_name):]
-        skipped = _starts_with_any(category, self.skip_categories) & np.isin(
-            np.ascontiguousarray(name[:, :8]).view(np.uint64)[:, 0], np.frombuffer(b"".join(self.skip_heads), np.uint64))
+        skipped = _starts_with_any(category, self.skip_categories) & _one_of(
+            np.ascontiguousarray(name[:, :8]).view(np.uint64)[:, 0], _sorted_words(self.skip_heads))
         wanted = (_starts_with_any(category, self.categories) & ~skipped) | _starts_with_any(name, self.name_prefixes)
         return known | other_phase, other_phase | (known & ~wanted)
 
 
 def occurrences(data: np.ndarray, pattern: bytes) -> np.ndarray:
     """Sorted start offsets of every occurrence of `pattern` in `data`, overlapping ones included (as
-    `bytes.rfind` would see them; a separator cannot overlap itself). The pattern's first bytes are compared
-    as one machine word at each alignment: each pass reads the buffer once, in numpy."""
+    `bytes.rfind` would see them; a separator cannot overlap itself). A pattern that starts with a brace
+    (an event separator: braces are a few bytes per event) is found by its first byte in one pass; otherwise
+    its first bytes are compared as one machine word at each alignment (a quote or a letter is too common
+    to start from): each pass reads the buffer once, in numpy."""
+    if pattern[:1] in (b"{", b"}"):
+        found = np.flatnonzero(data[:max(0, len(data) - len(pattern) + 1)] == pattern[0])
+        for k in range(1, len(pattern)):
+            found = found[data[found + k] == pattern[k]]
+        return found
     width = next(w for w in (4, 2, 1) if w <= len(pattern))
     word = np.frombuffer(pattern[:width], f"u{width}")[0]
     size = len(data) - len(pattern) + 1
@@ -252,6 +259,21 @@ def _word_chunks(prefixes: tuple[bytes, ...]) -> list[list[tuple[np.uint64, np.u
 
     return [[(word(b"\xff" * len(prefix[i:i + 8])), word(prefix[i:i + 8])) for i in range(0, len(prefix), 8)]
             for prefix in prefixes]
+
+
+@functools.lru_cache
+def _sorted_words(heads: tuple[bytes, ...]) -> np.ndarray:
+    """8-byte `heads` as sorted machine words, for `_one_of`."""
+    return np.sort(np.frombuffer(b"".join(heads), np.uint64))
+
+
+def _one_of(words: np.ndarray, sorted_words: np.ndarray) -> np.ndarray:
+    """Per word: whether it is one of `sorted_words` (a binary search each: `np.isin` sorts both sides on
+    every call, and imports numpy.ma on its first)."""
+    if not len(sorted_words):
+        return np.zeros(len(words), bool)
+    at = np.minimum(np.searchsorted(sorted_words, words), len(sorted_words) - 1)
+    return sorted_words[at] == words
 
 
 def _bytes_at(data: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gpuwatch.efficiency.arrays import distinct
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P, UNKNOWN, RankTimeline
 from gpuwatch.efficiency.traces.collectives import P2P_TYPES, canonical_type, is_comm_kernel
 from gpuwatch.efficiency.traces.eventstream import EventFilter, TraceContent, TraceEventStream
@@ -382,8 +383,9 @@ def _resolve_comm(got: _Collected, comm: np.ndarray, launch: np.ndarray, thread:
     unnamed = types == UNKNOWN
     by_name = np.frombuffer(got.comm_name_type, dtype=np.int32).copy()
     p2p_ids = [got.types[t] for t in P2P_TYPES if t in got.types]
-    for at in np.flatnonzero(unnamed & np.isin(by_name, p2p_ids)):  # a name alone is no evidence of p2p
-        seen = np.unique(types[~unnamed & (kernel_name == kernel_name[at])])
+    named_p2p = np.isin(by_name, p2p_ids) if p2p_ids else np.zeros(len(by_name), bool)
+    for at in np.flatnonzero(unnamed & named_p2p):  # a name alone is no evidence of p2p
+        seen = distinct(types[~unnamed & (kernel_name == kernel_name[at])])
         by_name[at] = seen[0] if len(seen) == 1 else got.types.id("unknown")
     types[unnamed] = by_name[unnamed]
     meta["coll_type"][comm] = types

@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# The analysis does no linear algebra, but numpy's OpenBLAS starts a thread per core as numpy is imported
+# (in this process and in every worker reading a trace), which slows the start, most on a busy machine
+# (docs/efficiency.md, "Speed"). One thread, unless the user says otherwise; set before the imports below
+# bring numpy in.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.efficiency.engine import analyze
@@ -38,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if (args.flops_per_step is None) != (args.peak_tflops is None):
         raise UserError("MFU needs both --flops-per-step and --peak-tflops; give both or neither")
-    timelines = load_paths(args.paths, progress=_progress)
+    timelines = load_paths(args.paths, progress=_progress, fork=True)  # this command runs nothing else
     doc = analyze(
         timelines, per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
         peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, keep_segments=bool(args.perfetto),

@@ -22,14 +22,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gpuwatch.core import settings
 from gpuwatch.core.errors import UserError
-from gpuwatch.core.settings import ClientSecurity
 from gpuwatch.core.times import parse_duration
+
+if TYPE_CHECKING:
+    from gpuwatch.core.settings import ClientSecurity
 
 
 @dataclass(frozen=True)
@@ -75,23 +76,31 @@ def add_quiet_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_client_security_arguments(parser: argparse.ArgumentParser) -> None:
     """``--tls-ca --tls-cert --tls-key --token-file --insecure`` (or GPUWATCH_TLS_CA, ...), as the agent has them."""
+    from gpuwatch.core import settings  # here, as below: commands without a collector (analyze) start without it
+
     settings.add_arguments(parser, settings.CLIENT_SECURITY_OPTIONS, config_file=False)
 
 
 def client_security(args: argparse.Namespace) -> ClientSecurity:
     """The TLS and token settings from the flags of :func:`add_client_security_arguments` and GPUWATCH_*."""
-    return settings.load_config(settings.CLIENT_SECURITY_OPTIONS, args, config_file=False).build(ClientSecurity)
+    from gpuwatch.core import settings
+
+    return settings.load_config(settings.CLIENT_SECURITY_OPTIONS, args, config_file=False).build(settings.ClientSecurity)
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """``--collector HOST:PORT`` (or GPUWATCH_COLLECTOR) and the TLS/token flags of a command that queries it."""
+    from gpuwatch.core import settings
+
     settings.add_arguments(parser, settings.CONNECTION_OPTIONS, config_file=False)
 
 
 def connection(args: argparse.Namespace) -> tuple[str, ClientSecurity]:
     """The collector address and the client security settings of :func:`add_connection_arguments`."""
+    from gpuwatch.core import settings
+
     cfg = settings.load_config(settings.CONNECTION_OPTIONS, args, config_file=False)
-    return cfg.collector, cfg.build(ClientSecurity)
+    return cfg.collector, cfg.build(settings.ClientSecurity)
 
 
 @contextmanager
