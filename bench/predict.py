@@ -39,6 +39,11 @@ SHIPPED_PROFILES = ("base", "noisy", "subtle")
 #: shape from; on the validation configuration two fleets each raised recall at the training threshold from
 #: 0.89 to 0.97 and PR AUC from 0.22 to 0.26 over one each.
 SHIPPED_FLEETS_PER_PROFILE = 2
+#: Fleets of the one training configuration for the retrained model (seeds 101..): still "trained on one
+#: configuration, tested on another", with more faults to learn the precursor shapes from; on the validation
+#: configuration three fleets instead of one raised its recall at the budget from 0.49/0.47 to 0.85/0.52
+#: (seeds 303/304).
+RETRAIN_FLEETS = 3
 MODEL_CARD = default_model_path().with_name("MODEL_CARD.md")
 
 
@@ -101,9 +106,9 @@ def run(args: argparse.Namespace, work: Path) -> int:
     times: dict[str, float] = {}
     held, held_sim, held_truth = fleet(args, work, args.heldout_profile, 202, times)
     val, _, val_truth = fleet(args, work, args.validation_profile, 303, times)
-    train_ds, _, _ = fleet(args, work, args.train_profile, 101, times)
-    desc = f"trained on one configuration ({args.train_profile})"
-    model, times["train_s"] = timed(f"train on {args.train_profile}", train_model, train_ds, description=desc,
+    train_sets = [fleet(args, work, args.train_profile, 101 + k, times)[0] for k in range(RETRAIN_FLEETS)]
+    desc = f"trained on one configuration ({args.train_profile}, {RETRAIN_FLEETS} fleets)"
+    model, times["train_s"] = timed(f"train on {args.train_profile}", train_model, train_sets, description=desc,
                                     false_alarm_budget=args.budget, quiet=True)
     save_model(model, work / "retrained.skops")
     retrained, times["evaluate_retrained_s"] = timed("evaluate retrained on held-out", evaluate_model, model, held,

@@ -261,7 +261,8 @@ class Scorer(PeriodicService):
             return
         self.calibrator = BudgetCalibrator(self.false_alarm_budget, self.model["threshold"],
                                            step_s=self.model["step_s"],
-                                           keep_firing_for_s=AlertPolicy(self.model["threshold"]).keep_firing_for_s)
+                                           keep_firing_for_s=AlertPolicy(self.model["threshold"]).keep_firing_for_s,
+                                           horizon_s=self.model["horizon_s"])
         self.threshold = self.model["threshold"]
 
     def run_round(self) -> object:

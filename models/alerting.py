@@ -18,6 +18,7 @@ import pandas as pd
 
 from gpuwatch.models.calibration import BudgetCalibrator
 from gpuwatch.models.faults import COALESCE_S
+from gpuwatch.models.labels import DEFAULT_HORIZON_S
 from gpuwatch.models.policy import AlertPolicy
 
 #: A GPU without rows for this many steps (drained, off the bus, not recorded) starts a new series.
@@ -36,15 +37,16 @@ class Replay:
 
 
 def replay(rows: pd.DataFrame, risk: np.ndarray, faults: pd.DataFrame, *, policy: AlertPolicy, step_s: float,
-           budget: float | None = None) -> Replay:
+           budget: float | None = None, horizon_s: float = DEFAULT_HORIZON_S) -> Replay:
     """Alerts over ``rows`` (node, gpu_index, t_ms) with scores ``risk``; ``faults`` (node, gpu_index, start_ms)
     end alerts. ``budget`` (false alarms per 1,000 GPU-days): calibrate online, starting from
-    ``policy.threshold``; None: the policy's threshold throughout."""
+    ``policy.threshold``; None: the policy's threshold throughout. ``horizon_s``: the model's horizon (the
+    calibrator counts an alert followed by its GPU's fault within it as a true one, as the evaluation does)."""
     risk = np.asarray(risk, dtype=float)
     t = rows["t_ms"].to_numpy(np.int64)
     gpu = rows["node"].astype(str).to_numpy() + "/" + rows["gpu_index"].astype(str).to_numpy()
     thresholds = (np.full(len(rows), policy.threshold) if budget is None
-                  else _calibrated(t, gpu, risk, faults, policy, step_s, budget))
+                  else _calibrated(t, gpu, risk, faults, policy, step_s, budget, horizon_s))
     order = np.lexsort((t, gpu))
     g, ts, r, th = gpu[order], t[order], risk[order], thresholds[order]
     fault_ms = _faults_by_gpu(faults)
@@ -60,9 +62,10 @@ def replay(rows: pd.DataFrame, risk: np.ndarray, faults: pd.DataFrame, *, policy
 
 
 def _calibrated(t: np.ndarray, gpu: np.ndarray, risk: np.ndarray, faults: pd.DataFrame, policy: AlertPolicy,
-                step_s: float, budget: float) -> np.ndarray:
+                step_s: float, budget: float, horizon_s: float) -> np.ndarray:
     """Per row, the threshold the calibrator gives at its round from the rounds before it."""
-    cal = BudgetCalibrator(budget, policy.threshold, step_s=step_s, keep_firing_for_s=policy.keep_firing_for_s)
+    cal = BudgetCalibrator(budget, policy.threshold, step_s=step_s, keep_firing_for_s=policy.keep_firing_for_s,
+                           horizon_s=horizon_s)
     f = faults.sort_values("start_ms") if len(faults) else faults
     f_gpu = (f["node"].astype(str) + "/" + f["gpu_index"].astype(str)).to_numpy() if len(f) else np.zeros(0, str)
     f_t = f["start_ms"].to_numpy(np.int64) if len(f) else np.zeros(0, np.int64)

@@ -7,22 +7,33 @@ then alerts on nothing (or everything). What does travel is the *ranking*. So th
 (false alarms per 1,000 GPU-days) and the threshold becomes the score that the fleet's recent history
 crosses that rarely.
 
-How (a peaks-over-threshold estimate, in logit space):
+How (a peaks-over-threshold estimate, in logit space, bounded from above):
 
 1. Take every GPU's scores in a trailing window (default 30 days) — only observations strictly before the
    decision time, and only **settled** ones: older than two days, so that a fault that would make them true
-   alarms has had its chance to show. Scores of a GPU in the two days before one of its faults (fault
-   evidence already seen) are left out: those alarms would have been true ones. Without the settling, the
-   GPUs degrading right now (whose faults are still to come) sat among the highest "false" peaks, and the
-   threshold rose with every precursor in progress and fell after each fault. So are its scores in the fault episode's hour after
-   it: those rows describe the fault itself (its XIDs, the precursor in the windows), and the alert policy
-   opens no alert on a GPU that has just failed (models/alerting.py).
+   alarms has had its chance to show. Without the settling, the GPUs degrading right now (whose faults are
+   still to come) sat among the highest "false" peaks, and the threshold rose with every precursor in
+   progress and fell after each fault. A GPU's scores in the fault episode's hour after one of its faults
+   are left out: they describe the fault itself, and the alert policy opens no alert on a GPU that has just
+   failed (models/alerting.py).
 2. Decluster: the rows above a high base level (the 99.5th percentile) form runs per GPU, split where the GPU
-   stayed below for the policy's keep-firing time; each run's peak is one would-be alert episode.
-3. The threshold lets ``budget x GPU-days / 1000`` peaks through. Where the window holds enough peaks
-   that is an empirical order statistic; where it does not (a small or young fleet, a strict budget), the
-   tail above the k-th largest peak is taken as exponential in logit space (the generalised Pareto tail
-   with shape 0), whose scale is the mean excess, and the threshold is extrapolated from it.
+   stayed below for the policy's keep-firing time; each run is one would-be alert episode and its peak is
+   what a threshold must stay above. A run is a **true** alarm, and left out, exactly when the evaluation
+   would call its alert true: a fault of its GPU starts between the run's start and its last row plus the
+   keep-firing time plus the horizon. (Leaving out everything in the two days before a fault, as before,
+   also dropped alerts that had resolved hours before an unrelated fault — false alarms the operator pays
+   for — and the threshold came out too low on fleets with many faults.)
+3. **At most the budget, with confidence.** The threshold is the lowest one at which an upper confidence
+   bound (one-sided, ``CONFIDENCE`` = 80%) of the false-alarm rate stays within ``budget x GPU-days / 1000``.
+   A threshold just above the n+1-th highest peak has n peaks over it in the window; the bound on their
+   Poisson rate is Garwood's, chi2(CONFIDENCE, 2n + 2) / 2. Where even n = 0 is not certain enough (a young
+   window or a strict budget: with 80%, fewer than 1.61 alarms allowed), the tail above the k-th largest
+   peak (k = ``TAIL_PEAKS``) is taken as exponential in logit space (the generalised Pareto tail with shape
+   0; scale = mean excess) and the threshold is placed where the delta-method upper bound of the
+   extrapolated rate, ``log(k/allowed) - L + z sqrt((1 + L^2) / k)`` with L the distance in scales, meets the
+   budget. Both margins shrink as the window holds more GPU-days (more peaks, a tighter bound): the rule
+   does not depend on the fleet's size or score level, only on how much settled history it has. Aiming
+   exactly at the budget (the previous rule) exceeded it about half the time, and a budget means "at most".
 
 Until the window holds ``MIN_GPU_DAYS`` of settled scores the model's saved threshold is used: it is only the
 start value. (With fewer, a budget of one alarm per 1,000 GPU-days is extrapolated from a few hours of a
@@ -32,22 +43,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import brentq
+from scipy.stats import chi2, norm
 
 from gpuwatch.models.faults import COALESCE_S
+from gpuwatch.models.labels import DEFAULT_HORIZON_S
 
 WINDOW_S = 30 * 86400.0
 MIN_GPU_DAYS = 100.0
 REFRESH_S = 3600.0
-#: Rows a GPU's own fault makes "true": the alerts before it were right, whatever they cost.
-FAULT_LOOKBACK_S = 48 * 3600.0
-#: Scores younger than this are not yet known to be false alarms (their GPU may fail within the lookback).
-SETTLE_S = FAULT_LOOKBACK_S
+#: Scores younger than this are not yet known to be false alarms (a long precursor may still end in a fault).
+SETTLE_S = 48 * 3600.0
 #: Rows after a fault that belong to its episode (faults.COALESCE_S): the fault, not a false alarm.
 FAULT_AFTERMATH_S = float(COALESCE_S)
 BASE_QUANTILE = 0.995
 TAIL_PEAKS = 12
+#: One-sided confidence that the false-alarm rate of the chosen threshold is within the budget.
+CONFIDENCE = 0.8
 _EPS = 1e-9
 
 
@@ -60,43 +75,73 @@ def sigmoid(x: float) -> float:
     return float(1.0 / (1.0 + np.exp(-x)))
 
 
-def cluster_peaks(gpu: np.ndarray, t_ms: np.ndarray, score: np.ndarray, merge_gap_ms: float) -> np.ndarray:
-    """Peak score of each run of rows per GPU (rows closer than ``merge_gap_ms`` join one run)."""
+@dataclass
+class Runs:
+    """Runs of high rows per GPU (would-be alert episodes): GPU code, first and last row time, peak score."""
+
+    gpu: np.ndarray
+    start_ms: np.ndarray
+    last_ms: np.ndarray
+    peak: np.ndarray
+
+
+def cluster_runs(gpu: np.ndarray, t_ms: np.ndarray, score: np.ndarray, merge_gap_ms: float) -> Runs:
+    """Runs of rows per GPU (rows closer than ``merge_gap_ms`` join one run)."""
     if not len(score):
-        return np.zeros(0)
+        empty = np.zeros(0, np.int64)
+        return Runs(empty, empty, empty, np.zeros(0))
     order = np.lexsort((t_ms, gpu))
     g, t, s = gpu[order], t_ms[order], score[order]
     new = np.r_[True, (g[1:] != g[:-1]) | (np.diff(t) > merge_gap_ms)]
+    last = np.r_[new[1:], True]
     run = np.cumsum(new) - 1
     peaks = np.full(run[-1] + 1, -np.inf)
     np.maximum.at(peaks, run, s)
-    return peaks
+    return Runs(g[new], t[new], t[last], peaks)
 
 
-def budget_threshold(peaks_logit: np.ndarray, gpu_days: float, budget: float) -> float:
-    """The threshold (a probability) that ``budget`` false alarms per 1,000 GPU-days of these peaks cross."""
+def poisson_upper(n: int, confidence: float = CONFIDENCE) -> float:
+    """Garwood's one-sided upper confidence bound of a Poisson mean, given ``n`` events seen."""
+    return float(chi2.ppf(confidence, 2 * n + 2) / 2)
+
+
+def budget_threshold(peaks_logit: np.ndarray, gpu_days: float, budget: float,
+                     confidence: float = CONFIDENCE) -> float:
+    """The lowest threshold (a probability) whose false-alarm rate over these peaks is within ``budget`` per
+    1,000 GPU-days at the given one-sided ``confidence``: counted where the window has enough peaks,
+    extrapolated along an exponential tail where it has not."""
     peaks = np.sort(peaks_logit)[::-1]
     allowed = budget * gpu_days / 1000.0
-    k = min(len(peaks), TAIL_PEAKS)
-    if k == 0:
+    if not len(peaks):
         return 1.0 - _EPS
-    if allowed >= 1 and int(allowed) < k:  # enough peaks: the order statistic, just above the first one left out
-        return sigmoid(float(np.nextafter(peaks[int(allowed)], np.inf)))
+    passed = -1  # the most peaks that may lie over the threshold with the bound still within the budget
+    while passed + 1 < len(peaks) and poisson_upper(passed + 1, confidence) <= allowed:
+        passed += 1
+    if passed >= 0:  # just above the first peak left out
+        return sigmoid(float(np.nextafter(peaks[passed], np.inf)))
+    k = min(len(peaks), TAIL_PEAKS)
     u = peaks[k - 1]
     scale = max(float(np.mean(peaks[:k] - u)), 0.05)
-    return sigmoid(u + scale * np.log(k / max(allowed, _EPS)))
+    z, log_ratio = norm.ppf(confidence), np.log(k / max(allowed, _EPS))
+
+    def bound_over_budget(distance: float) -> float:  # log(upper bound of the rate / allowed), distance in scales
+        return log_ratio - distance + z * np.sqrt((1 + distance ** 2) / k)
+
+    distance = brentq(bound_over_budget, 0.0, 100.0) if bound_over_budget(0.0) > 0 else 0.0
+    return sigmoid(u + scale * distance)
 
 
 class BudgetCalibrator:
     """Online threshold for an alert budget, from the scores it is shown (one call per scoring round).
 
     ``observe`` a round of scores *after* deciding on it with ``threshold``: a decision never sees its own
-    round or anything later. ``fault`` tells it a GPU failed (fault evidence seen), so that GPU's scores just
-    before count as true alarms and are left out of the false-alarm estimate.
+    round or anything later. ``fault`` tells it a GPU failed (fault evidence seen): the runs of that GPU it
+    would make true alarms are left out of the false-alarm estimate (``horizon_s``: the model's horizon).
     """
 
     def __init__(self, budget: float, start_threshold: float, *, step_s: float, keep_firing_for_s: float,
-                 window_s: float = WINDOW_S, refresh_s: float = REFRESH_S, min_gpu_days: float = MIN_GPU_DAYS) -> None:
+                 window_s: float = WINDOW_S, refresh_s: float = REFRESH_S, min_gpu_days: float = MIN_GPU_DAYS,
+                 horizon_s: float = DEFAULT_HORIZON_S) -> None:
         if budget <= 0:
             raise ValueError(f"false-alarm budget must be positive, got {budget}")
         self.budget = budget
@@ -106,6 +151,7 @@ class BudgetCalibrator:
         self.window_ms = window_s * 1000
         self.refresh_ms = refresh_s * 1000
         self.min_gpu_days = min_gpu_days
+        self.horizon_ms = horizon_s * 1000
         self._rounds: deque[tuple[int, np.ndarray, np.ndarray]] = deque()  # (t_ms, gpu codes, logits)
         self._codes: dict[Hashable, int] = {}
         self._faults: list[tuple[int, int]] = []  # (gpu code, t_ms)
@@ -144,17 +190,29 @@ class BudgetCalibrator:
         gpu = np.concatenate([r[1] for r in past])
         t = np.concatenate([np.full(len(r[1]), r[0], dtype=np.int64) for r in past])
         s = np.concatenate([r[2] for r in past])
-        keep = self._not_before_a_fault(gpu, t, now_ms)
+        keep = self._not_just_after_a_fault(gpu, t, now_ms)
         gpu, t, s = gpu[keep], t[keep], s[keep]
         base = np.quantile(s, BASE_QUANTILE)
         above = s >= base
-        peaks = cluster_peaks(gpu[above], t[above], s[above], self.merge_gap_ms)
-        self._current = budget_threshold(peaks, gpu_days, self.budget)
+        runs = cluster_runs(gpu[above], t[above], s[above], self.merge_gap_ms)
+        false = ~self._true_alarms(runs, now_ms)
+        self._current = budget_threshold(runs.peak[false], gpu_days, self.budget)
         return self._current
 
-    def _not_before_a_fault(self, gpu: np.ndarray, t: np.ndarray, now_ms: int) -> np.ndarray:
+    def _known_faults(self, now_ms: int) -> list[tuple[int, int]]:
+        return [(code, ft) for code, ft in self._faults if ft < now_ms]
+
+    def _not_just_after_a_fault(self, gpu: np.ndarray, t: np.ndarray, now_ms: int) -> np.ndarray:
         keep = np.ones(len(gpu), bool)
-        for code, ft in self._faults:
-            if ft < now_ms:
-                keep &= ~((gpu == code) & (t <= ft + FAULT_AFTERMATH_S * 1000) & (t > ft - FAULT_LOOKBACK_S * 1000))
+        for code, ft in self._known_faults(now_ms):
+            keep &= ~((gpu == code) & (t > ft) & (t <= ft + FAULT_AFTERMATH_S * 1000))
         return keep
+
+    def _true_alarms(self, runs: Runs, now_ms: int) -> np.ndarray:
+        """Runs the evaluation would call true alerts: a fault of the GPU between the run's start and its last
+        row + keep-firing time + horizon (only faults seen before ``now_ms``)."""
+        true = np.zeros(len(runs.peak), bool)
+        for code, ft in self._known_faults(now_ms):
+            true |= (runs.gpu == code) & (runs.start_ms <= ft) & (ft <= runs.last_ms + self.merge_gap_ms
+                                                                    + self.horizon_ms)
+        return true

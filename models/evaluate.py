@@ -121,7 +121,7 @@ def predictor_metrics(ds: Dataset, scores: np.ndarray, block: tuple[int, int], *
     """Replay ``scores`` over all of ``ds`` (the calibrator may learn from data before the block, as it
     would live) and measure the alerts of ``block``."""
     policy = AlertPolicy(threshold)
-    r = replay(ds.rows, scores, ds.episodes, policy=policy, step_s=ds.step_s, budget=budget)
+    r = replay(ds.rows, scores, ds.episodes, policy=policy, step_s=ds.step_s, budget=budget, horizon_s=ds.horizon_s)
     faults = block_faults(ds.episodes, block, ds.horizon_s)
     out = metrics(r.alerts, faults, ds.rows, scores, block, horizon_s=ds.horizon_s, warning_s=ds.warning_s,
                   step_s=ds.step_s, all_faults=ds.episodes, truth=truth)

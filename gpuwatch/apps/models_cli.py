@@ -211,7 +211,7 @@ def _score(args: argparse.Namespace) -> dict:
                        step_s=model["step_s"], quiet=args.quiet)
     risk = model_score(model, ds.rows)
     r = replay(ds.rows, risk, ds.episodes, policy=AlertPolicy(model["threshold"]), step_s=ds.step_s,
-               budget=args.false_alarm_budget)
+               budget=args.false_alarm_budget, horizon_s=ds.horizon_s)
     alerts = [{"node": a.node, "gpu_index": int(a.gpu_index), "start_ms": int(a.start_ms),
                "end_ms": None if a.end_ms != a.end_ms else int(a.end_ms), "peak_risk": round(float(a.peak_risk), 4)}
               for a in r.alerts.sort_values(["start_ms", "node", "gpu_index"]).itertuples()]
