@@ -715,12 +715,9 @@ def _gpu_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
 
 
 def _host_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
-    counts = [len(b.message.host.ts_ms) for b in batches]
-    total = sum(counts)
     columns = {
-        "node": _node_column([b.message.node.node for b in batches], counts),
-        "ts": pa.array(np.fromiter(_chain(b.message.host.ts_ms for b in batches), np.int64, total),
-                       pa.timestamp("ms")),
+        "node": _node_column([b.message.node.node for b in batches], [len(b.host_ts) for b in batches]),
+        "ts": pa.array(np.concatenate([b.host_ts for b in batches]), pa.timestamp("ms")),
     }
     columns.update(_value_arrays([b.host_values for b in batches], fields.HOST_FIELD_NAMES))
     return pa.table(columns)
@@ -740,6 +737,7 @@ def _events_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
 
 
 def _spans_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Table:
+    batches = [b for b in batches if b.HasField("spans") and len(b.spans.start_us)]  # most batches carry none
     counts = [len(b.spans.start_us) for b in batches]
     total = sum(counts)
     columns: dict[str, pa.Array] = {}

@@ -278,18 +278,9 @@ class GroupWriter:
 
 
 def fingerprint(batch: ColumnarBatch) -> str:
-    """Node, row and event counts and the first and last sample time: the same for a resend (or a rebuild of
-    the same data), different for another agent's batch under the same (agent id, sequence)."""
-    message = batch.message
-    gpu_ts, rows = batch.gpu_ts, len(batch.gpu_ts)
-    # the first and last time of every sample block (0 for an empty one), the host's, the first event and span
-    times = [int(gpu_ts.min()), int(gpu_ts.max())] if rows else []
-    if any(not len(s.ts_ms) for s in message.samples):
-        times.append(0)
-    times += [min(message.host.ts_ms, default=0), max(message.host.ts_ms, default=0)]
-    times += [min((e.ts_ms for e in message.events), default=0), min(message.spans.start_us, default=0)]
-    return (f"{message.node.node}|{rows}|{len(message.host.ts_ms)}|{len(message.events)}|"
-            f"{len(message.spans.start_us)}|{min(times)}|{max(times)}")
+    """What ``batch`` held, in brief (:attr:`ColumnarBatch.fingerprint`): equal for a resend, different for
+    another agent's batch under the same (agent id, sequence)."""
+    return batch.fingerprint
 
 
 def _resolve(future: Future, fn: Callable, *args: Any) -> None:
