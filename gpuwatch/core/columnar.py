@@ -266,7 +266,7 @@ def from_message(batch: pb.TelemetryBatch, window: TimeWindow | None = None) -> 
     and batches whose columns are not in the canonical encoding)."""
     validate(batch, window)
     counts = [len(s.ts_ms) for s in batch.samples]
-    times = np.fromiter(itertools.chain([t for s in batch.samples for t in s.ts_ms], batch.host.ts_ms), np.int64)
+    times = np.fromiter(itertools.chain(*[s.ts_ms for s in batch.samples], batch.host.ts_ms), np.int64)
     gpu_values = np.full((sum(counts), len(_GPU_FIELDS)), np.nan)
     gpu_index = {name: i for i, name in enumerate(_GPU_FIELDS)}
     row = 0
@@ -282,4 +282,5 @@ def from_message(batch: pb.TelemetryBatch, window: TimeWindow | None = None) -> 
 
 
 def _times(sample_times: np.ndarray | None) -> np.ndarray:
+    """The sample times validation returned, as an (empty) array also for a batch without samples."""
     return np.empty(0, np.int64) if sample_times is None else sample_times
