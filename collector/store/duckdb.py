@@ -661,12 +661,13 @@ def _insert_group(con: duckdb.DuckDBPyConnection, group: list[ColumnarBatch],
             last_seen = excluded.last_seen""", _agents_table(batches, now))
 
 
-def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, incoming: pa.Table) -> None:
-    """Run ``sql`` with ``{view}`` reading ``incoming``. DuckDB finds the table as this function's local
-    variable of that name (a replacement scan): registering and unregistering a view instead cost as much
-    again as the INSERT itself, with the GIL held, for every table of every group."""
-    if incoming.num_rows:
-        con.execute(sql.format(view="incoming"))
+def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, _incoming: pa.Table) -> None:
+    """Run ``sql`` with ``{view}`` reading ``_incoming``. DuckDB finds the table as this function's local
+    variable of that name (a replacement scan; no table of the store may be named so): registering and
+    unregistering a view instead cost as much again as the INSERT itself, with the GIL held, for every table
+    of every group."""
+    if _incoming.num_rows:
+        con.execute(sql.format(view="_incoming"))
 
 
 def _value_arrays(matrices: list[np.ndarray], names: Sequence[str]) -> dict[str, pa.Array]:
