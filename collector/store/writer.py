@@ -19,6 +19,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gpuwatch.core.prometheus import LatencyHistogram
 from gpuwatch.collector.store.base import StoreClosed, WriteResult
 from gpuwatch.core.columnar import ColumnarBatch, from_message
@@ -57,9 +59,9 @@ class IngestCounters:
         self._lock = threading.Lock()
 
     def committed(self, batches: Sequence[ColumnarBatch], duplicates: int, seconds: float) -> None:
-        times = [b.gpu_ts for b in batches if len(b.gpu_ts)]
-        rows = sum(len(ts) for ts in times)
-        oldest = int(min(ts.min() for ts in times)) if times else None
+        times = np.concatenate([b.gpu_ts for b in batches]) if batches else np.empty(0, np.int64)
+        rows = len(times)
+        oldest = int(times.min()) if rows else None
         with self._lock:
             self.batches += len(batches)
             self.samples += rows
