@@ -186,6 +186,38 @@ def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Sema
     return waiter
 
 
+class _IdleWatch:
+    """Ends a stream's read that waits longer than ``idle_s`` for the next batch by cancelling the reading
+    task (then ``expired`` is true). One timer per stream, re-armed when it fires, instead of a timer made and
+    cancelled for every batch as ``asyncio.timeout`` around each read does: a batch costs two assignments.
+    Time spent waiting for a full window is not idleness: only the read itself is timed."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.expired = False
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._since: float | None = None  # loop time the current read began; None between reads
+        self._timer = self._loop.call_later(idle_s, self._check)
+
+    def reading(self) -> None:
+        self._since = self._loop.time()
+
+    def received(self) -> None:
+        self._since = None
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        since, now = self._since, self._loop.time()
+        if since is not None and now - since >= self.idle_s:
+            self.expired = True
+            self._task.cancel()
+            return
+        self._timer = self._loop.call_at((now if since is None else since) + self.idle_s, self._check)
+
+
 class IngestService:
     """Stores every well-formed batch once and acknowledges it only after the store committed it.
 
@@ -282,18 +314,21 @@ class IngestService:
     async def _read(self, requests: AsyncIterator[bytes], window: asyncio.Semaphore, pending: asyncio.Queue,
                     sender: tuple[int, str, str]) -> None:
         incoming = requests.__aiter__()
-        idle_s = self.admission.idle_timeout_s
+        idle = _IdleWatch(self.admission.idle_timeout_s)
         try:
             while True:
                 await window.acquire()
+                idle.reading()
                 try:
-                    async with asyncio.timeout(idle_s):  # a timer, not a task per batch as wait_for makes
-                        raw = await incoming.__anext__()
+                    raw = await incoming.__anext__()
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
-                    pending.put_nowait(StreamIdle(f"no batch for {idle_s:g} s; reconnect to send"))
+                except asyncio.CancelledError:
+                    if not idle.expired:
+                        raise
+                    pending.put_nowait(StreamIdle(f"no batch for {idle.idle_s:g} s; reconnect to send"))
                     return
+                idle.received()
                 try:
                     batch = decode_batch(raw, self.window)
                     self.admission.claim(sender[0], batch.agent_id, sender[1], sender[2])
@@ -304,6 +339,7 @@ class IngestService:
         except (grpc.RpcError, grpc.aio.AioRpcError, ConnectionError):  # the client went away
             return
         finally:
+            idle.stop()
             pending.put_nowait(_DONE)
 
     async def _submit(self, batch: ColumnarBatch) -> asyncio.Future:

@@ -147,7 +147,7 @@ def test_a_batch_that_cannot_be_stored_fails_alone_not_its_group(store):
     checked = from_message(message)
     message.samples[0].gpu_index = 2**31  # overflows INTEGER; the server's checks refuse it, the store must
     del message.gpus[:]                   # cope all the same: past the checks, as if they missed a case
-    bad = ColumnarBatch(message, checked.gpu_values, checked.host_values)
+    bad = ColumnarBatch(message, checked.gpu_values, checked.host_values, checked.sample_ts)
     futures = [store.submit(make_batch(1)), store.submit(bad), store.submit(make_batch(2))]
     assert not futures[0].result(30).duplicate and not futures[2].result(30).duplicate
     with pytest.raises(Exception):

@@ -661,14 +661,13 @@ def _insert_group(con: duckdb.DuckDBPyConnection, group: list[ColumnarBatch],
             last_seen = excluded.last_seen""", _agents_table(batches, now))
 
 
-def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> None:
-    if not table.num_rows:
-        return
-    con.register("_incoming", table)
-    try:
+def _insert_arrow(con: duckdb.DuckDBPyConnection, sql: str, _incoming: pa.Table) -> None:
+    """Run ``sql`` with ``{view}`` reading ``_incoming``. DuckDB finds the table as this function's local
+    variable of that name (a replacement scan; no table of the store may be named so): registering and
+    unregistering a view instead cost as much again as the INSERT itself, with the GIL held, for every table
+    of every group."""
+    if _incoming.num_rows:
         con.execute(sql.format(view="_incoming"))
-    finally:
-        con.unregister("_incoming")
 
 
 def _value_arrays(matrices: list[np.ndarray], names: Sequence[str]) -> dict[str, pa.Array]:
@@ -715,12 +714,9 @@ def _gpu_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
 
 
 def _host_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
-    counts = [len(b.message.host.ts_ms) for b in batches]
-    total = sum(counts)
     columns = {
-        "node": _node_column([b.message.node.node for b in batches], counts),
-        "ts": pa.array(np.fromiter(_chain(b.message.host.ts_ms for b in batches), np.int64, total),
-                       pa.timestamp("ms")),
+        "node": _node_column([b.message.node.node for b in batches], [len(b.host_ts) for b in batches]),
+        "ts": pa.array(np.concatenate([b.host_ts for b in batches]), pa.timestamp("ms")),
     }
     columns.update(_value_arrays([b.host_values for b in batches], fields.HOST_FIELD_NAMES))
     return pa.table(columns)
@@ -740,6 +736,7 @@ def _events_table(batches: list[pb.TelemetryBatch]) -> pa.Table:
 
 
 def _spans_table(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pa.Table:
+    batches = [b for b in batches if b.HasField("spans") and len(b.spans.start_us)]  # most batches carry none
     counts = [len(b.spans.start_us) for b in batches]
     total = sum(counts)
     columns: dict[str, pa.Array] = {}

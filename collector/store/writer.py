@@ -19,6 +19,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gpuwatch.core.prometheus import LatencyHistogram
 from gpuwatch.collector.store.base import StoreClosed, WriteResult
 from gpuwatch.core.columnar import ColumnarBatch, from_message
@@ -57,9 +59,9 @@ class IngestCounters:
         self._lock = threading.Lock()
 
     def committed(self, batches: Sequence[ColumnarBatch], duplicates: int, seconds: float) -> None:
-        times = [b.gpu_ts for b in batches if len(b.gpu_ts)]
-        rows = sum(len(ts) for ts in times)
-        oldest = int(min(ts.min() for ts in times)) if times else None
+        times = np.concatenate([b.gpu_ts for b in batches]) if batches else np.empty(0, np.int64)
+        rows = len(times)
+        oldest = int(times.min()) if rows else None
         with self._lock:
             self.batches += len(batches)
             self.samples += rows
@@ -278,18 +280,9 @@ class GroupWriter:
 
 
 def fingerprint(batch: ColumnarBatch) -> str:
-    """Node, row and event counts and the first and last sample time: the same for a resend (or a rebuild of
-    the same data), different for another agent's batch under the same (agent id, sequence)."""
-    message = batch.message
-    gpu_ts, rows = batch.gpu_ts, len(batch.gpu_ts)
-    # the first and last time of every sample block (0 for an empty one), the host's, the first event and span
-    times = [int(gpu_ts.min()), int(gpu_ts.max())] if rows else []
-    if any(not len(s.ts_ms) for s in message.samples):
-        times.append(0)
-    times += [min(message.host.ts_ms, default=0), max(message.host.ts_ms, default=0)]
-    times += [min((e.ts_ms for e in message.events), default=0), min(message.spans.start_us, default=0)]
-    return (f"{message.node.node}|{rows}|{len(message.host.ts_ms)}|{len(message.events)}|"
-            f"{len(message.spans.start_us)}|{min(times)}|{max(times)}")
+    """What ``batch`` held, in brief (:attr:`ColumnarBatch.fingerprint`): equal for a resend, different for
+    another agent's batch under the same (agent id, sequence)."""
+    return batch.fingerprint
 
 
 def _resolve(future: Future, fn: Callable, *args: Any) -> None:

@@ -269,9 +269,11 @@ def validate(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms:
 
 
 def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None, now_ms: int | None = None
-                      ) -> None:
+                      ) -> np.ndarray | None:
     """Everything :func:`validate` checks except the sample columns (field names, value counts): the bounds
-    of indexes, sequences and times included.
+    of indexes, sequences and times included. Returns every sample time (each GPU block's in order, then the
+    host's) as one int64 array, read once for the check so that the collector need not read them again;
+    None when the batch has no samples.
 
     Split out for the collector, which checks the columns while it copies them out of the batch's bytes
     (gpuwatch.core.columnar); it reads only attributes that the collector's view of a batch shares.
@@ -299,13 +301,15 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
                 or len(s.job_id) not in (0, n) or len(s.rank) not in (0, n) or len(s.local_rank) not in (0, n)):
             _block_error(s, known_gpus, seen)
         seen.add(index)
-    _check_sample_times(batch, earliest, latest)
+    sample_times = _check_sample_times(batch, earliest, latest)
     for e in batch.events:
         if not e.kind:
             raise BatchError("an event has an empty kind")
         if e.gpu_index < -1:
             raise BatchError(f"event {e.kind!r}: gpu_index {e.gpu_index} is neither a GPU nor -1 (node-wide)")
     _check_times("events", [e.ts_ms for e in batch.events], earliest, latest)
+    if not batch.HasField("spans"):  # most batches carry none: skip reading its thirteen columns
+        return sample_times
     spans = batch.spans
     lengths = {name: len(getattr(spans, name)) for name in SPAN_COLUMN_NAMES}
     n_spans = lengths["start_us"]
@@ -320,6 +324,7 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
         if not (np.isfinite(start_us).all() and np.isfinite(dur_us).all()):
             raise BatchError("spans: start_us and dur_us must be finite numbers")
         _check_times("spans", [int(start_us.min() // 1000), int(start_us.max() // 1000)], earliest, latest)
+    return sample_times
 
 
 def _block_error(s: pb.GpuSamples, known_gpus: set[int], seen: set[int]) -> None:
@@ -337,13 +342,14 @@ def _block_error(s: pb.GpuSamples, known_gpus: set[int], seen: set[int]) -> None
             raise BatchError(f"{where}: {name} has {len(col)} entries for {n} timestamps")
 
 
-def _check_sample_times(batch: pb.TelemetryBatch, earliest: int, latest: int) -> None:
-    """Every sample time in bounds: one vectorised pass over all of them, per block only to name a culprit."""
+def _check_sample_times(batch: pb.TelemetryBatch, earliest: int, latest: int) -> np.ndarray | None:
+    """Every sample time in bounds: one vectorised pass over all of them, per block only to name a culprit.
+    Returns them (GPU blocks, then host) as one int64 array, None when there are none."""
     samples = batch.samples
     blocks = [s.ts_ms for s in samples] + [batch.host.ts_ms]
     total = sum(map(len, blocks))
     if not total:
-        return
+        return None
     import numpy as np  # here, not at the top: the agent builds batches and never loads numpy for it
 
     every = np.fromiter(itertools.chain.from_iterable(blocks), np.int64, total)
@@ -351,6 +357,7 @@ def _check_sample_times(batch: pb.TelemetryBatch, earliest: int, latest: int) ->
         names = [f"samples for GPU {s.gpu_index}" for s in samples] + ["host samples"]
         for where, ts in zip(names, blocks):
             _check_times(where, ts, earliest, latest)
+    return every
 
 
 def _check_times(where: str, ts_ms: Sequence[int], earliest: int, latest: int) -> None:

@@ -36,16 +36,19 @@ _HOST_FIELDS = fields.HOST_FIELD_NAMES
 
 @dataclass(frozen=True, eq=False)
 class ColumnarBatch:
-    """A validated batch: ``message`` for everything but the values, which are in the two matrices.
+    """A validated batch: ``message`` for everything but the values, which are in the two matrices, and the
+    sample times, which validation read once (so the store's writer never reads them from the message).
 
     ``gpu_values`` has one row per GPU sample (the samples' ``ts_ms`` in order) and one column per
     gpuwatch.core.fields GPU field; ``host_values`` likewise for host samples. NaN: not sent, or not a finite
     number (±inf is not a reading: it is stored as missing, so queries and ``--json`` never print it).
+    ``sample_ts``: the time (epoch ms) of every GPU sample row, then of every host sample row.
     """
 
     message: view.TelemetryBatchView | pb.TelemetryBatch
     gpu_values: np.ndarray
     host_values: np.ndarray
+    sample_ts: np.ndarray
 
     @property
     def agent_id(self) -> str:
@@ -55,11 +58,31 @@ class ColumnarBatch:
     def sequence(self) -> int:
         return self.message.sequence
 
-    @cached_property
+    @property
     def gpu_ts(self) -> np.ndarray:
-        """The time (epoch ms) of every GPU sample row, in ``gpu_values`` order; read once, then kept."""
-        samples = self.message.samples
-        return np.fromiter(itertools.chain.from_iterable(s.ts_ms for s in samples), np.int64, len(self.gpu_values))
+        """The time (epoch ms) of every GPU sample row, in ``gpu_values`` order."""
+        return self.sample_ts[:len(self.gpu_values)]
+
+    @property
+    def host_ts(self) -> np.ndarray:
+        """The time (epoch ms) of every host sample row, in ``host_values`` order."""
+        return self.sample_ts[len(self.gpu_values):]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Node, row and event counts and the first and last sample time: the same for a resend (or a rebuild
+        of the same data), different for another agent's batch under the same (agent id, sequence). Kept once
+        computed: the writer's duplicate check and its ``ingested`` row both need it."""
+        message, sample_ts = self.message, self.sample_ts
+        rows, host_rows = len(self.gpu_values), len(self.host_values)
+        # the first and last time of the sample blocks, 0 for an empty block and for no host samples (the
+        # fingerprint's definition since it was first stored: it must not change), the first event and span
+        times = [int(sample_ts.min()), int(sample_ts.max())] if len(sample_ts) else []
+        if not host_rows or 0 in [len(s.ts_ms) for s in message.samples]:
+            times.append(0)
+        times += [min((e.ts_ms for e in message.events), default=0), min(message.spans.start_us, default=0)]
+        return (f"{message.node.node}|{rows}|{host_rows}|{len(message.events)}|"
+                f"{len(message.spans.start_us)}|{min(times)}|{max(times)}")
 
 
 class _Layouts:
@@ -159,8 +182,12 @@ class _Plan:
             if b != last:
                 gpu_row += n
         self.length = offset
-        self.check_at = np.concatenate(check) if check else np.empty(0, np.intp)
-        self.expected = np.frombuffer(b"".join(itertools.chain.from_iterable(blocks)), np.uint8)[self.check_at]
+        check_at = np.concatenate(check) if check else np.empty(0, np.intp)
+        # the checked bytes as they must be, and 0xff at exactly those positions: a batch of this shape has
+        # ((bytes ^ expected) & checked) all zero, one pass over the joined columns with no gather
+        self.checked = np.zeros(offset, np.uint8)
+        self.checked[check_at] = 0xFF
+        self.expected = np.frombuffer(b"".join(itertools.chain.from_iterable(blocks)), np.uint8) & self.checked
         value_starts = np.concatenate(starts) if starts else np.empty(0, np.intp)
         self.value_bytes = (value_starts[:, None] + np.arange(8)).ravel()
         self.gpu_cells = np.concatenate(gpu_cells) if gpu_cells else np.empty(0, np.intp)
@@ -171,7 +198,7 @@ class _Plan:
     def read(self, joined: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         """The GPU and host value matrices (NaN where not sent), or None when ``joined`` is not of this shape."""
         raw = np.frombuffer(joined, np.uint8)
-        if len(raw) != self.length or not np.array_equal(raw[self.check_at], self.expected):
+        if len(raw) != self.length or ((raw ^ self.expected) & self.checked).any():
             return None
         values = raw[self.value_bytes].view("<f8")
         gpu = np.full(self.gpu_shape[0] * self.gpu_shape[1], np.nan)
@@ -205,17 +232,17 @@ def decode(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
     """Parse and check one batch's bytes (times within ``window`` when given). Raises google.protobuf
     DecodeError (not a TelemetryBatch) or BatchError (breaks the contract of gpuwatch.core.batches.validate)."""
     batch = view.TelemetryBatchView.FromString(raw)
-    validate_envelope(batch, window)
+    times = _times(validate_envelope(batch, window))
     samples = batch.samples
     rows = [len(s.ts_ms) for s in samples] + [len(batch.host.ts_ms)]
-    blocks = [s.columns for s in samples] + [batch.host.columns]
+    blocks = [s.columns[:] for s in samples] + [batch.host.columns[:]]  # a slice: one list, made in C
     columns = list(itertools.chain.from_iterable(blocks))
     shape = (tuple(rows), tuple(map(len, blocks)), tuple(map(len, columns)))
     plan = _PLANS.get(shape)
     if plan is not None:
         values = plan.read(b"".join(columns))
         if values is not None:
-            return ColumnarBatch(batch, _finite(values[0]), _finite(values[1]))
+            return ColumnarBatch(batch, _finite(values[0]), _finite(values[1]), times)
     gpu_values = np.full((sum(rows[:-1]), len(_GPU_FIELDS)), np.nan)
     positions = []
     row = 0
@@ -231,7 +258,7 @@ def decode(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
         return from_message(pb.TelemetryBatch.FromString(raw), window)
     positions.append(where)
     _PLANS.learn(shape, _Plan(blocks, rows, positions))
-    return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values))
+    return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values), times)
 
 
 def from_message(batch: pb.TelemetryBatch, window: TimeWindow | None = None) -> ColumnarBatch:
@@ -239,6 +266,7 @@ def from_message(batch: pb.TelemetryBatch, window: TimeWindow | None = None) -> 
     and batches whose columns are not in the canonical encoding)."""
     validate(batch, window)
     counts = [len(s.ts_ms) for s in batch.samples]
+    times = np.fromiter(itertools.chain(*[s.ts_ms for s in batch.samples], batch.host.ts_ms), np.int64)
     gpu_values = np.full((sum(counts), len(_GPU_FIELDS)), np.nan)
     gpu_index = {name: i for i, name in enumerate(_GPU_FIELDS)}
     row = 0
@@ -250,4 +278,9 @@ def from_message(batch: pb.TelemetryBatch, window: TimeWindow | None = None) -> 
     host_index = {name: i for i, name in enumerate(_HOST_FIELDS)}
     for c in batch.host.columns:
         host_values[:, host_index[c.field]] = c.values
-    return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values))
+    return ColumnarBatch(batch, _finite(gpu_values), _finite(host_values), times)
+
+
+def _times(sample_times: np.ndarray | None) -> np.ndarray:
+    """The sample times validation returned, as an (empty) array also for a batch without samples."""
+    return np.empty(0, np.int64) if sample_times is None else sample_times
