@@ -41,8 +41,12 @@ def test_nodes_and_samples_are_stored(demo):
     last = render_text(views[-1])
     assert len(views) >= 5 and "max risk" in last and "demo-node-01" in last
     job_line = next(line for line in last.splitlines() if line.startswith("demo-job-demo-node-01"))
-    assert "comm_wait" in job_line  # the synthetic job's slow rank makes the others wait
     assert int(job_line.split()[4]) == 1  # the stragglers column counts ranks
+    # The synthetic job's slow rank makes the others wait at every point of its swing (1.1x to 1.9x its peers),
+    # but near the low end the transfers outweigh the wait, so which loss tops the line depends on where the
+    # last view lands in the swing (on the machine's load): the wait itself is what must show.
+    [job] = [j for j in views[-1].jobs if j.job_id == "demo-job-demo-node-01"]
+    assert job.breakdown["comm_wait"] > 0
 
 
 def test_jobs_breakdowns_move_over_the_run(demo):
