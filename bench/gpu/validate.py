@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import tarfile
 import tempfile
@@ -202,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results = {"kit": "bench/gpu/validate.py", "mode": "simulated" if args.simulate else "gpu", "quick": args.quick,
                "started": _now(), "budget_s": args.budget_s, "steps": {}}
+    args.out = args.out.resolve()
     with tempfile.TemporaryDirectory(prefix="gpuwatch-validate-") as work:
+        # The steps start `python -m gpuwatch` in the current folder. Run from the repository root (as the
+        # device tool does), the tree's own `gpuwatch/` folder (core and apps only: package-dir maps the
+        # rest in) shadowed the installed package, and every agent failed with "No module named
+        # 'gpuwatch.agent'" on the first real GPU run.
+        os.chdir(work)
         plan = Plan(args.out, Path(work), args.simulate, args.quick, args.budget_s, started)
         steps = args.steps if "machine" in args.steps else ["machine", *args.steps]
         run_steps(plan, steps, results)

@@ -12,6 +12,6 @@ rm -rf .whl && mkdir .whl
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
   grpcio==1.85.1 protobuf==7.36.2 orjson==3.13.0 nvidia-ml-py==13.615.71 \
-  holistictraceanalysis==0.5.0 plotly==7.1.0 pydot==4.0.1
+  holistictraceanalysis==0.5.0 plotly==7.1.0 pydot==4.0.1 isal==1.9.1 google-crc32c==1.9.0
 ls -l .whl
 du -sh .whl
