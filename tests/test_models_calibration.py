@@ -200,3 +200,32 @@ def test_only_alerts_the_evaluation_would_call_true_are_left_out_and_only_faults
     now = T0 + 3 * 86_400_000
     assert threshold(now - 3 * 86_400_000 + 6 * HOUR, [now + HOUR], now) == threshold(
         now - 3 * 86_400_000 + 6 * HOUR, [], now)  # a fault still to come is not known
+
+
+def test_one_outlying_peak_does_not_set_the_threshold_when_few_peaks_may_pass():
+    """With room for two false alarms in the window, counting would place the threshold above the single
+    highest false peak however far out it lies; the tail of the top peaks decides instead."""
+    rng = np.random.default_rng(2)
+    peaks = np.r_[2.0 + rng.exponential(0.5, 400), 12.0]  # 2,000 GPU-days, one outlier far above the tail
+    th = logit(budget_threshold(peaks, 2000.0, budget=1.0))  # 2 allowed: Garwood's n = 0 fits (1.61)
+    point = 2.0 + 0.5 * np.log(401 / 2)
+    assert point - 0.3 < th < (point + 12.0) / 2  # the outlier widens the tail's scale, it does not set the bar
+
+
+def test_threshold_follows_a_new_false_alarm_over_a_day_not_in_one_step():
+    """Each hourly estimate moves with the peaks that enter or settle; the threshold used is their mean over
+    the last day, so one settled burst raises it step by step, and fully after a day."""
+    rows = fleet_scores(n_gpus=32, days=12)
+    burst_end = T0 + 5 * 86_400_000
+    burst = (rows["node"] == "n0") & (rows["gpu_index"] == 0) & rows["t_ms"].between(burst_end - 6 * HOUR, burst_end)
+    rows.loc[burst, "risk"] = 0.99
+    rep = replay(rows, rows["risk"].to_numpy(), NO_FAULTS, policy=AlertPolicy(0.5), step_s=STEP_S, budget=5.0)
+    t = rows["t_ms"].to_numpy()
+
+    def at(ms: int) -> float:
+        return float(rep.threshold[t == t[np.argmin(np.abs(t - ms))]][0])
+
+    settled = burst_end + 48 * HOUR  # the burst joins the estimate once it is two days old
+    before, early, later, day_after = at(settled - HOUR), at(settled + 3 * HOUR), at(settled + 12 * HOUR), at(settled + 26 * HOUR)
+    assert before < early < later < day_after
+    assert day_after == pytest.approx(at(settled + 30 * HOUR), abs=0.02)  # a day on: the new level, held
