@@ -191,19 +191,18 @@ class BudgetCalibrator:
             return self._current
         self._computed_at_ms = int(now_ms)
         estimate = self._estimate(now_ms)
-        if estimate is None:  # too little history: the start value, not averaged with the fleet's own
-            self._estimates.clear()
-            self._current = self.start_threshold
-            return self._current
-        self._estimates.append((int(now_ms), float(logit(estimate))))
-        while self._estimates[0][0] <= now_ms - SMOOTHING_S * 1000:
+        if estimate is not None:
+            self._estimates.append((int(now_ms), float(logit(estimate))))
+        while self._estimates and self._estimates[0][0] <= now_ms - SMOOTHING_S * 1000:
             self._estimates.popleft()
-        self._current = sigmoid(float(np.mean([value for _, value in self._estimates])))
+        # With no estimate in the last day (too little history, or no false peak yet): the start value.
+        self._current = (sigmoid(float(np.mean([value for _, value in self._estimates]))) if self._estimates
+                         else self.start_threshold)
         return self._current
 
     def _estimate(self, now_ms: int) -> float | None:
         """The budget's threshold from the settled rounds of the window before ``now_ms``; None while they
-        hold fewer than ``min_gpu_days``."""
+        hold fewer than ``min_gpu_days`` or no false peak."""
         while self._rounds and self._rounds[0][0] < now_ms - self.window_ms:
             self._rounds.popleft()
         past = [r for r in self._rounds if r[0] < now_ms - SETTLE_S * 1000]
@@ -220,6 +219,8 @@ class BudgetCalibrator:
         above = s >= base
         runs = cluster_runs(gpu[above], t[above], s[above], self.merge_gap_ms)
         false = ~self._true_alarms(runs, now_ms)
+        if not false.any():  # every high run so far was a fault's precursor: no estimate this hour
+            return None
         return budget_threshold(runs.peak[false], gpu_days, self.budget)
 
     def _known_faults(self, now_ms: int) -> list[tuple[int, int]]:

@@ -229,3 +229,19 @@ def test_threshold_follows_a_new_false_alarm_over_a_day_not_in_one_step():
     before, early, later, day_after = at(settled - HOUR), at(settled + 3 * HOUR), at(settled + 12 * HOUR), at(settled + 26 * HOUR)
     assert before < early < later < day_after
     assert day_after == pytest.approx(at(settled + 30 * HOUR), abs=0.02)  # a day on: the new level, held
+
+
+def test_a_window_whose_high_runs_all_end_in_faults_gives_no_estimate_not_a_silenced_fleet():
+    """On a fleet with many faults the top half percent of a young window may all be precursors: no false peak
+    to estimate from. That hour adds no estimate (the start value holds), rather than a threshold of 1 that
+    would silence every alert for the day it is averaged over."""
+    rows = fleet_scores(n_gpus=8, days=5)
+    fault_ms = T0 + 2 * 86_400_000
+    burst = (rows["node"] == "n0") & (rows["gpu_index"] == 0) & rows["t_ms"].between(fault_ms - 8 * HOUR, fault_ms)
+    rows.loc[burst, "risk"] = 0.99  # 48 rows: more than the top 0.5 % of the window, all before the fault
+    cal = BudgetCalibrator(1.0, 0.4, step_s=STEP_S, keep_firing_for_s=4 * 3600, min_gpu_days=2)
+    cal.fault(("n0", 0), fault_ms + 1)
+    now = T0 + 5 * 86_400_000 - STEP_S * 1000
+    for t, g in rows[rows["t_ms"] < now].groupby("t_ms"):
+        cal.observe(t, list(zip(g["node"], g["gpu_index"])), g["risk"].to_numpy())
+    assert cal.threshold(now) == 0.4
