@@ -41,6 +41,8 @@ How (a peaks-over-threshold estimate, in logit space, bounded from above):
    daily cycle of load or temperature is averaged out). Alerts open where the threshold dips and stay open
    when it rises again, so an estimate that swings hour to hour pays for its lows: on 128-GPU validation
    fleets, hourly estimates swung between 0.37 and 0.96 within a day, and the dips raised most false alarms.
+   An hour whose high runs all ended in faults (a young window on a fleet with many faults) has no false peak
+   to estimate from and adds no estimate; with none in the last day, the start value holds.
 
 Until the window holds ``MIN_GPU_DAYS`` of settled scores the model's saved threshold is used: it is only the
 start value. (With fewer, a budget of one alarm per 1,000 GPU-days is extrapolated from a few hours of a
