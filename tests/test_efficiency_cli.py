@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 from gpuwatch.apps.cli import main
 from gpuwatch.apps.analyze_cli import format_table
@@ -43,6 +45,38 @@ def test_json_document_keys(capsys, tmp_path):
     comm = [e for e in kernels if e["args"].get("collective") == "all_to_all"]
     assert comm and all(e["name"].startswith("ncclKernel_SendRecv") and e["args"]["stream"] >= 0 for e in comm)
     assert all("correlation" in e["args"] and "launch_us" in e["args"] for e in kernels)
+
+
+def test_the_process_ends_at_once_with_its_output_whole(tmp_path):
+    """`analyze` ends its process without the interpreter's teardown: what it wrote must all be there (stdout
+    through a pipe, the report files), the same as a library call of `main` prints, an error still exits 2,
+    and a closed pipe still ends quietly."""
+    html, perfetto = tmp_path / "r.html", tmp_path / "p.json"
+    args = ["analyze", SAMPLED, "--per-step"]
+    buffered = {**os.environ, "PYTHONUNBUFFERED": ""}  # as a user's shell has it: output waits in a buffer
+
+    def process(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gpuwatch", *args, *extra], capture_output=True, text=True,
+                              cwd=tmp_path, env=buffered)
+
+    def library_call(*extra: str) -> str:
+        code = f"import sys; from gpuwatch.apps.cli import main; sys.exit(main({[*args, *extra]!r}))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                              check=True).stdout
+
+    done = process("--json", "--html", str(html), "--perfetto", str(perfetto))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == json.loads(library_call("--json"))
+    assert html.read_text().rstrip().endswith("</html>")
+    assert len(json.loads(perfetto.read_text())["traceEvents"]) > 100
+    table = process()
+    assert table.returncode == 0 and table.stdout == library_call() and "GPU-hours" in table.stdout
+    missing = subprocess.run([sys.executable, "-m", "gpuwatch", "analyze", str(tmp_path / "nope.json")],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    closed = subprocess.run(f"{sys.executable} -m gpuwatch {' '.join(args)} --json | head -c 10", shell=True,
+                            capture_output=True, text=True, cwd=tmp_path, env=buffered)
+    assert closed.stdout == done.stdout[:10] and "Traceback" not in closed.stderr
 
 
 def test_table_output_and_errors(capsys, tmp_path):

@@ -62,8 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
-def _main(argv: list[str] | None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _exit_now(status: int) -> None:
+    """End the process with `status` once stdout and stderr are flushed, skipping the interpreter's teardown
+    (a closed stdout raises BrokenPipeError here, handled by `main`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _main(given: list[str] | None) -> int:
+    argv = sys.argv[1:] if given is None else given
     parser = argparse.ArgumentParser(
         prog="gpuwatch",
         description="Where GPU time goes in training clusters, and which GPU is about to fail.",
@@ -80,7 +88,11 @@ def _main(argv: list[str] | None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        return int(command(args.command).run(args) or 0)
+        chosen = command(args.command)
+        status = int(chosen.run(args) or 0)
+        if chosen.exits_at_once and given is None:  # gpuwatch is the process, not a library call
+            _exit_now(status)
+        return status
     except UserError as exc:
         print(f"gpuwatch {wanted}: error: {exc}", file=sys.stderr)
         return 2
