@@ -1,6 +1,7 @@
 """`gpuwatch analyze` through the real CLI dispatcher: --json keys, reports, errors."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ def test_json_document_keys(capsys, tmp_path):
     rc = main(["analyze", SAMPLED, "--json", "--per-step", "--flops-per-step", "1e14", "--peak-tflops", "312",
                "--gpu-hour-price", "2.5", "--html", str(html), "--perfetto", str(perfetto)])
     assert rc == 0
+    assert gc.isenabled()  # a library call leaves the caller's process as it was (`Command.one_shot`)
     doc = json.loads(capsys.readouterr().out)
     assert {"ranks", "job", "stragglers", "delayed", "matched_collectives"} <= set(doc)
     for r in doc["ranks"]:
@@ -48,9 +50,9 @@ def test_json_document_keys(capsys, tmp_path):
 
 
 def test_the_process_ends_at_once_with_its_output_whole(tmp_path):
-    """`analyze` ends its process without the interpreter's teardown: what it wrote must all be there (stdout
-    through a pipe, the report files), the same as a library call of `main` prints, an error still exits 2,
-    and a closed pipe still ends quietly."""
+    """`analyze` runs as a one-shot process (no cycle collector, no interpreter teardown): what it wrote must
+    all be there (stdout through a pipe, the report files), the same as a library call of `main` prints, an
+    error still exits 2, and a closed pipe still ends quietly."""
     html, perfetto = tmp_path / "r.html", tmp_path / "p.json"
     args = ["analyze", SAMPLED, "--per-step"]
     buffered = {**os.environ, "PYTHONUNBUFFERED": ""}  # as a user's shell has it: output waits in a buffer

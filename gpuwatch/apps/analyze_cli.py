@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-ANALYZE = Command(add_arguments, run, exits_at_once=True)
+ANALYZE = Command(add_arguments, run, one_shot=True)
 
 
 def _write(path: str, data: bytes) -> None:

@@ -6,6 +6,7 @@ text. Only the module of the command being run is imported, so `gpuwatch --help`
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
@@ -89,8 +90,11 @@ def _main(given: list[str] | None) -> int:
             parser.print_help()
             return 2
         chosen = command(args.command)
+        one_shot = chosen.one_shot and given is None  # gpuwatch is the process, not a library call
+        if one_shot:
+            gc.disable()
         status = int(chosen.run(args) or 0)
-        if chosen.exits_at_once and given is None:  # gpuwatch is the process, not a library call
+        if one_shot:
             _exit_now(status)
         return status
     except UserError as exc:
