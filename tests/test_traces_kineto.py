@@ -155,6 +155,14 @@ def test_bad_inputs_name_the_file(tmp_path):
     not_trace.write_text('{"hello": 1}')
     with pytest.raises(UserError, match="x.json: not a Chrome/Kineto trace"):
         load_kineto(str(not_trace))
+    for empty in (tmp_path / "empty.json.gz", tmp_path / "blank.json"):  # as a snapshot without LFS files has them
+        empty.write_bytes(b"" if empty.suffix == ".gz" else b" \n")
+        with pytest.raises(UserError, match=f"{empty.name}: empty file, not a trace"):
+            load_kineto(str(empty))
+    pointer = tmp_path / "lfs.json.gz"
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 12345\n")
+    with pytest.raises(UserError, match="lfs.json.gz: a Git LFS pointer, not the trace itself"):
+        load_kineto(str(pointer))
     bad_gz = tmp_path / "bad.json.gz"
     bad_gz.write_bytes(gzip.compress(open(good, "rb").read())[:-50])
     with pytest.raises(UserError, match="bad.json.gz"):

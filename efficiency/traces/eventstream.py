@@ -47,6 +47,7 @@ _CUT_TRIES = 64
 # How the writer separated events (`},\n  {` for Kineto), learnt from the most common spelling early on.
 _SEPARATOR = re.compile(rb"\}\s*,\s*\{")
 _SNIFF_BYTES = 1 << 16
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # what a repository holds of a file kept in LFS
 
 
 @dataclass(frozen=True)
@@ -376,6 +377,10 @@ class TraceEventStream:
             if match:
                 self.meta.update(_parse_head(self.path, data[: match.start()]))
                 return data, match.end()
+            if not block and not data.strip():  # e.g. a writer that died before writing
+                raise UserError(f"{self.path}: empty file, not a trace")
+            if data.startswith(_LFS_POINTER):
+                raise UserError(f"{self.path}: a Git LFS pointer, not the trace itself (fetch it: git lfs pull)")
             if not block or len(data) > _HEAD_LIMIT:
                 raise UserError(f"{self.path}: not a Chrome/Kineto trace (no traceEvents array found)")
 
