@@ -21,16 +21,24 @@ def coverage_lines(doc: Analysis) -> list[str]:
     return lines
 
 
+#: Replay error past which the what-if's model (dependencies, launch delays) plainly does not fit the trace.
+ROUGH_REPLAY_ERROR = 0.10
+
+
 def what_if_lines(w: WhatIf | None) -> list[str]:
     if not w:
         return []
     ranks = sorted(w.per_rank, key=lambda r: -r.slowdown)[:3]
     kinds = sorted(w.per_op_kind, key=lambda r: -r.slowdown)
+    caution = [] if w.replay_error <= ROUGH_REPLAY_ERROR else [
+        f"  caution: replaying the measured durations misses the measured steps by {100 * w.replay_error:.0f} %, "
+        "so the what-if is a rough estimate here (launch records missing, or host time the trace does not show)"]
     return [
         f"what-if: {w.slowdown:.3f}x slower than with every op at its typical duration "
         f"(step {w.no_launch_delay_step_us / 1000:.2f} ms without launch delays vs ideal {w.ideal_step_us / 1000:.2f} ms)",
         f"  replay check: replayed step {w.replayed_step_us / 1000:.2f} ms vs measured {w.actual_step_us / 1000:.2f} ms "
         f"(error {100 * w.replay_error:.1f} %); measured / no-launch-delay {w.actual_over_no_launch_delay:.3f}",
+        *caution,
         "  by rank: " + ", ".join(f"rank {r.rank} {r.slowdown:.3f}x" for r in ranks),
         "  by op kind: " + ", ".join(f"{k.kind} {k.slowdown:.3f}x" for k in kinds),
     ]

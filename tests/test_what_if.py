@@ -11,6 +11,7 @@ import pytest
 
 from gpuwatch.efficiency import RankTimeline, analyze, load_paths
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, P2P
+from gpuwatch.efficiency.words import ROUGH_REPLAY_ERROR, what_if_lines
 from helpers import KINETO_DATA
 
 DATA = KINETO_DATA
@@ -141,6 +142,22 @@ def test_launch_delays_are_replayed_then_removed():
     assert w["no_launch_delay_step_us"] == pytest.approx(10_000.0)
     assert w["actual_over_no_launch_delay"] == pytest.approx(actual / 10_000.0, abs=1e-4)
     assert w["slowdown"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_a_replay_that_misses_the_steps_is_called_rough():
+    """Host stalls the trace cannot explain (no launch records): the replay closes the gaps, misses the
+    measured steps, and the report says the what-if is rough; an exact replay draws no such line."""
+    rows, t = [], 0.0
+    for step in range(5):
+        t += 4_000.0  # the GPU idles, and nothing in the trace says why
+        rows.append((t, 10_000.0, COMPUTE, STREAM_COMPUTE, "gemm", step, "", "", -1))
+        t += 10_000.0
+    rough = analyze([_timeline(0, rows, world=1, launch=[float("nan")] * len(rows))])
+    assert rough.what_if.replay_error > ROUGH_REPLAY_ERROR
+    assert any(line.strip().startswith("caution: replaying") for line in what_if_lines(rough.what_if))
+    exact = analyze(_data_parallel([10_000.0, 12_000.0]))
+    assert exact.what_if.replay_error < 1e-4
+    assert not any("caution" in line for line in what_if_lines(exact.what_if))
 
 
 def test_real_trace_replay_is_close_and_slowdown_at_least_one():
