@@ -159,6 +159,11 @@ def test_bad_inputs_name_the_file(tmp_path):
         empty.write_bytes(b"" if empty.suffix == ".gz" else b" \n")
         with pytest.raises(UserError, match=f"{empty.name}: empty file, not a trace"):
             load_kineto(str(empty))
+    execution_trace = tmp_path / "et.json"
+    execution_trace.write_text('{\n  "schema": "1.0.1", "pid": 5, "time": "2023-07-14 11:53:07",\n  "nodes": [\n'
+                               '    {"name": "[pytorch|profiler|execution_trace|thread]", "id": 2}]}')
+    with pytest.raises(UserError, match="et.json: a PyTorch execution trace .*, not a profiler trace"):
+        load_kineto(str(execution_trace))
     pointer = tmp_path / "lfs.json.gz"
     pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 12345\n")
     with pytest.raises(UserError, match="lfs.json.gz: a Git LFS pointer, not the trace itself"):

@@ -48,6 +48,8 @@ _CUT_TRIES = 64
 _SEPARATOR = re.compile(rb"\}\s*,\s*\{")
 _SNIFF_BYTES = 1 << 16
 _LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # what a repository holds of a file kept in LFS
+# PyTorch's execution trace (`ExecutionTraceObserver`), often saved beside the profiler's trace: a graph of ops.
+_EXECUTION_TRACE = re.compile(rb'^\s*\{\s*"schema"\s*:\s*"[^"]*"[^\[]*"nodes"\s*:\s*\[')
 
 
 @dataclass(frozen=True)
@@ -382,6 +384,9 @@ class TraceEventStream:
             if data.startswith(_LFS_POINTER):
                 raise UserError(f"{self.path}: a Git LFS pointer, not the trace itself (fetch it: git lfs pull)")
             if not block or len(data) > _HEAD_LIMIT:
+                if _EXECUTION_TRACE.search(data[:4096]):
+                    raise UserError(f"{self.path}: a PyTorch execution trace (a graph of ops without GPU times), not "
+                                    "a profiler trace: give the profiler's Kineto trace of the same run")
                 raise UserError(f"{self.path}: not a Chrome/Kineto trace (no traceEvents array found)")
 
     def _cut(self, pending: bytes) -> tuple[list[dict], bytes]:
