@@ -238,12 +238,12 @@ def compare(label: str, folder: str, size_mb: float, runs: int, python: str | No
     gw, hta = best["gpuwatch"], best.get("hta")
     print(f"\n{label} ({size_mb:.1f} MB on disk); best of {runs}, taking turns; load average before {load_before}, "
           f"after {_load()}")
-    print(f"{'tool':<26}{'wall s (best)':>14}  {'all runs':<32}{'CPU s (tree)':>14}{'peak MB (tree)':>16}")
+    print(f"{'tool':<26}{'wall s (best)':>14}  {'all runs':<42}{'CPU s (tree)':>14}{'peak MB (tree)':>16}")
     for name, row in (("gpuwatch analyze --json", gw), ("HTA 0.5.0 temporal", hta),
                       ("(python -m gpuwatch, dev)", best["dev"]), ("(older tree, installed)", best.get("old"))):
         if row is not None:
-            walls = ", ".join(f"{w:.2f}" for w in row["walls"])
-            print(f"{name:<26}{row['wall_s']:>14.2f}  {walls:<32}{row['cpu_s']:>14.2f}{row['peak_mb']:>16.0f}")
+            walls = ", ".join(f"{w:.3f}" for w in row["walls"])  # ms matter: a small trace runs in 0.2 s
+            print(f"{name:<26}{row['wall_s']:>14.3f}  {walls:<42}{row['cpu_s']:>14.3f}{row['peak_mb']:>16.0f}")
     if hta is not None:
         print(f"speed-up {hta['wall_s'] / gw['wall_s']:.1f}x wall, {hta['cpu_s'] / gw['cpu_s']:.1f}x CPU time; "
               f"memory {gw['peak_mb'] / hta['peak_mb']:.2f}x of HTA; development venv {hta['wall_s'] / best['dev']['wall_s']:.1f}x wall")
@@ -287,7 +287,7 @@ def _print_window(gw: dict, hta: dict | None) -> None:
 def _print_phases(p: dict, wall: float, startup: float) -> None:
     """Where the time goes, and how close the reader is to the floor of decompressing and parsing."""
     print("where gpuwatch's time goes (each phase alone, best of 5, in one process):")
-    print(f"  interpreter start-up + imports {startup:.2f} s of the {wall:.2f} s whole process (measured taking turns)")
+    print(f"  interpreter start-up + imports {startup:.3f} s of the {wall:.3f} s whole process (measured taking turns)")
     print(f"  decompression alone: zlib {p['gunzip_zlib_s']:.3f} s, ISA-L (what gpuwatch uses) {p['gunzip_isal_s']:.3f} s")
     print(f"  floor of reading everything: gzip.decompress + orjson.loads {p['bare_floor_s']:.3f} s; "
           f"ISA-L + orjson.loads with the cycle collector paused {p['best_floor_s']:.3f} s")
