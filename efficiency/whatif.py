@@ -18,6 +18,8 @@ one rank's (or one op kind's) actual durations and all else ideal.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,30 +63,20 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
     graph = _build(timelines, matching)
     if graph is None:
         return None
-    ideal = _ideal_durations(graph)
-    zero = np.zeros(len(graph.start))
-    node_step = graph.step[graph.head]
-    actual_steps = _step_times(graph.step, graph.start, graph.end)
-    replay = _step_times(node_step, *_simulate(graph, graph.transfer, graph.delay))
-    no_delay = _step_times(node_step, *_simulate(graph, graph.transfer, zero))
-    ideal_steps = _step_times(node_step, *_simulate(graph, ideal, zero))
+    ranks = [tl.rank for tl in timelines]
+    kinds = [k for k in range(len(KIND_NAMES)) if (graph.kind == k).any()]
+    attributed = len(ranks) > 1  # one rank's attribution is its whole slowdown: no replay needed
+    steps = _replay(graph, _ideal_durations(graph), kinds, len(ranks) if attributed else 0)
+    actual_steps = _step_times(graph.step, graph.start[:, None], graph.end[:, None])[0]
+    replay, no_delay, ideal_steps = steps[:3]
     t_actual, t_ideal = float(no_delay.mean()), float(ideal_steps.mean())
     if not (t_ideal > 0 and t_actual > 0 and (actual_steps > 0).all()):
         return None  # steps of zero length (a trace of zero-length work): no time to compare against
     if replay.shape != actual_steps.shape:
         return None  # a live window cut a step to nothing in the trace or in the replay: no step-by-step check
-
-    def slowdown_with(actual_mask: np.ndarray) -> float:
-        durations = np.where(actual_mask, graph.transfer, ideal)
-        return float(_step_times(node_step, *_simulate(graph, durations, zero)).mean()) / t_ideal
-
-    ranks = [tl.rank for tl in timelines]
-    if len(ranks) == 1:
-        per_rank = {ranks[0]: t_actual / t_ideal}
-    else:
-        per_rank = {rank: slowdown_with(graph.rank_pos == i) for i, rank in enumerate(ranks)}
-    kinds = [k for k in range(len(KIND_NAMES)) if (graph.kind == k).any()]
-    per_kind = {KIND_NAMES[k]: slowdown_with(graph.kind == k) for k in kinds}
+    attribution = [float(s.mean()) / t_ideal for s in steps[3:]]
+    per_rank = dict(zip(ranks, attribution[:len(ranks)] if attributed else [t_actual / t_ideal]))
+    per_kind = {KIND_NAMES[k]: s for k, s in zip(kinds, attribution[len(ranks) if attributed else 0:])}
     slowdown = t_actual / t_ideal
     excess = slowdown - 1.0
 
@@ -331,26 +323,65 @@ def _ideal_durations(graph: _Graph) -> np.ndarray:
     return ideal
 
 
-def _simulate(graph: _Graph, duration: np.ndarray, delay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Replay the graph with each op's `duration` and launch `delay`: (start, end) of every node. A node
-    runs its ops back to back: it starts after its first op's delay and lasts their durations plus the
-    delays of the others. Nodes are taken in their actual start order; one whose dependency is not yet
-    known (a collective whose last rank comes later in that order) waits for it. If
-    the graph holds a cycle (ranks that ran matched collectives in different orders), the instance that
-    began first is closed with the ranks that have arrived, and later arrivals end their own transfer
-    after max(that time, their arrival)."""
+# Replays walked together are held as (nodes x replays) float arrays; past this many elements (32 MB each) a
+# job's replays are walked in groups (a 512-rank job: 250k nodes, 518 replays, 1 GB a matrix all at once).
+_WALK_ELEMENTS = 1 << 22
+
+
+def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> list[np.ndarray]:
+    """Step times of every replay the what-if needs, in this order: actual durations with launch delays (the
+    check), actual without them, ideal; then one per rank position below `ranks`, with that rank's actual
+    durations and all else ideal; then one per op kind in `kinds`, likewise. A node lies on one rank, so a
+    rank's replay picks whole nodes' durations; a kind's sums its ops'."""
     n = len(graph.head)
-    inner = np.bincount(graph.node, weights=delay, minlength=n) - delay[graph.head]
-    dur = (np.bincount(graph.node, weights=duration, minlength=n) + inner).tolist()
-    wait_before = delay[graph.head].tolist()
+    per_node = functools.partial(np.bincount, graph.node, minlength=n)
+    actual, typical = per_node(weights=graph.transfer), per_node(weights=ideal)
+    inner = per_node(weights=graph.delay) - graph.delay[graph.head]
+    node_rank = graph.rank_pos[graph.head]
+    durations: list[Callable[[], np.ndarray]] = [lambda: actual + inner, lambda: actual, lambda: typical]
+    durations += [functools.partial(np.where, node_rank == i, actual, typical) for i in range(ranks)]
+    durations += [functools.partial(per_node, weights=np.where(graph.kind == k, graph.transfer, ideal)) for k in kinds]
+    first_wait = graph.delay[graph.head]
+    node_step = graph.step[graph.head]
+    group = max(1, _WALK_ELEMENTS // max(n, 1))
+    steps: list[np.ndarray] = []
+    for first in range(0, len(durations), group):
+        chosen = range(first, min(first + group, len(durations)))
+        dur = np.stack([durations[i]() for i in chosen], axis=1)
+        wait = np.stack([first_wait if i == 0 else np.zeros(n) for i in chosen], axis=1) if first == 0 else None
+        steps.extend(_step_times(node_step, *_simulate(graph, dur, wait)))
+    return steps
+
+
+def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Replay the graph with each node's duration `dur` (its ops back to back, with the launch delays of
+    all but the first) and the delay `wait_before` its first op waits (None: no delays): (start, end) of
+    every node, as nodes x replays, a column per column of `dur`. Which node is taken when depends on the
+    graph alone, never on the durations, so the replays are walked together, a node's times a vector (one
+    by one, a job of R ranks walked a graph that grows with R, R times, to attribute its slowdown).
+    Nodes are taken in their actual start order; one whose dependency is not yet known (a collective whose
+    last rank comes later in that order) waits for it. If the graph holds a cycle (ranks that ran matched
+    collectives in different orders), the instance that began first is closed with the ranks that have
+    arrived, and later arrivals end their own transfer after max(that time, their arrival)."""
+    n, replays = dur.shape
+    dur_of = list(dur)
+    wait_of = None if wait_before is None else list(wait_before)
+    starts, ends = np.full((n, replays), np.nan), np.full((n, replays), np.nan)  # NaN: never started / ended
+    start, end = list(starts), list(ends)  # each node's row, written in place
     deps, base, instance, members = graph.deps, graph.base, graph.instance, graph.members
-    start: list[float] = [float("nan")] * n
-    end: list = [None] * n
+    started, ended = [False] * n, [False] * n
     arrived = [0] * len(members)
-    latest = [float("-inf")] * len(members)
+    latest: list = [float("-inf")] * len(members)
     closed = [False] * len(members)
     waiters: dict[int, list[int]] = {}
     stack: list[int] = []
+    maximum, add = np.maximum, np.add
+
+    def finish(m: int, t) -> None:
+        add(t, dur_of[m], end[m])
+        ended[m] = True
+        if m in waiters:
+            stack.extend(waiters.pop(m))
 
     def run(firsts) -> None:
         """Process `firsts` in order, each with everything it unblocks (a stack of ready ops)."""
@@ -361,36 +392,29 @@ def _simulate(graph: _Graph, duration: np.ndarray, delay: np.ndarray) -> tuple[n
                 t = base[i]
                 blocked = False
                 for d in deps[i]:
-                    e = end[d]
-                    if e is None:
+                    if not ended[d]:
                         waiters.setdefault(d, []).append(i)
                         blocked = True
                         break
-                    if e > t:
-                        t = e
+                    t = maximum(t, end[d])
                 if blocked:
                     continue
-                t += wait_before[i]
-                start[i] = t
+                if wait_of is None:
+                    start[i][...] = t
+                else:
+                    add(t, wait_of[i], start[i])
+                started[i] = True
                 k = instance[i]
                 if k < 0:
-                    end[i] = t + dur[i]
-                    if i in waiters:
-                        stack.extend(waiters.pop(i))
+                    finish(i, start[i])
                     continue
                 arrived[k] += 1
-                if t > latest[k]:
-                    latest[k] = t
+                latest[k] = maximum(latest[k], start[i])
                 if closed[k]:
-                    done = (i,)
+                    finish(i, latest[k])
                 elif arrived[k] == len(members[k]):
-                    done = members[k]
-                else:
-                    continue
-                for m in done:
-                    end[m] = latest[k] + dur[m]
-                    if m in waiters:
-                        stack.extend(waiters.pop(m))
+                    for m in members[k]:
+                        finish(m, latest[k])
 
     run(graph.order)
     while True:  # break cycles, if any
@@ -399,29 +423,33 @@ def _simulate(graph: _Graph, duration: np.ndarray, delay: np.ndarray) -> tuple[n
             break
         k = min(pending, key=lambda j: min(graph.start[graph.head[m]] for m in members[j]))
         closed[k] = True
-        woken = []
         for m in members[k]:
-            if start[m] == start[m] and end[m] is None:  # arrived (start set), not yet ended
-                end[m] = latest[k] + dur[m]
-                woken.extend(waiters.pop(m, []))
+            if started[m] and not ended[m]:
+                finish(m, latest[k])  # what waited for it goes on the stack
+        woken = stack[:]
+        stack.clear()
         run(woken)
-    ends = np.array([np.nan if e is None else e for e in end])
-    return np.array(start), ends
+    return starts, ends
 
 
-def _step_times(step: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Per analysed step, the job's step time: from the end of the previous step (the first step: its
-    first op's start) to the last end of its ops on any rank. No known steps: the whole window is one."""
+def _step_times(step: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
+    """Per analysed step, the job's step time, for each column of `start` and `end` (ops or nodes x replays):
+    from the end of the previous step (the first step: its first op's start) to the last end of its ops on
+    any rank. No known steps: the whole window is one."""
     known = step >= 0
     if not known.any():
-        return np.array([np.nanmax(end) - np.nanmin(start)])
-    steps, code = np.unique(step[known], return_inverse=True)
-    last = np.full(len(steps), -np.inf)
-    np.maximum.at(last, code, np.nan_to_num(end[known], nan=-np.inf))
-    first = np.full(len(steps), np.inf)
-    np.minimum.at(first, code, np.nan_to_num(start[known], nan=np.inf))
-    order = np.argsort(first, kind="stable")
-    last = np.maximum.accumulate(last[order])
-    bounds = np.concatenate([[first[order][0]], last])
-    times = np.diff(bounds)
-    return times[times > 0] if (times > 0).any() else np.array([bounds[-1] - bounds[0]])
+        return [np.array([np.nanmax(e) - np.nanmin(s)]) for s, e in zip(start.T, end.T)]
+    code = np.unique(step[known], return_inverse=True)[1]
+    by_step = np.argsort(code, kind="stable")
+    bounds = np.flatnonzero(np.r_[True, np.diff(code[by_step]) != 0])
+    rows = np.flatnonzero(known)[by_step]
+    last_all = np.maximum.reduceat(np.nan_to_num(end[rows], copy=False, nan=-np.inf), bounds, axis=0)
+    first_all = np.minimum.reduceat(np.nan_to_num(start[rows], copy=False, nan=np.inf), bounds, axis=0)
+    times = []
+    for first, last in zip(first_all.T, last_all.T):
+        order = np.argsort(first, kind="stable")
+        last = np.maximum.accumulate(last[order])
+        edges = np.concatenate([[first[order][0]], last])
+        gaps = np.diff(edges)
+        times.append(gaps[gaps > 0] if (gaps > 0).any() else np.array([edges[-1] - edges[0]]))
+    return times

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from gpuwatch.efficiency import RankTimeline, analyze, load_paths
+from gpuwatch.efficiency import RankTimeline, analyze, load_paths, whatif
+from gpuwatch.efficiency.matching import match_collectives
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, P2P
 from gpuwatch.efficiency.words import ROUGH_REPLAY_ERROR, what_if_lines
 from helpers import KINETO_DATA
@@ -166,3 +167,62 @@ def test_real_trace_replay_is_close_and_slowdown_at_least_one():
     assert w["slowdown"] >= 1.0 and w["ops"] == doc["window"]["activities"]
     assert w["steps"] == 6
     assert w["replay_error"] < 0.05  # the dependency graph of a real trace reproduces its step times
+
+
+def _crossed_collectives(steps: int = 3) -> list[RankTimeline]:
+    """Two ranks that run the all-reduces of process groups "a" and "b" in opposite orders, each on one
+    stream: the what-if's graph holds a cycle in every step."""
+    rows: list[list[tuple]] = [[], []]
+    t = 0.0
+    for step in range(steps):
+        for r, order in enumerate((("a", "b"), ("b", "a"))):
+            rows[r].append((t, 5_000.0 + 1_000.0 * r, COMPUTE, STREAM_COMPUTE, "gemm", step, "", "", -1))
+            for i, group in enumerate(order):
+                rows[r].append((t + 7_000.0 + 2_000.0 * i, 2_000.0, COLLECTIVE, STREAM_COMM, "ncclAllReduce", step,
+                                "all_reduce", group, step))
+        t += 12_000.0
+    groups = {"a": [0, 1], "b": [0, 1]}
+    return [_timeline(r, rows[r], world=2, group_ranks=groups) for r in range(2)]
+
+
+def test_crossed_collectives_are_replayed():
+    """The cycle is broken (the instance that began first closes with the ranks that arrived): a finite
+    result with both ranks attributed, not a hang."""
+    w = analyze(_crossed_collectives()).to_json()["what_if"]
+    assert w["steps"] == 3 and [r["rank"] for r in w["per_rank"]] == [0, 1]
+    assert all(np.isfinite([w["slowdown"], w["replay_error"], w["ideal_step_us"]]))
+
+
+@pytest.mark.parametrize("job", ["crossed", "pipeline", "control_rank3_of8"])
+def test_replays_walked_together_equal_each_walked_alone(job):
+    """The what-if walks all its replays at once, a node's times a vector (attributing R ranks is R
+    replays): each column must come out as that replay walked alone, cycles included."""
+    timelines = {"crossed": _crossed_collectives, "pipeline": lambda: _pipeline((14_000.0, 6_000.0))[0],
+                 "control_rank3_of8": lambda: load_paths([os.path.join(DATA, "control_rank3_of8")])}[job]()
+    graph = whatif._build(timelines, match_collectives(timelines))
+    rng = np.random.default_rng(7)
+    dur = rng.uniform(10.0, 5_000.0, (len(graph.head), 4))
+    wait = rng.uniform(0.0, 300.0, dur.shape)
+    start, end = whatif._simulate(graph, dur, wait)
+    for c in range(dur.shape[1]):
+        alone = whatif._simulate(graph, dur[:, [c]], wait[:, [c]])
+        np.testing.assert_array_equal(start[:, c], alone[0][:, 0])
+        np.testing.assert_array_equal(end[:, c], alone[1][:, 0])
+    assert np.isfinite(end).all()
+
+
+def test_attribution_walks_the_graph_once_and_the_same_in_groups(monkeypatch):
+    """An 8-rank job's 13 replays (the check, without launch delays, ideal, one per rank, one per op kind:
+    compute and collective) are one walk; walked one replay at a time (as a job too large for one walk is
+    walked in groups), the result is the same."""
+    timelines = _data_parallel([10_000.0 + 700.0 * r for r in range(8)])
+    walks = []
+    simulate = whatif._simulate
+    monkeypatch.setattr(whatif, "_simulate", lambda *a: walks.append(a[1].shape[1]) or simulate(*a))
+    together = analyze(timelines).to_json()["what_if"]
+    assert walks == [3 + 8 + 2]
+    walks.clear()
+    monkeypatch.setattr(whatif, "_WALK_ELEMENTS", 1)
+    assert analyze(timelines).to_json()["what_if"] == together
+    assert walks == [1] * 13
+    assert [r["slowdown"] for r in together["per_rank"]][-1] > [r["slowdown"] for r in together["per_rank"]][0]
