@@ -81,6 +81,21 @@ def test_the_process_ends_at_once_with_its_output_whole(tmp_path):
     assert closed.stdout == done.stdout[:10] and "Traceback" not in closed.stderr
 
 
+
+def test_only_one_shot_commands_run_without_the_cycle_collector(tmp_path):
+    """As the process, `gpuwatch` imports a command's modules with the cycle collector off; a command that is
+    not one-shot (a collector, an agent: they run for days) runs with it back on."""
+    code = ("import gc, sys, types; from gpuwatch.apps import cli; from gpuwatch.apps.commandline import Command\n"
+            "probe = types.ModuleType('probe'); sys.modules['probe'] = probe\n"
+            "probe.LONG = Command(lambda p: None, lambda a: print('long', gc.isenabled()))\n"
+            "probe.ONCE = Command(lambda p: None, lambda a: print('once', gc.isenabled()), one_shot=True)\n"
+            "cli.COMMANDS.update(long=('probe:LONG', ''), once=('probe:ONCE', ''))\n"
+            "sys.argv = ['gpuwatch', sys.argv[1]]; sys.exit(cli.main())")
+    ran = [subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, cwd=tmp_path)
+           for name in ("long", "once")]
+    assert [(r.returncode, r.stdout) for r in ran] == [(0, "long True\n"), (0, "once False\n")], ran
+
+
 def test_table_output_and_errors(capsys, tmp_path):
     assert main(["analyze", SAMPLED]) == 0
     out = capsys.readouterr().out
