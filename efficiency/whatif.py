@@ -19,7 +19,6 @@ one rank's (or one op kind's) actual durations and all else ideal.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -338,16 +337,24 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
     actual, typical = per_node(weights=graph.transfer), per_node(weights=ideal)
     inner = per_node(weights=graph.delay) - graph.delay[graph.head]
     node_rank = graph.rank_pos[graph.head]
-    durations: list[Callable[[], np.ndarray]] = [lambda: actual + inner, lambda: actual, lambda: typical]
-    durations += [functools.partial(np.where, node_rank == i, actual, typical) for i in range(ranks)]
-    durations += [functools.partial(per_node, weights=np.where(graph.kind == k, graph.transfer, ideal)) for k in kinds]
+
+    def durations(replay: int) -> np.ndarray:  # made as each group is walked: a 512-rank job has 518
+        if replay == 0:
+            return actual + inner
+        if replay < 3:
+            return actual if replay == 1 else typical
+        if replay < 3 + ranks:
+            return np.where(node_rank == replay - 3, actual, typical)
+        return per_node(weights=np.where(graph.kind == kinds[replay - 3 - ranks], graph.transfer, ideal))
+
     first_wait = graph.delay[graph.head]
     node_step = graph.step[graph.head]
     group = max(1, _WALK_ELEMENTS // max(n, 1))
     steps: list[np.ndarray] = []
-    for first in range(0, len(durations), group):
-        chosen = range(first, min(first + group, len(durations)))
-        dur = np.stack([durations[i]() for i in chosen], axis=1)
+    replays = 3 + ranks + len(kinds)
+    for first in range(0, replays, group):
+        chosen = range(first, min(first + group, replays))
+        dur = np.stack([durations(i) for i in chosen], axis=1)
         wait = np.stack([first_wait if i == 0 else np.zeros(n) for i in chosen], axis=1) if first == 0 else None
         steps.extend(_step_times(node_step, *_simulate(graph, dur, wait)))
     return steps
