@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64, 128])
     parser.add_argument("--old-tree", metavar="DIR", help="also run the what-if of this tree, installed in a venv")
     args = parser.parse_args()
+    if min(args.ranks) < 1:
+        parser.error(f"--ranks: a job has at least 1 rank, got {min(args.ranks)}")
     tools = {"this tree": sys.executable}
     if args.old_tree:
         sys.path.insert(0, os.path.join(ROOT, "bench"))
