@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gpuwatch.efficiency.forking import forkable
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.core.errors import UserError
 
@@ -43,7 +42,7 @@ def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None 
     CPU-bound Python, and a rank's timeline is a few arrays, cheap to send back. Workers come from a fork
     server, not a plain fork: the caller may be a collector or a test with gRPC threads running, and a
     forked copy of those crashes. A caller that runs nothing else (the `analyze` command) passes `fork=True`:
-    then, where a plain fork is safe (`_forkable`), the workers are forked copies of it that start at once
+    then, where a plain fork is safe (`forking.forkable`), the workers are forked copies of it that start at once
     with what it has imported, instead of waiting for a fork server to start an interpreter and import the
     reader (half a second of a 2-rank set on a busy 2-core machine). One file is read in this process: no
     worker, and the process-pool modules are not even imported."""
@@ -56,7 +55,7 @@ def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None 
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    if fork and _forkable():
+    if fork and forkable():
         context = multiprocessing.get_context("fork")
     else:
         context = multiprocessing.get_context("forkserver")
@@ -66,13 +65,6 @@ def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None 
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         loaded = pool.map(functools.partial(_load_one, default_rank=default_rank), jobs)
         return [tl for found in loaded for tl in found]
-
-
-def _forkable() -> bool:
-    """Whether a plain fork of this process is safe: on Linux, with no other Python thread running and none
-    of the libraries loaded that start threads of their own (a forked child holds copies of their locks)."""
-    return (sys.platform == "linux" and threading.active_count() == 1
-            and not any(name in sys.modules for name in ("grpc", "duckdb", "chdb", "pyarrow")))
 
 
 def _load_one(job: tuple[str, Callable[[int], None] | None], default_rank: int | None) -> list[RankTimeline]:

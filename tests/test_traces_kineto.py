@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from gpuwatch.efficiency import analyze, load, load_paths
+from gpuwatch.efficiency import analyze, forking, load_paths
 from gpuwatch.efficiency.timeline import COLLECTIVE, P2P
 from gpuwatch.efficiency.traces.collectives import is_comm_kernel
 from gpuwatch.efficiency.traces.kineto import load_kineto
@@ -206,15 +206,15 @@ def test_no_plain_fork_beside_threads_or_threaded_libraries(monkeypatch):
     for name in ("duckdb", "chdb", "pyarrow"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     alone = threading.active_count() == 1
-    assert load._forkable() is (alone and sys.platform == "linux")
+    assert forking.forkable() is (alone and sys.platform == "linux")
     monkeypatch.setitem(sys.modules, "grpc", object())
-    assert load._forkable() is False
+    assert forking.forkable() is False
     monkeypatch.delitem(sys.modules, "grpc")
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
     try:
-        assert load._forkable() is False
+        assert forking.forkable() is False
     finally:
         stop.set()
         other.join()

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     doc = analyze(
         timelines, per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
         peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, keep_segments=bool(args.perfetto),
-        steps=args.steps,
+        steps=args.steps, fork=True,
     )
     if args.perfetto:
         from gpuwatch.efficiency.perfetto import perfetto_trace
