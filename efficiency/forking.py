@@ -27,8 +27,8 @@ def forkable() -> bool:
 
 class Pending(Generic[_T]):
     """`fn(*args)`, computed in a forked child while the caller goes on when `fork` is asked and safe
-    (`forkable`), else computed here when asked for. `result()` returns its value or raises its exception, as a call
-    would; `cancel()` ends a child whose result is no longer wanted."""
+    (`forkable`), else computed here when asked for. `result()` returns its value or raises its exception,
+    as a call would; `cancel()` ends a child whose result is no longer wanted."""
 
     def __init__(self, fn: Callable[..., _T], *args: object, fork: bool) -> None:
         self._call = (fn, args)
@@ -47,20 +47,22 @@ class Pending(Generic[_T]):
 
     def result(self) -> _T:
         if not self._pid:
-            fn, args = self._call
-            return fn(*args)
+            return self._here()
         with os.fdopen(self._pipe, "rb") as pipe:
             data = pipe.read()
         self._pipe = -1
         os.waitpid(self._pid, 0)
         self._pid = 0
         if not data:  # the child died before sending (killed, out of memory): compute it here
-            fn, args = self._call
-            return fn(*args)
+            return self._here()
         ok, value = pickle.loads(data)
         if not ok:
             raise value
         return value
+
+    def _here(self) -> _T:
+        fn, args = self._call
+        return fn(*args)
 
     def cancel(self) -> None:
         if self._pid:
