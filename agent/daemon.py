@@ -198,6 +198,10 @@ class Agent:
             done, batches = self._loop(ticks, sampler, host, jobs, builder)
             self.emit(Event(ev.AGENT_STOP, message=f"stopped after {done} ticks"))
             batches += self._cut(builder)
+            if self.spool is not None and self.spool.unreported_drops():
+                # Batches dropped while the last one was spooled (a full disk at the very end): one more batch
+                # reports them now; if that is dropped too, the spool keeps them for the next start.
+                batches += self._cut(builder)
             if self.uplink is not None:
                 drained = self._drain(ticks)
         pending = len(self.spool.pending()) if self.spool else 0

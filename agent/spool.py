@@ -8,9 +8,11 @@ Layout of the spool directory (0700; files 0600: telemetry names jobs and hosts)
                         ``.reason.txt`` (kept for a human; never retried)
 
 The sequence number is persisted before a batch file is written, so sequences are never reused across
-restarts. When the batches exceed ``max_bytes``, or the disk is full, the oldest are dropped: the running
-totals are persisted and :meth:`Spool.take_dropped` hands them to the agent, which sends them in its next
-batch (totals, not increments, so a report lost with a dropped batch is made good by the next one). A lost
+restarts. When the batches exceed ``max_bytes``, or the disk is full, the oldest batches not yet sent are
+dropped (a batch sent and not yet acknowledged may already be stored: counting it as lost would be wrong, and
+if the disk has no room for anything else the new batch is dropped instead). The running totals are
+persisted and :meth:`Spool.take_dropped` hands them to the agent, which sends them in its next batch
+(totals, not increments, so a report lost with a dropped batch is made good by the next one). A lost
 or moved-away ``state.json`` is rebuilt from the batches still spooled (their agent id and sequences), so
 they stay sendable and acknowledgeable.
 """
@@ -23,7 +25,7 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -95,6 +97,7 @@ class Spool:
             raise UserError(f"spool directory {self.dir}: cannot create it ({exc.strerror})") from exc
         # sequence -> payload size, in sequence order (appends are in order; the dict keeps insertion order)
         self._sizes: dict[int, int] = {}
+        self._sent: set[int] = set()  # pending sequences handed to the uplink (maybe stored by now): not dropped
         for path in sorted(self._batches.glob("*" + _SUFFIX)):
             try:
                 self._sizes[int(path.stem)] = max(0, path.stat().st_size - _HEADER.size)
@@ -171,14 +174,19 @@ class Spool:
                 if exc.errno not in _DISK_FULL:
                     raise
                 with self._lock:
-                    oldest = next((s for s in self._sizes if s != keep), None)
+                    oldest = next(self._unsent(keep), None)
                     if oldest is None:
                         self._warn_disk_full("nothing left to drop: this batch is dropped")
                         raise SpoolFull(exc.errno, f"spool {self.dir}: disk full") from exc
                     size = self._sizes.pop(oldest)
                     self._path(oldest).unlink(missing_ok=True)
                     self._count_dropped(1, size)
+                    self._try_save_state()  # in the room just freed: the agent may have no batch left to cut
                     self._warn_disk_full("dropping the oldest batches")
+
+    def _unsent(self, keep: int | None) -> Iterator[int]:
+        """Pending sequences never handed to the uplink, oldest first, except ``keep``: the ones to drop."""
+        return (s for s in self._sizes if s != keep and s not in self._sent)
 
     def _warn_disk_full(self, action: str) -> None:
         if not self._disk_full:
@@ -188,8 +196,8 @@ class Spool:
     def _enforce_bound(self, keep: int) -> None:
         total = sum(self._sizes.values())
         dropped_batches = dropped_bytes = 0
-        for seq in list(self._sizes):
-            if total <= self.max_bytes or seq == keep:
+        for seq in list(self._unsent(keep)):
+            if total <= self.max_bytes:
                 break
             size = self._sizes.pop(seq)
             self._path(seq).unlink(missing_ok=True)
@@ -205,6 +213,11 @@ class Spool:
     def _count_dropped(self, batches: int, size: int) -> None:
         d = self._dropped
         self._dropped = Dropped(d.batches + batches, d.bytes + size, d.total_batches + batches, d.total_bytes + size)
+
+    def unreported_drops(self) -> int:
+        """Batches dropped since the last :meth:`take_dropped`."""
+        with self._lock:
+            return self._dropped.batches
 
     def take_dropped(self) -> Dropped:
         """Drops since the last call (batches, bytes) with the running totals; resets the former (persisted)."""
@@ -244,9 +257,17 @@ class Spool:
             log.error("spool record %d is damaged (%s); moved to %s", sequence, exc, path)
             return None
 
+    def mark_sent(self, sequence: int) -> None:
+        """The uplink is sending this batch: from now on it may be stored, so it is no longer dropped to make
+        room (until this process restarts: the spool does not remember what an earlier run sent)."""
+        with self._lock:
+            if sequence in self._sizes:
+                self._sent.add(sequence)
+
     def ack(self, sequence: int) -> None:
         with self._lock:
             self._sizes.pop(sequence, None)
+            self._sent.discard(sequence)
         self._path(sequence).unlink(missing_ok=True)
 
     def quarantine(self, sequence: int, reason: str) -> Path:
@@ -254,6 +275,7 @@ class Spool:
         target = self._rejected / self._path(sequence).name
         with self._lock:
             self._sizes.pop(sequence, None)
+            self._sent.discard(sequence)
             try:
                 os.replace(self._path(sequence), target)
             except FileNotFoundError:
@@ -283,6 +305,7 @@ class Spool:
             self.identity_conflict = ""
             old = list(self._sizes)
             self._sizes.clear()
+            self._sent.clear()  # every batch gets a new sequence and is sent afresh
             self._next_sequence = 1
             self._save_state()
             for seq in old:

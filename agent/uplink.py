@@ -204,8 +204,9 @@ class Uplink:
                     return
                 stream.in_flight.append(seq)
                 stream.last_sent = seq
+            self.spool.mark_sent(seq)  # first: a batch that may be stored is never dropped (nor counted as lost)
             data = self.spool.read(seq)
-            if data is None:  # dropped by the size bound meanwhile
+            if data is None:  # dropped by the size bound or a full disk before it was marked
                 self._forget(seq, stream)
                 continue
             self.stats.sent += 1

@@ -1,14 +1,19 @@
 """The spool under damage (issue 10, points 4-6, 8, 10, 11): drop totals that survive their own batches,
 a really full disk, a lost state.json, damaged records, private files."""
+import errno
 import json
 import os
 import stat
 
 import pytest
 
+from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.agent.spool import Spool, SpoolFull, encode_record
+from gpuwatch.apps.agent_cli import simulated_agent
+from gpuwatch.core import events as ev
 from gpuwatch.agent.uplink import Uplink
 from gpuwatch.core.batches import BatchBuilder
+from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import T0_MS, fill_disk, small_filesystem
 
@@ -70,6 +75,72 @@ def test_an_agent_starts_on_a_full_disk(tmp_path):
         with pytest.raises(SpoolFull):
             _spool(spool, 1)
         assert spool.take_dropped().total_batches == 1
+
+
+def test_a_drop_on_a_full_disk_is_on_disk_at_once_in_the_room_it_freed(tmp_path):
+    with small_filesystem(tmp_path / "disk", "1m") as disk:
+        spool = Spool(disk / "spool")
+        _spool(spool, 3, payload=20_000)
+        seq = spool.next_sequence()
+        filler = fill_disk(disk)  # between numbering a batch and writing it
+        try:
+            spool.append(seq, _batch(spool, seq, payload=20_000))  # takes the oldest batch's place
+        finally:
+            filler.unlink()
+        # before any report is cut: an agent whose last batch this was still has the drop on disk
+        assert json.loads((disk / "spool" / "state.json").read_text())["dropped_batches_total"] == 1
+        assert spool.pending() == [2, 3, 4]
+
+
+# ---- a batch that has left the agent is never dropped, so a counted drop is a batch the collector lacks ----
+def test_the_size_bound_drops_the_oldest_batch_not_yet_sent(tmp_path):
+    spool = Spool(tmp_path, max_bytes=3000)
+    sent = _spool(spool, 2, payload=900)
+    for seq in sent:
+        spool.mark_sent(seq)  # the uplink has them on the wire: they may be stored by now
+    later = _spool(spool, 6, payload=900)
+    assert spool.pending()[:2] == sent and spool.pending()[-1] == later[-1]
+    assert spool.take_dropped().batches == len(sent + later) - len(spool.pending()) > 0
+    spool.ack(sent[0])
+    _spool(spool, 2, payload=900)  # acknowledged batches are gone; the other sent one is still kept
+    assert spool.pending()[0] == sent[1]
+
+
+def test_a_full_disk_drops_the_new_batch_when_every_spooled_one_was_sent(tmp_path):
+    with small_filesystem(tmp_path / "disk", "1m") as disk:
+        spool = Spool(disk / "spool")
+        sent = _spool(spool, 3, payload=20_000)
+        for seq in sent:
+            spool.mark_sent(seq)
+        filler = fill_disk(disk)
+        try:
+            with pytest.raises(SpoolFull):
+                _spool(spool, 1, payload=20_000)
+        finally:
+            filler.unlink()
+        assert spool.pending() == sent and spool.take_dropped().batches == 1
+
+
+def test_a_drop_while_the_agent_spools_its_last_batch_is_still_reported(tmp_path, sink, monkeypatch):
+    """The batch cut at the end (with the agent's stop event) finds the disk full: one more batch reports the
+    drop, so the collector's count is exact although no further sample follows."""
+    server, address = sink
+    cfg = AgentConfig(collector=address, node="n1", interval=0.02, batch_interval=0.1, spool=tmp_path)
+    write = Spool._write_record
+
+    def full_for_the_last_batch(self, sequence, record):
+        if sequence == 3:  # ticks 1-5 and 6-10 are batches 1 and 2; 3 holds the stop event
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, sequence, record)
+
+    monkeypatch.setattr(Spool, "_write_record", full_for_the_last_batch)
+    with SimulatedNode(2, node="n1") as sim:
+        simulated_agent(cfg, sim).run(ticks=10)
+    agent_id = json.loads((tmp_path / "state.json").read_text())["agent_id"]
+    stored = server.store.sequences(agent_id)
+    assert stored[-1] == 4 and 3 not in stored  # (2 too may have made room for 3, if it was not sent yet)
+    (report,) = [e for e in server.store.batches[(agent_id, 4)].events if e.kind == ev.SPOOL_DROPPED]
+    assert report.attrs["dropped_total"] == str(4 - len(stored))
 
 
 # ---- point 6: a moved-away state.json ---------------------------------------------------------------
