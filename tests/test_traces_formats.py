@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 
 import orjson
 import pytest
@@ -75,6 +76,17 @@ def test_no_gpu_events_stays_a_clear_error(tmp_path):
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": 9, "args": {}}]
     with pytest.raises(UserError, match="sync.json: no GPU activity in the trace"):
         load_kineto(_write(tmp_path / "sync.json", {"traceEvents": events}))
+
+
+@pytest.mark.parametrize("key, value, named", [("args", [1, 2], "got `array` - at `args`"),
+                                               ("ts", "late", "TypeError"), ("name", None, "AttributeError")])
+def test_a_mistyped_key_of_an_event_read_is_one_clear_line(tmp_path, key, value, named):
+    events = [{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10, "dur": 5, "args": {"correlation": 1}},
+              {"ph": "X", "cat": "kernel", "name": "k2", "pid": 0, "tid": 7, "ts": 20, "dur": 5, "args": {"correlation": 2}}]
+    events[1][key] = value
+    with pytest.raises(UserError, match=r"^\S*bad.json: malformed trace event \(.*" + re.escape(named)) as error:
+        load_kineto(_write(tmp_path / "bad.json", {"traceEvents": events}))
+    assert "\n" not in str(error.value) and "$[" not in str(error.value)
 
 
 def test_launchless_sendrecv_is_never_a_bubble(tmp_path):

@@ -2,7 +2,10 @@
 
 Profiler traces reach gigabytes; parsing one whole document builds millions of dicts at once (the memory
 wall HolisticTraceAnalysis hits). Here the `traceEvents` array is cut into blocks at an element boundary
-and each block is parsed with orjson on its own, so only one block of dicts is alive at a time.
+and each block is parsed on its own (msgspec), so only one block of events is alive at a time. A reader
+that knows which keys it needs passes a typed decoder (`msgspec.json.Decoder(list[SomeStruct])`): then the
+events are small structs of those keys alone, and the rest of each event (most of it: an op's argument
+shapes and types) is skipped by the decoder without becoming Python objects.
 
 A cut candidate is a `}` followed by `,` (or by the closing `]`). A cut inside a nested object or a
 string cannot make `[` + block + `]` valid JSON, so a block that parses is exactly a run of whole events;
@@ -30,14 +33,16 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, TypeVar
 
+import msgspec
 import numpy as np
-import orjson
 from isal import igzip, isal_zlib
 
 from gpuwatch.core.errors import UserError
 
 _T = TypeVar("_T")
 _END = object()
+_PLAIN = msgspec.json.Decoder()  # JSON as dicts and lists
+_BLOCK_INDEX = re.compile(r"\$\[\d+\]\.?")
 BLOCK_BYTES = 1 << 20
 #: A trace given in memory (an upload) instead of a path: its bytes, or a seekable binary file.
 TraceContent = bytes | BinaryIO
@@ -298,15 +303,19 @@ def _balanced(text: bytes) -> bool:
 
 
 class TraceEventStream:
-    """Iterate over lists of event dicts; after the iteration `meta` holds the other top-level keys.
+    """Iterate over lists of events (dicts, or what `decoder` makes of them); after the iteration `meta` holds
+    the other top-level keys.
 
-    With `only`, the lists hold at least the events the filter wants (others are mostly dropped unparsed)."""
+    With `only`, the lists hold at least the events the filter wants (others are mostly dropped unparsed).
+    An event the `decoder`'s type does not fit (a mistyped key) is a UserError naming it."""
 
     def __init__(self, path: str, *, block_bytes: int | None = None,
                  progress: Callable[[int], None] | None = None, only: EventFilter | None = None,
-                 watch: tuple[bytes, ...] = (), content: TraceContent | None = None) -> None:
+                 watch: tuple[bytes, ...] = (), content: TraceContent | None = None,
+                 decoder: msgspec.json.Decoder | None = None) -> None:
         self.path = path  # the file read, else the name of `content` in messages
         self.content = content
+        self.decoder = decoder or _PLAIN
         # Whether any of `watch` occurs in the raw text (a check for events the filter drops; an occurrence
         # cut by a block boundary is missed). One regular expression reads a block once for all patterns,
         # and the search stops at the first hit (counting every pattern's occurrences took a quarter of
@@ -413,12 +422,16 @@ class TraceEventStream:
         selected = self.only.select(block, self._separator, self._layout) if self.only and starts_an_object else None
         if selected is not None:
             try:
-                return _loads(selected)
-            except orjson.JSONDecodeError:
+                return _decoded(self.decoder, selected)
+            except msgspec.DecodeError:
                 pass  # a piece was misjudged: parse the block whole, which also checks the cut
         try:
-            return _loads(b"[" + block + b"]")
-        except orjson.JSONDecodeError:
+            return _decoded(self.decoder, b"[" + block + b"]")
+        except msgspec.ValidationError as exc:
+            # Decoding goes from the block's start, which is an event boundary: what it read is real events.
+            # The message names the key (`$[12].args` -> `args`: the index counts within the block only).
+            raise UserError(f"{self.path}: malformed trace event ({_BLOCK_INDEX.sub('', str(exc))})") from None
+        except msgspec.DecodeError:
             return None
 
     def _finish(self, pending: bytes) -> tuple[list[dict], bytes]:
@@ -436,13 +449,13 @@ class TraceEventStream:
         )
 
 
-def _loads(text: bytes) -> list:
-    """orjson.loads with the cycle collector paused: parsed JSON is a tree of new dicts and lists without
+def _decoded(decoder: msgspec.json.Decoder, text: bytes) -> list:
+    """`decoder.decode(text)` with the cycle collector paused: parsed JSON is a tree of new objects without
     cycles, so the collections its allocations would trigger (every few hundred) find nothing."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return orjson.loads(text)
+        return decoder.decode(text)
     finally:
         if enabled:
             gc.enable()
@@ -504,8 +517,8 @@ def _opened(path: str, content: TraceContent | None) -> Iterator[BinaryIO]:
 def _parse_head(path: str, head: bytes) -> dict:
     text = head.rstrip().rstrip(b",")
     try:
-        return orjson.loads(text + b"}") if text.strip() != b"{" else {}
-    except orjson.JSONDecodeError:
+        return _PLAIN.decode(text + b"}") if text.strip() != b"{" else {}
+    except msgspec.DecodeError:
         raise UserError(f"{path}: invalid JSON before the traceEvents array") from None
 
 
@@ -516,7 +529,7 @@ def _parse_tail(path: str, tail: bytes) -> dict:
     if not text.startswith(b","):
         raise UserError(f"{path}: invalid JSON after the traceEvents array")
     try:
-        meta = orjson.loads(b"{" + text[1:])
-    except orjson.JSONDecodeError:
+        meta = _PLAIN.decode(b"{" + text[1:])
+    except msgspec.DecodeError:
         raise UserError(f"{path}: truncated or invalid JSON after the traceEvents array") from None
     return meta if isinstance(meta, dict) else {}

@@ -25,7 +25,9 @@ from __future__ import annotations
 import re
 from array import array
 from collections.abc import Callable
+from typing import Any
 
+import msgspec
 import numpy as np
 
 from gpuwatch.efficiency.arrays import distinct
@@ -53,6 +55,39 @@ _NOT_LAUNCHES = ("cudaEven", "cudaOccu", "cudaFunc", "cudaStre", "cudaDevi", "cu
 _WANTED = EventFilter.of([*_GPU_CATS, *_LAUNCH_CATS], [_STEP_PREFIX, *_COMM_OP_PREFIXES, _COMM_RECORD_OP],
                          phases="X", skip=(_LAUNCH_CATS, _NOT_LAUNCHES))
 _COMM = -2  # provisional kind of a communication kernel until its type is resolved
+
+
+class _Args(msgspec.Struct, gc=False):
+    """The args `_Collected` reads; the decoder skips the others (an op's input shapes, types, strides: most
+    of a trace's bytes) without making objects of them. Values are untyped: the reader checks them."""
+
+    correlation: Any = None
+    stream: Any = None
+    collective: Any = msgspec.field(default=None, name="Collective name")
+    group: Any = msgspec.field(default=None, name="Process Group Name")
+    group_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
+    seq: Any = msgspec.field(default=None, name="Seq")
+    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    dtype: Any = None
+
+
+class _Event(msgspec.Struct, gc=False):
+    """The keys of a trace event that `_Collected` reads (defaults as for a missing key; `ts` has none)."""
+
+    ph: Any = None
+    cat: Any = None
+    name: Any = ""
+    pid: Any = None
+    tid: Any = None
+    ts: Any = None
+    dur: Any = 0
+    args: _Args | None = None
+
+
+_NO_ARGS = _Args()
+# 2.6x the speed of parsing the same bytes to dicts and reading those (85 MB rank: 37 vs 95 ms).
+_DECODER = msgspec.json.Decoder(list[_Event])
 # The flow arrows the profiler draws from each launch to its GPU work (category names over the versions).
 _LAUNCH_FLOWS = (b'"ac2g"', b'"async_cpu_to_gpu"', b'"async_gpu"')
 # Top-level trace keys worth showing in a report (the rest is bulky or private).
@@ -89,16 +124,16 @@ class _CommMeta:
         self.seq = array("q")
         self.nbytes = array("q")
 
-    def add(self, args: dict, fallback_type: str | None) -> None:
-        named = args.get("Collective name")
+    def add(self, args: _Args, fallback_type: str | None) -> None:
+        named = args.collective
         ctype = (canonical_type(named) if named else None) or fallback_type
         self.type.append(self.types.id(ctype) if ctype else UNKNOWN)
-        group = args.get("Process Group Name")
+        group = args.group
         self.group.append(self.groups.id(str(group)) if group is not None else UNKNOWN)
-        members = args.get("Process Group Ranks")
+        members = args.group_ranks
         if group is not None and members is not None and str(group) not in self.group_ranks:
             self.group_ranks[str(group)] = _rank_list(members)
-        seq = args.get("Seq")
+        seq = args.seq
         self.seq.append(int(seq) if isinstance(seq, (int, float)) else UNKNOWN)
         self.nbytes.append(_message_bytes(args))
 
@@ -140,69 +175,68 @@ class _Collected:
         self.kernel_class: dict[str, tuple[bool, int]] = {}
         self.comm_name_type = array("i")  # per communication kernel: the type its name alone gives
 
-    def add(self, events: list[dict]) -> None:
+    def add(self, events: list[_Event]) -> None:
         """Append a block of events. The bulk (GPU activities and launches) is split off and read column
         by column with comprehensions, which run far faster than one Python branchy loop per event."""
-        complete = [e for e in events if e.get("ph") == "X"]
-        gpu = [e for e in complete if e.get("cat") in _GPU_CATS]
-        launches = [e for e in complete if e.get("cat") in _LAUNCH_CATS]
+        complete = [e for e in events if e.ph == "X"]
+        gpu = [e for e in complete if e.cat in _GPU_CATS]
+        launches = [e for e in complete if e.cat in _LAUNCH_CATS]
         if gpu:
             self._add_gpu(gpu)
         if launches:
             self._add_launches(launches)
         if len(gpu) + len(launches) < len(complete):
             for e in complete:
-                cat = e.get("cat")
-                if cat not in _GPU_CATS and cat not in _LAUNCH_CATS:
+                if e.cat not in _GPU_CATS and e.cat not in _LAUNCH_CATS:
                     self._add_other(e)
 
-    def _add_launches(self, launches: list[dict]) -> None:
-        corr = [(e.get("args") or {}).get("correlation") for e in launches]
+    def _add_launches(self, launches: list[_Event]) -> None:
+        corr = [(e.args or _NO_ARGS).correlation for e in launches]
         kept = [(c, e) for c, e in zip(corr, launches) if type(c) is int]
         threads = self.threads
         self.launch_corr.extend([c for c, _ in kept])
-        self.launch_ts.extend([e["ts"] for _, e in kept])
-        self.launch_thread.extend([threads.setdefault((e.get("pid"), e.get("tid")), len(threads)) for _, e in kept])
+        self.launch_ts.extend([e.ts for _, e in kept])
+        self.launch_thread.extend([threads.setdefault((e.pid, e.tid), len(threads)) for _, e in kept])
 
-    def _add_other(self, e: dict) -> None:
+    def _add_other(self, e: _Event) -> None:
         """Step annotations and collective CPU ops (few per trace)."""
-        name = e.get("name", "")
+        name = e.name
         if name.startswith(_STEP_PREFIX):
             self.step_id.append(int(name[13:]) if name[13:].isdigit() else len(self.step_id))
-            self.step_ts.append(e["ts"])
-            self.step_end.append(e["ts"] + e.get("dur", 0))
+            self.step_ts.append(e.ts)
+            self.step_end.append(e.ts + e.dur)
         elif name.startswith(_COMM_OP_PREFIXES) or name == _COMM_RECORD_OP:
-            self.op_thread.append(self.threads.id((e.get("pid"), e.get("tid"))))
-            self.op_ts.append(e["ts"])
-            self.op_end.append(e["ts"] + e.get("dur", 0))
+            self.op_thread.append(self.threads.id((e.pid, e.tid)))
+            self.op_ts.append(e.ts)
+            self.op_end.append(e.ts + e.dur)
             is_op = name != _COMM_RECORD_OP
             self.op_is_nccl.append(is_op)
-            self.op_meta.add(e.get("args", {}), canonical_type(name) if is_op else None)
+            self.op_meta.add(e.args or _NO_ARGS, canonical_type(name) if is_op else None)
 
-    def _add_gpu(self, gpu: list[dict]) -> None:
-        names = [e.get("name", "") for e in gpu]
-        kinds = [self._kind(_GPU_CATS[e["cat"]], n) for e, n in zip(gpu, names)]
+    def _add_gpu(self, gpu: list[_Event]) -> None:
+        names = [e.name for e in gpu]
+        kinds = [self._kind(_GPU_CATS[e.cat], n) for e, n in zip(gpu, names)]
         if None in kinds:  # MTIA synchronisation markers: not work
             kept = [i for i, k in enumerate(kinds) if k is not None]
             gpu, names, kinds = [gpu[i] for i in kept], [names[i] for i in kept], [kinds[i] for i in kept]
-        args = [e.get("args") or {} for e in gpu]
+        args = [e.args or _NO_ARGS for e in gpu]
         base = len(self.gpu_ts)
         # Communication kernels (by name, or a compute kernel with collective args): few, read one by one.
         comm = [i for i, (k, a) in enumerate(zip(kinds, args))
-                if k == _COMM or (k == COMPUTE and "Collective name" in a)]
+                if k == _COMM or (k == COMPUTE and a.collective is not None)]
         for i in comm:
             kinds[i] = _COMM
             self.comm_at.append(base + i)
             self.comm_name_type.append(self._classify(names[i])[1])
             self.comm_meta.add(args[i], None)
         interned = self.names
-        self.gpu_ts.extend([e["ts"] for e in gpu])
-        self.gpu_dur.extend([e.get("dur", 0) for e in gpu])
+        self.gpu_ts.extend([e.ts for e in gpu])
+        self.gpu_dur.extend([e.dur for e in gpu])
         self.gpu_kind.extend(kinds)
         self.gpu_name.extend([interned.setdefault(n, len(interned)) for n in names])
-        streams = [a.get("stream") for a in args]
+        streams = [a.stream for a in args]
         self.gpu_stream.extend([s if type(s) is int else UNKNOWN for s in streams])
-        corrs = [a.get("correlation") for a in args]
+        corrs = [a.correlation for a in args]
         self.gpu_corr.extend([c if type(c) is int else UNKNOWN for c in corrs])
 
     def _kind(self, kind: int, name: str) -> int | None:
@@ -229,7 +263,8 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
 
     The rank comes from `distributedInfo.rank`, else from a `rank<N>` in the file name, else
     `default_rank`; without any of them the file is rejected."""
-    stream = TraceEventStream(path, progress=progress, only=_WANTED, watch=_LAUNCH_FLOWS, content=content)
+    stream = TraceEventStream(path, progress=progress, only=_WANTED, watch=_LAUNCH_FLOWS, content=content,
+                              decoder=_DECODER)
     got = _Collected()
     for events in stream:
         try:
@@ -408,7 +443,7 @@ def _enclosing(op_thread: np.ndarray, op_ts: np.ndarray, op_end: np.ndarray,
     return found
 
 
-def _message_bytes(args: dict) -> int:
-    nelems = max(args.get("In msg nelems") or 0, args.get("Out msg nelems") or 0)
-    size = _DTYPE_BYTES.get(str(args.get("dtype", "")).lower())
+def _message_bytes(args: _Args) -> int:
+    nelems = max(args.in_nelems or 0, args.out_nelems or 0)
+    size = _DTYPE_BYTES.get(str(args.dtype or "").lower())
     return int(nelems) * size if nelems and size else UNKNOWN
