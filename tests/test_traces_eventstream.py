@@ -100,9 +100,9 @@ def test_truncated_trace_still_fails_with_the_filter(tmp_path):
 def test_keys_at_the_very_end_of_a_block_are_read_whole():
     wanted = EventFilter.of(["kernel"], ["nccl:"])
     block = b'{"cat":"cpu_op","name":"aten::mm"},{"cat":"cpu_op","name":"nccl:x"},{"name":"aten::add","cat":"kernel"}'
-    kept = json.loads(wanted.select(block, b"},{"))
+    kept = json.loads(wanted.select(block, b"},{").events)
     assert [e["name"] for e in kept] == ["nccl:x", "aten::add"]
-    assert json.loads(wanted.select(block[:-len('"kernel"}')] + b'"cpu_op"}', b"},{")) == [kept[0]]
+    assert json.loads(wanted.select(block[:-len('"kernel"}')] + b'"cpu_op"}', b"},{").events) == [kept[0]]
 
 
 @pytest.mark.parametrize("pattern", [b"},{", b'"cat"', b"},\n  {", b"}"])
@@ -145,6 +145,10 @@ def test_parsing_leaves_the_cycle_collector_as_it_found_it():
         gc.enable()
 
 
+def _kept(selection):
+    return None if selection is None else selection.events
+
+
 def _select_reference(block, separator, wanted):
     """The filter's rule, one piece at a time with plain bytes methods."""
     def droppable(piece, key, prefixes):
@@ -178,7 +182,9 @@ def test_select_agrees_with_a_piece_by_piece_reading(spacing):
     for _ in range(200):
         events = [pool[i] for i in rng.integers(0, len(pool), rng.integers(1, 12))]
         block = json.dumps(events, separators=spacing).encode()[1:-1]
-        assert WANTED.select(block, separator) == _select_reference(block, separator, WANTED), block
+        selection = WANTED.select(block, separator)
+        assert _kept(selection) == _select_reference(block, separator, WANTED), block
+        assert selection is None or selection.others == (0, len(block))  # no head was read: all of it
 
 
 def _select_by_head_reference(block, separator, layout, wanted):
@@ -186,7 +192,7 @@ def _select_by_head_reference(block, separator, layout, wanted):
     as the layout says is judged by its phase, category and name; any other by the key search."""
     inner = block.strip()[1:-1].split(separator)
     pieces = [b"{" + p + b"}" for p in inner]
-    by_keys = json.loads(wanted.select(block, separator))  # the key search alone (checked above)
+    by_keys = json.loads(wanted.select(block, separator).events)  # the key search alone (checked above)
 
     def verdict(piece):
         """True / False: wanted or not by its head; None: the head does not say."""
@@ -242,9 +248,18 @@ def test_select_by_event_heads_agrees_with_a_piece_by_piece_reading():
             events = [pool[i] for i in rng.integers(0, len(pool), rng.integers(1, 12))]
             doc = json.dumps({"traceEvents": events}, indent=indent).encode()
             block = doc[doc.index(b"[") + 1:doc.rindex(b"]")].strip()
-            got = wanted.select(block, separator, layout)
-            assert got == _select_by_head_reference(block, separator, layout, wanted), block
-            names = [e["name"] for e in json.loads(got)]
+            selection = wanted.select(block, separator, layout)
+            assert selection.events == _select_by_head_reference(block, separator, layout, wanted), block
+            names = [e["name"] for e in json.loads(selection.events)]
+            # every event not shown by its head to be complete (flows, other phases, other spellings) is in
+            # the range where watched texts are looked for
+            start, end = selection.others
+            at = 0
+            for piece in [b"{" + p + b"}" for p in block.strip()[1:-1].split(separator)]:
+                at = block.index(piece, at)
+                if not piece.startswith(layout.head + b"X"):
+                    assert start <= at and at + len(piece) <= end, piece
+                at += len(piece)
             assert "cudaEventQuery" not in names and "cudaStreamSynchronize" not in names
             assert {"cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "nccl:all_reduce",
                     "ProfilerStep#3"} & {e["name"] for e in events} <= set(names)
@@ -277,3 +292,23 @@ def test_events_separated_two_ways_are_judged_by_their_keys(tmp_path):
     path.write_text('{"traceEvents": [\n  ' + ",\n  ".join(pretty) + "\n]}")
     kept = _all_events(str(path), kineto._WANTED)
     assert sum(e["name"] == "gemm" for e in kept) == 21
+
+
+@pytest.mark.parametrize("indent", [2, None])
+def test_the_watch_finds_a_flow_arrow_in_any_block_but_not_inside_an_event_read_by_its_head(tmp_path, indent):
+    """Pretty-printed, the watch skips the events whose heads show them complete (most of a trace), so the
+    text of a kernel's args is not taken for a flow arrow; compact, it reads every block whole."""
+    kernel = {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 1, "dur": 1, "args": {"stream": 7}}
+    flow = {"ph": "f", "id": 1, "pid": 0, "tid": 7, "ts": 3, "cat": "ac2g", "name": "ac2g", "bp": "e"}
+    named = dict(kernel, args={"stream": 7, "origin": "ac2g"})
+
+    def seen(events):
+        path = tmp_path / "t.json"
+        _write(path, events, indent)
+        stream = TraceEventStream(str(path), only=kineto._WANTED, watch=(b'"ac2g"',), block_bytes=512)
+        assert sum(len(block) for block in stream) == sum(e["ph"] == "X" for e in events)
+        return stream.seen
+
+    assert seen([kernel] * 150 + [flow] + [kernel] * 50)
+    assert not seen([kernel] * 200)
+    assert seen([kernel] * 150 + [named] + [kernel] * 50) == (indent is None)
