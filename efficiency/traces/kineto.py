@@ -194,9 +194,9 @@ class _Collected:
         corr = [(e.args or _NO_ARGS).correlation for e in launches]
         kept = [(c, e) for c, e in zip(corr, launches) if type(c) is int]
         threads = self.threads
-        self.launch_corr.extend([c for c, _ in kept])
-        self.launch_ts.extend([e.ts for _, e in kept])
-        self.launch_thread.extend([threads.setdefault((e.pid, e.tid), len(threads)) for _, e in kept])
+        self.launch_corr.fromlist([c for c, _ in kept])
+        self.launch_ts.fromlist([e.ts for _, e in kept])
+        self.launch_thread.fromlist([threads.setdefault((e.pid, e.tid), len(threads)) for _, e in kept])
 
     def _add_other(self, e: _Event) -> None:
         """Step annotations and collective CPU ops (few per trace)."""
@@ -230,14 +230,14 @@ class _Collected:
             self.comm_name_type.append(self._classify(names[i])[1])
             self.comm_meta.add(args[i], None)
         interned = self.names
-        self.gpu_ts.extend([e.ts for e in gpu])
-        self.gpu_dur.extend([e.dur for e in gpu])
-        self.gpu_kind.extend(kinds)
-        self.gpu_name.extend([interned.setdefault(n, len(interned)) for n in names])
+        self.gpu_ts.fromlist([e.ts for e in gpu])
+        self.gpu_dur.fromlist([e.dur for e in gpu])
+        self.gpu_kind.fromlist(kinds)
+        self.gpu_name.fromlist([interned.setdefault(n, len(interned)) for n in names])
         streams = [a.stream for a in args]
-        self.gpu_stream.extend([s if type(s) is int else UNKNOWN for s in streams])
+        self.gpu_stream.fromlist([s if type(s) is int else UNKNOWN for s in streams])
         corrs = [a.correlation for a in args]
-        self.gpu_corr.extend([c if type(c) is int else UNKNOWN for c in corrs])
+        self.gpu_corr.fromlist([c if type(c) is int else UNKNOWN for c in corrs])
 
     def _kind(self, kind: int, name: str) -> int | None:
         """The provisional kind of a GPU activity: MTIA events by name, communication kernels by name."""
