@@ -1,13 +1,15 @@
 """Plain forks of a one-shot process: when one is safe, and a function run in one beside the caller.
 
 `gpuwatch analyze` runs nothing but its analysis, on machines where a core would otherwise idle while one
-serial step runs (the what-if of a multi-rank job beside the rest of the breakdown). A forked copy starts at
+serial step runs (the what-if of a multi-rank job beside the rest of the breakdown), or while it waits for
+workers (reading a share of the trace files beside them). A forked copy starts at
 once with everything already loaded: no interpreter to start, no module to import, no timeline to send.
 """
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -66,7 +68,8 @@ class Pending(Generic[_T]):
 
     def cancel(self) -> None:
         if self._pid:
-            os.close(self._pipe)  # a child still writing gets EPIPE and exits
+            os.kill(self._pid, signal.SIGKILL)  # its work is not wanted: no need to let it finish
+            os.close(self._pipe)
             os.waitpid(self._pid, 0)
             self._pid, self._pipe = 0, -1
 

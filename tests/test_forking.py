@@ -99,3 +99,53 @@ def test_the_what_if_of_a_large_job_runs_beside_the_analysis_with_the_same_resul
     assert out["same"] is True and out["slowdown"] >= 1.0
     if sys.platform == "linux":
         assert len(pids) == 2 and pids[0] != out["me"] and pids[1] == out["me"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="plain forks are used on Linux only")
+def test_a_forked_load_shares_the_files_with_a_copy_and_reads_what_one_process_reads(tmp_path):
+    """`load_paths(fork=True)` reads one share of the files here and the other in a forked copy (each file
+    records the pid that read it); the timelines are those one process reads, in file order. A broken
+    file in either share is one clear error, and no copy is left behind."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for rank, text in ((0, '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 2}]}'),
+                       (1, '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": "late"}]}')):
+        (broken / f"rank{rank}.json").write_text(text)
+    script = textwrap.dedent(f"""
+        import json, os
+        import numpy as np
+        from gpuwatch.core.errors import UserError
+        from gpuwatch.efficiency import load
+
+        real = load.load_file
+
+        def recorded(path, **kwargs):
+            found = real(path, **kwargs)
+            for tl in found:
+                tl.trace_meta["read_by"] = os.getpid()
+            return found
+
+        load.load_file = recorded
+        forked = load.load_paths([{json.dumps(KINETO_SAMPLED)}], fork=True)
+        alone = load.load_paths([{json.dumps(KINETO_SAMPLED)}], workers=1)
+        same = all(np.array_equal(getattr(a, c), getattr(b, c), equal_nan=True) for a, b in zip(forked, alone)
+                   for c in ("start_us", "end_us", "kind", "launch_us", "step", "coll_type", "seq", "name"))
+        try:
+            load.load_paths([{json.dumps(str(broken))}], fork=True)
+            error = None
+        except UserError as exc:
+            error = str(exc)
+        try:
+            os.waitpid(-1, os.WNOHANG)
+            left = True
+        except ChildProcessError:
+            left = False
+        print(json.dumps({{"me": os.getpid(), "readers": [tl.trace_meta["read_by"] for tl in forked],
+                          "ranks": [tl.rank for tl in forked], "same": same, "error": error, "left": left}}))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    out = json.loads(run.stdout)
+    assert out["ranks"] == [0, 1] and out["same"] is True
+    assert out["readers"].count(out["me"]) == 1 and len(set(out["readers"])) == 2  # one here, one in a copy
+    assert "rank1.json: malformed trace event" in out["error"] and "\n" not in out["error"]
+    assert out["left"] is False
