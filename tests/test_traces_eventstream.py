@@ -312,3 +312,16 @@ def test_the_watch_finds_a_flow_arrow_in_any_block_but_not_inside_an_event_read_
     assert seen([kernel] * 150 + [flow] + [kernel] * 50)
     assert not seen([kernel] * 200)
     assert seen([kernel] * 150 + [named] + [kernel] * 50) == (indent is None)
+
+
+def test_a_filter_without_phases_leaves_every_event_in_the_watched_range():
+    """Only a phase the filter names shows, by the head, that an event is not (say) a flow arrow."""
+    events = [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1}, {"ph": "f", "cat": "ac2g", "name": "ac2g", "ts": 2},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 3}]
+    doc = json.dumps({"traceEvents": events}, indent=2).encode()
+    block = doc[doc.index(b"[") + 1:doc.rindex(b"]")].strip()
+    spellings = eventstream._SEPARATOR.findall(doc)
+    layout = eventstream.sniff_layout(doc)
+    assert EventFilter.of(["kernel"]).select(block, spellings[0], layout).others == (0, len(block))
+    phased = EventFilter.of(["kernel"], phases="X").select(block, spellings[0], layout).others
+    assert block[phased[0]:phased[1]].count(b'"ph"') == 1 and b'"f"' in block[phased[0]:phased[1]]

@@ -157,7 +157,7 @@ class EventFilter:
     def _by_layout(self, data: np.ndarray, starts: np.ndarray,
                    layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per piece: whether it starts as `layout` says (so that its head decides), and if so whether it is
-        unwanted; and whether its head shows a wanted phase. Every byte from the `{` to the name's text is
+        unwanted; and whether its head shows a phase the filter names. Every byte from the `{` to the name's text is
         compared, so the keys read are the event's own (a nested object cannot come first); a piece that
         starts otherwise is left to the key search."""
         head, to_cat, to_name = layout.head, layout.to_cat, layout.to_name
@@ -181,7 +181,9 @@ class EventFilter:
         skipped = _starts_with_any(category, self.skip_categories) & _one_of(
             np.ascontiguousarray(name[:, :8]).view(np.uint64)[:, 0], _sorted_words(self.skip_heads))
         wanted = (_starts_with_any(category, self.categories) & ~skipped) | _starts_with_any(name, self.name_prefixes)
-        return known | other_phase, other_phase | (known & ~wanted), framed & wanted_phase
+        # Shown by its head to be of a wanted phase (so not, say, a flow arrow); without phases, none is.
+        of_wanted_phase = framed & wanted_phase if self.phases else np.zeros(len(starts), bool)
+        return known | other_phase, other_phase | (known & ~wanted), of_wanted_phase
 
 
 def occurrences(data: np.ndarray, pattern: bytes) -> np.ndarray:
