@@ -74,11 +74,12 @@ def _load_in_forks(jobs: list[_Job], workers: int, default_rank: int | None) -> 
     8-rank set 30 ms to start its workers (importing it, its threads and queues) and 3-7 ms between
     files, a tenth of the load."""
     shares: list[list[int]] = [[] for _ in range(workers)]
-    sizes = [0] * workers
-    for index in sorted(range(len(jobs)), key=lambda i: -_size(jobs[i][0])):
-        least = sizes.index(min(sizes))
+    loads = [0] * workers
+    sizes = [_size(path) for path, _ in jobs]
+    for index in sorted(range(len(jobs)), key=lambda i: -sizes[i]):
+        least = loads.index(min(loads))
         shares[least].append(index)
-        sizes[least] += _size(jobs[index][0])
+        loads[least] += sizes[index]
     copies = [Pending(_load_share, [(i, jobs[i]) for i in share], default_rank, fork=True)
               for share in shares[1:] if share]
     try:
@@ -102,7 +103,7 @@ def _size(path: str) -> int:
         return 0  # its reader says what is wrong
 
 
-def _load_one(job: tuple[str, Callable[[int], None] | None], default_rank: int | None) -> list[RankTimeline]:
+def _load_one(job: _Job, default_rank: int | None) -> list[RankTimeline]:
     path, report = job
     return load_file(path, progress=report, default_rank=default_rank)
 
