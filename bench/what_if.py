@@ -27,7 +27,7 @@ OLD_VENV = os.path.expanduser("~/.cache/gpuwatch-bench/what-if-old-venv")
 # One job size in a fresh interpreter: the what-if's time and the process's peak RSS, as JSON.
 CHILD = """
 import dataclasses, gc, json, resource, sys, time
-import numpy as np
+import msgspec, numpy as np
 from gpuwatch.efficiency.load import load_paths
 from gpuwatch.efficiency.matching import match_collectives
 from gpuwatch.efficiency.timeline import COLLECTIVE, P2P
@@ -37,8 +37,9 @@ ranks, trace = int(sys.argv[1]), sys.argv[2]
 gc.disable()  # as `gpuwatch analyze` runs
 one = load_paths([trace])[0]
 comm = (one.kind == COLLECTIVE) | (one.kind == P2P)
-job = [dataclasses.replace(one, rank=r, world_size=ranks, group_ranks={},
-                           end_us=one.start_us + (one.end_us - one.start_us) * np.where(comm, 1.0, 1 + 0.03 * (r % 7)))
+replace = msgspec.structs.replace if isinstance(one, msgspec.Struct) else dataclasses.replace  # an --old-tree's
+job = [replace(one, rank=r, world_size=ranks, group_ranks={},
+                end_us=one.start_us + (one.end_us - one.start_us) * np.where(comm, 1.0, 1 + 0.03 * (r % 7)))
        for r in range(ranks)]
 matching = match_collectives(job)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -18,9 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
 
+import msgspec
 import orjson
 import pandas as pd
 
@@ -217,7 +217,7 @@ class JobsMonitor(PeriodicService):
         stragglers = []
         for s in doc.stragglers if doc else []:
             first = self._since.setdefault((job_id, s.rank), int(now_us / 1000))
-            stragglers.append({**asdict(s), "node": _node_of(rows, s.rank), "since": iso_utc(first)})
+            stragglers.append({**msgspec.structs.asdict(s), "node": _node_of(rows, s.rank), "since": iso_utc(first)})
         flagged = {(job_id, s["rank"]) for s in stragglers}
         for key in [k for k in self._since if k[0] == job_id and k not in flagged]:
             del self._since[key]
@@ -227,7 +227,7 @@ class JobsMonitor(PeriodicService):
             "rank_lost_ratio": {r.rank: r.lost_us / r.window_us for r in doc.ranks if r.window_us} if doc else {},
             "lost_gpu_seconds_total": lost,
             "stragglers": stragglers,
-            "delayed": [asdict(d) for d in doc.delayed] if doc else [],
+            "delayed": [msgspec.structs.asdict(d) for d in doc.delayed] if doc else [],
             "hang": hang,
         }
 

@@ -8,15 +8,13 @@ duration: wait_r = clamp(max(s) - s_r, 0, d_r).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 import numpy as np
 
 from gpuwatch.efficiency.timeline import COLLECTIVE, RankTimeline
 
 
-@dataclass
-class Matching:
+class Matching(msgspec.Struct):
     """`waits[i]` and `instance_of[i]` (the matched instance of each activity, -1 if none) are aligned with
     timeline i's activities. The arrival columns (instance, rank, start_us) hold one row per rank and
     matched instance (those seen on two or more ranks)."""

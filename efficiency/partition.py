@@ -8,8 +8,7 @@ the window exactly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 import numpy as np
 
 from gpuwatch.efficiency.timeline import COLLECTIVE, MEMCPY, RankTimeline
@@ -25,8 +24,7 @@ _N_LAYERS = 5               # busy layers, in priority order: compute, memcpy, t
 _IDLE = -1
 
 
-@dataclass
-class StepSlice:
+class StepSlice(msgspec.Struct):
     """One step's slice of the window: from its first activity to the next step's first activity."""
 
     step: int | None
@@ -35,8 +33,7 @@ class StepSlice:
     totals_ns: np.ndarray
 
 
-@dataclass
-class Partition:
+class Partition(msgspec.Struct):
     """The result for one rank. `segments` (start_ns, end_ns, category) is kept only when asked for."""
 
     origin_us: float

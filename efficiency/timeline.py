@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 # Activity kinds (spec "Kinds"): communication splits into collective and point-to-point.
@@ -19,8 +19,7 @@ KIND_NAMES = ("compute", "memcpy", "collective", "p2p")
 UNKNOWN = -1  # integer "not known" for step, seq, bytes, peer, collective type and process group
 
 
-@dataclass
-class RankTimeline:
+class RankTimeline(msgspec.Struct):
     """GPU activities of one rank, each `[start_us, end_us)`, with optional launch/step/collective metadata.
 
     `coll_type` indexes `coll_types` (canonical names such as "all_reduce", "send"), `process_group`
@@ -46,16 +45,16 @@ class RankTimeline:
     stream: np.ndarray
     name: np.ndarray
     correlation: np.ndarray
-    coll_types: list[str] = field(default_factory=list)
-    process_groups: list[str] = field(default_factory=list)
+    coll_types: list[str] = msgspec.field(default_factory=list)
+    process_groups: list[str] = msgspec.field(default_factory=list)
     world_size: int | None = None
     job_id: str | None = None
     source: str = ""
-    step_marks: np.ndarray = field(default_factory=lambda: np.empty((0, 3)))
-    names: list[str] = field(default_factory=list)
-    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    step_marks: np.ndarray = msgspec.field(default_factory=lambda: np.empty((0, 3)))
+    names: list[str] = msgspec.field(default_factory=list)
+    group_ranks: dict[str, list[int]] = msgspec.field(default_factory=dict)
     events_sampled: bool | None = False
-    trace_meta: dict = field(default_factory=dict)
+    trace_meta: dict = msgspec.field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.start_us.shape[0])

@@ -19,8 +19,8 @@ one rank's (or one op kind's) actual durations and all else ideal.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from gpuwatch.efficiency.arrays import distinct, median
@@ -32,8 +32,7 @@ DELTA_US = 1000.0
 _NO_INSTANCE = -1
 
 
-@dataclass
-class _Graph:
+class _Graph(msgspec.Struct):
     """All ranks' ops (global op ids, each rank's ops in actual start order), and the graph the replay
     walks: nodes, each one op or a chain of ops run back to back that nothing else waits on inside (a
     stream's kernels between two cross-stream dependencies), which replays exactly as one op of their

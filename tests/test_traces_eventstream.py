@@ -5,7 +5,6 @@ import gc
 import json
 import os
 import threading
-from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -25,12 +24,12 @@ def _all_events(path, only=None):
 
 
 def _same_timeline(a, b):
-    for f in fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
+    for name in a.__struct_fields__:
+        x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, np.ndarray):
-            np.testing.assert_array_equal(x, y, err_msg=f.name)
+            np.testing.assert_array_equal(x, y, err_msg=name)
         else:
-            assert x == y, f.name
+            assert x == y, name
 
 
 @pytest.mark.parametrize("path", REAL)

@@ -30,7 +30,6 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple, TypeVar
 
 import msgspec
@@ -57,8 +56,7 @@ _LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # what a repository 
 _EXECUTION_TRACE = re.compile(rb'^\s*\{\s*"schema"\s*:\s*"[^"]*"[^\[]*"nodes"\s*:\s*\[')
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(msgspec.Struct, frozen=True):
     """How a writer spells the head of an event, learnt from the trace (`sniff_layout`): `head` up to the
     phase letter (`{` ... `"ph": "`), `to_cat` from after the letter to the category's text (`", "cat": "`),
     `to_name` from the category's closing quote to the name's text (`", "name": "`). Kineto writes every
@@ -90,8 +88,7 @@ class Selection(NamedTuple):
     others: tuple[int, int]
 
 
-@dataclass(frozen=True)
-class EventFilter:
+class EventFilter(msgspec.Struct, frozen=True):
     """Which events a reader needs: those whose `cat` is one of `categories` (unless their category is one
     of `skip_categories` and their name begins with one of the 8-byte `skip_heads`), and those whose `name`
     starts with one of `name_prefixes`; with `phases`, only events whose `ph` is one of those letters. A

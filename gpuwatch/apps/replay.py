@@ -22,11 +22,12 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 import pandas as pd
 import pyarrow.parquet as pq
 
@@ -296,7 +297,7 @@ def store_results(store: Any) -> dict[str, Any]:
         breakdowns[job_id] = {"ranks": found.job.ranks, "window_us": found.job.window_us,
                               "breakdown_fraction": found.job.breakdown_fraction,
                               "lost_gpu_hours": found.job.lost_gpu_hours,
-                              "stragglers": [asdict(s) for s in found.stragglers]}
+                              "stragglers": [msgspec.structs.asdict(s) for s in found.stragglers]}
     return {"nodes": nodes, "breakdowns": breakdowns}
 
 
