@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import threading
+from pathlib import Path
 from collections import Counter
 
 import numpy as np
@@ -145,7 +146,7 @@ def test_collective_type_resolution_order(tmp_path, gz, minified):
 def test_bad_inputs_name_the_file(tmp_path):
     good = write_trace(tmp_path / "good.json", COMM_EVENTS)
     truncated = tmp_path / "cut.json"
-    truncated.write_bytes(open(good, "rb").read()[:-400])
+    truncated.write_bytes(Path(good).read_bytes()[:-400])
     with pytest.raises(UserError, match="cut.json: truncated"):
         load_kineto(str(truncated))
     cpu_only = write_trace(tmp_path / "cpu.json", [_op("aten::mm", 0, 5)])
@@ -169,7 +170,7 @@ def test_bad_inputs_name_the_file(tmp_path):
     with pytest.raises(UserError, match="lfs.json.gz: a Git LFS pointer, not the trace itself"):
         load_kineto(str(pointer))
     bad_gz = tmp_path / "bad.json.gz"
-    bad_gz.write_bytes(gzip.compress(open(good, "rb").read())[:-50])
+    bad_gz.write_bytes(gzip.compress(Path(good).read_bytes())[:-50])
     with pytest.raises(UserError, match="bad.json.gz"):
         load_kineto(str(bad_gz))
     twin = write_trace(tmp_path / "twin.json", COMM_EVENTS)

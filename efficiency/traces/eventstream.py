@@ -302,7 +302,7 @@ def _bytes_at(data: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
     """`width` bytes from each offset in `at`, one row each; bytes past the end of `data` read as 0."""
     if len(data) < width:
         data = np.concatenate((data, np.zeros(width - len(data), np.uint8)))
-    windows = np.lib.stride_tricks.sliding_window_view(data, width)
+    windows = np.lib.stride_tricks.as_strided(data, (len(data) - width + 1, width), (1, 1), writeable=False)
     out = windows[np.minimum(at, len(windows) - 1)]
     for row in np.flatnonzero(at >= len(windows)):  # the few offsets within `width` of the end
         tail = data[at[row]:]
@@ -364,8 +364,7 @@ class TraceEventStream:
         return data
 
     def _events(self, blocks: Iterator[bytes]) -> Iterator[list[dict]]:
-        data, start = self._find_array(blocks)
-        pending = data[start:]
+        pending = self._find_array(blocks)
         spellings = _SEPARATOR.findall(pending[:_SNIFF_BYTES])
         if spellings:
             self._separator = max(set(spellings), key=spellings.count)
@@ -375,32 +374,33 @@ class TraceEventStream:
         # be a fragment; a writer that separates some events otherwise may put two events in one piece.
         one_spelling = len(set(spellings)) == 1 and b"\n" in self._separator
         self._layout = sniff_layout(pending[:_SNIFF_BYTES]) if one_spelling else None
-        while True:
+        while True:  # the events of each block are parsed before the next is read (one block in memory)
+            events, pending = self._cut(pending)
+            if events:
+                yield events
             block = self._read(blocks)
             if not block:
                 break
             pending += block
-            events, pending = self._cut(pending)
-            if events:
-                yield events
         events, tail = self._finish(pending)
         if events:
             yield events
         self.meta.update(_parse_tail(self.path, tail))
 
-    def _find_array(self, blocks: Iterator[bytes]) -> tuple[bytes, int]:
-        """Read until the start of the events array; parse the keys before it into `meta`."""
+    def _find_array(self, blocks: Iterator[bytes]) -> bytes:
+        """Read until the start of the events array; parse the keys before it into `meta`. Returns what was
+        read after the array's `[` (and no more: the rest is freed before the events are read)."""
         data = b""
         while True:
             block = self._read(blocks)
             data += block
             stripped = data.lstrip()
             if stripped.startswith(b"["):  # the bare "JSON Array Format" of Chrome traces
-                return data, len(data) - len(stripped) + 1
+                return stripped[1:]
             match = _ARRAY_KEY.search(data)
             if match:
                 self.meta.update(_parse_head(self.path, data[: match.start()]))
-                return data, match.end()
+                return data[match.end():]
             if not block and not data.strip():  # e.g. a writer that died before writing
                 raise UserError(f"{self.path}: empty file, not a trace")
             if data.startswith(_LFS_POINTER):
