@@ -264,6 +264,43 @@ def test_select_by_event_heads_agrees_with_a_piece_by_piece_reading():
                     "ProfilerStep#3"} & {e["name"] for e in events} <= set(names)
 
 
+def test_categories_learnt_in_earlier_blocks_judge_later_ones_alike():
+    """In Kineto's spelling (phase, category and name on one line), a category met once is named by its first
+    16 bytes in later blocks: the same events are kept as when every block is read afresh, including a
+    category that extends a wanted one, one too short to be named so (read every time), an escaped one and
+    one longer than the window."""
+    rng = np.random.default_rng(5)
+    wanted = kineto._WANTED
+    heads = [("kernel", "gemm"), ("kernels", "gemm"), ("kernel_like", "x"), ("ab", "ProfilerStep#9"),
+             ("x", "aten::mm"), ("cuda_runtime", "cudaLaunchKernel"), ("cuda_runtime", "cudaEventRecord"),
+             ("cuda_runtime_x", "cudaLaunchKernel"), ("cpu_op", "nccl:all_reduce"), ("cpu_op", "aten::add"),
+             ("user_annotation", "ProfilerStep#3"), ("gpu_memcpy", "Memcpy HtoD"), ("c" * 40, "aten::add"),
+             ("a\\\"b", "aten::mm"), ("", "ProfilerStep#4"), ("gpu_user_annotation", "x"),
+             ("gpu_user_annotatiXkernel", "gemm")]
+    pieces = [b'{\n    "ph": "X", "cat": "%s", "name": "%s", "pid": 1, "tid": 2,\n    "ts": 5, "dur": 1\n  }'
+              % (c.encode(), n.encode()) for c, n in heads]
+    separator = b"},\n  {"
+    layout = eventstream.sniff_layout(b"[\n  " + b",\n  ".join(pieces * 2))
+    assert layout is not None and layout.to_name == b'", "name": "'
+    table = eventstream.CategoryTable(wanted, layout)
+    for _ in range(60):
+        block = b",\n  ".join(pieces[i] for i in rng.integers(0, len(pieces), rng.integers(1, 30)))
+        learnt = wanted.select(block, separator, layout, table)
+        assert learnt == wanted.select(block, separator, layout), block  # a table of this block alone
+        assert learnt.events == _select_by_head_reference(block, separator, layout, wanted), block
+    assert {b"kernel", b"kernels", b"kernel_like", b"cuda_runtime", b"cuda_runtime_x", b"cpu_op"} <= set(table.texts)
+    # under 4 characters, 16 bytes would hold part of the name; over 15, not the closing quote
+    assert not {b"ab", b"x", b"", b"gpu_user_annotation"} & set(table.texts)
+    # A category is named by all 16 bytes: others that share its first 8 (or all but its last) are not it.
+    probes = [b"cuda_run%04d" % i for i in range(300)] + [b"cuda_runtimf", b"kernem", b"cpu_oq"]
+    rows = np.frombuffer(b"".join((p + layout.to_name)[:16] for p in probes + [b"cuda_runtime"]), np.uint8)
+    slots = table.slots(rows.reshape(-1, 16))
+    assert (slots[:-1] == -1).all() and table.texts[slots[-1]] == b"cuda_runtime"
+    names = [e["name"] for e in json.loads(wanted.select(b",\n  ".join(pieces), separator, layout, table).events)]
+    assert names == ["gemm", "ProfilerStep#9", "cudaLaunchKernel", "nccl:all_reduce", "ProfilerStep#3",
+                     "Memcpy HtoD", "ProfilerStep#4"]
+
+
 def test_a_real_trace_keeps_every_launch_and_drops_other_runtime_calls():
     kept = _all_events(REAL[0], kineto._WANTED)
     every = _all_events(REAL[0])

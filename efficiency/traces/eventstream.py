@@ -116,11 +116,12 @@ class EventFilter(msgspec.Struct, frozen=True):
         return cls(tuple(c.encode() + b'"' for c in categories), tuple(n.encode() for n in name_prefixes),
                    phases.encode(), tuple(c.encode() + b'"' for c in skip[0]), heads)
 
-    def select(self, block: bytes | memoryview, separator: bytes, layout: Layout | None = None) -> Selection | None:
+    def select(self, block: bytes | memoryview, separator: bytes, layout: Layout | None = None,
+               categories: CategoryTable | None = None) -> Selection | None:
         """The wanted events of a block of whole events (`{...}` `separator` `{...}` ...); None when the block
         plainly does not end with a whole event (its last piece is unbalanced). With a `layout`, pieces that
         start as it says are judged by their head alone, and the keys are searched for only if some piece
-        does not."""
+        does not; `categories` (of this filter and layout) are those met in earlier blocks of the trace."""
         data = np.frombuffer(block, np.uint8)
         first, end = _trimmed(block)
         cuts = occurrences(data[first:end], separator) + first
@@ -132,7 +133,8 @@ class EventFilter(msgspec.Struct, frozen=True):
             kept = ~self._droppable_by_keys(data, starts)
             others = (0, len(block))
         else:
-            known, drop, of_wanted_phase = self._by_layout(data, starts, layout)
+            table = categories if categories is not None else CategoryTable(self, layout)
+            known, drop, of_wanted_phase = self._by_layout(data, starts, layout, table)
             kept = ~(drop if known.all() else np.where(known, drop, self._droppable_by_keys(data, starts)))
             rest = np.flatnonzero(~of_wanted_phase)
             others = (int(starts[rest[0]]), int(ends[rest[-1]])) if len(rest) else (0, 0)
@@ -151,36 +153,110 @@ class EventFilter(msgspec.Struct, frozen=True):
         after_name, one_name = _only_key(data, starts, b'"name"')
         return _droppable(data, after_name, one_name & drop, self.name_prefixes)
 
-    def _by_layout(self, data: np.ndarray, starts: np.ndarray,
-                   layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _by_layout(self, data: np.ndarray, starts: np.ndarray, layout: Layout,
+                   table: CategoryTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per piece: whether it starts as `layout` says (so that its head decides), and if so whether it is
         unwanted; and whether its head shows a phase the filter names. Every byte from the `{` to the name's text is
         compared, so the keys read are the event's own (a nested object cannot come first); a piece that
-        starts otherwise is left to the key search."""
+        starts otherwise is left to the key search. A category met before (in `table`) is named by its first
+        16 bytes; the end of a new one is searched for, and `table` learns it."""
         head, to_cat, to_name = layout.head, layout.to_cat, layout.to_name
         at_cat = len(head) + 1 + len(to_cat)
-        window = _bytes_at(data, starts, at_cat + max(_TEXT_WIDTH, _words(self.categories, self.skip_categories)))
+        window = _bytes_at(data, starts, at_cat + _KEY_BYTES)
         phase = window[:, len(head)]
         framed = _rows_equal(window, 0, head)
         wanted_phase = np.ones(len(starts), bool) if not self.phases else np.zeros(len(starts), bool)
         for letter in self.phases:
             wanted_phase |= phase == letter
         other_phase = framed & ~wanted_phase & (window[:, len(head) + 1] == ord('"'))
+        headed = framed & wanted_phase & _rows_equal(window, len(head) + 1, to_cat)
         category = window[:, at_cat:]
-        # The category ends at its first quote; a backslash before it (an escape) leaves the piece to the
-        # key search.
-        stops = (category[:, :_TEXT_WIDTH] == ord('"')) | (category[:, :_TEXT_WIDTH] == ord("\\"))
-        length = stops.argmax(1)
-        closed = category[np.arange(len(starts)), length] == ord('"')
+        slot = table.slots(category)
+        length, wanted, skip = table.length[slot], table.wanted[slot], table.skip[slot]
+        closed = slot >= 0
+        new = np.flatnonzero(headed & ~closed)
+        if len(new):  # categories not met before: each ends at its first quote (a backslash first: an escape)
+            rows = _bytes_at(data, starts[new] + at_cat, max(_TEXT_WIDTH, _words(self.categories, self.skip_categories)))
+            stops = (rows[:, :_TEXT_WIDTH] == ord('"')) | (rows[:, :_TEXT_WIDTH] == ord("\\"))
+            length[new] = new_length = stops.argmax(1)
+            closed[new] = new_closed = rows[np.arange(len(new)), new_length] == ord('"')
+            wanted[new] = _starts_with_any(rows, self.categories)
+            skip[new] = _starts_with_any(rows, self.skip_categories)
+            table.learn(rows[new_closed, :_TEXT_WIDTH], new_length[new_closed])
         after = _bytes_at(data, starts + at_cat + length, len(to_name) + _words(self.name_prefixes, self.skip_heads))
-        known = framed & wanted_phase & _rows_equal(window, len(head) + 1, to_cat) & closed & _rows_equal(after, 0, to_name)
+        known = headed & closed & _rows_equal(after, 0, to_name)
         name = after[:, len(to_name):]
-        skipped = _starts_with_any(category, self.skip_categories) & _one_of(
-            np.ascontiguousarray(name[:, :8]).view(np.uint64)[:, 0], _sorted_words(self.skip_heads))
-        wanted = (_starts_with_any(category, self.categories) & ~skipped) | _starts_with_any(name, self.name_prefixes)
+        skipped = skip & _one_of(np.ascontiguousarray(name[:, :8]).view(np.uint64)[:, 0], _sorted_words(self.skip_heads))
+        wanted = (wanted & ~skipped) | _starts_with_any(name, self.name_prefixes)
         # Shown by its head to be of a wanted phase (so not, say, a flow arrow); without phases, none is.
         of_wanted_phase = framed & wanted_phase if self.phases else np.zeros(len(starts), bool)
         return known | other_phase, other_phase | (known & ~wanted), of_wanted_phase
+
+
+_KEY_BYTES = 16  # a category is named by this many bytes from its first character
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it mixes a word's bytes into the higher ones
+
+
+class CategoryTable:
+    """The categories met so far in one trace, for `EventFilter.select` with a layout. Each is named by the 16
+    bytes from its first character in a head of that layout: for a category of 4 to 15 characters, all of
+    it, its closing quote (a category holds none) and the start of the layout's `to_name`, so that the 16
+    bytes of any piece are those only where its category is this one. One sorted search then names the
+    category of every piece of a block, with its length and whether the filter wants or skips it; finding
+    where each category ends and comparing it with each wanted one took half of the judging (ns_resolution:
+    select 25.8 -> 21.6 ms). A trace has a few tens of categories, all met in its first blocks; a category
+    not met before, or not nameable so, is read as before and, where it can be, learnt."""
+
+    def __init__(self, only: EventFilter, layout: Layout) -> None:
+        self.only, self.to_name = only, layout.to_name
+        self.texts: list[bytes] = []
+        self._update()
+
+    def slots(self, category: np.ndarray) -> np.ndarray:
+        """Per row of `category` (text from a category's first character, at least 16 bytes): the slot of its
+        category in `length`, `wanted` and `skip`, or -1 where it is not one met before."""
+        if not self.texts:
+            return np.full(len(category), -1)
+        keys = np.ascontiguousarray(category[:, :_KEY_BYTES]).view(np.uint64)
+        at = np.minimum(np.searchsorted(self._mixed, _mixed(keys)), len(self._mixed) - 1)
+        found = (self._keys[at, 0] == keys[:, 0]) & (self._keys[at, 1] == keys[:, 1])
+        return np.where(found, self._slot[at], -1)
+
+    def learn(self, texts: np.ndarray, lengths: np.ndarray) -> None:
+        """Add the categories in `texts` (rows from a category's first character, each category `lengths`
+        long and closed by a quote) that 16 bytes can name and that were not met before."""
+        named = (lengths >= _KEY_BYTES - len(self.to_name)) & (lengths < _KEY_BYTES)  # the quote within them
+        if not named.any():
+            return
+        texts, lengths = texts[named], lengths[named]
+        # The rows cut to their category (zeros after it), and one row of each: a block has few categories.
+        cut = np.where(np.arange(texts.shape[1]) < lengths[:, None], texts, 0)
+        _, first = np.unique(np.ascontiguousarray(cut).view(f"V{texts.shape[1]}"), return_index=True)
+        added = {texts[i, :lengths[i]].tobytes() for i in first.tolist()} - set(self.texts)
+        if added:
+            self.texts += sorted(added)
+            self._update()
+
+    def _update(self) -> None:
+        keyed = [(text + self.to_name)[:_KEY_BYTES] for text in self.texts]
+        keys = np.frombuffer(b"".join(keyed), np.uint64).reshape(-1, 2)
+        mixed = _mixed(keys)
+        order = np.argsort(mixed, kind="stable")
+        # Two keys of one mixed value (about never): the second is not found, and is read as not met.
+        first = np.ones(len(order), bool)
+        first[1:] = mixed[order][1:] != mixed[order][:-1]
+        order = order[first]
+        self._mixed, self._keys, self._slot = mixed[order], keys[order], order
+        quoted = [text + b'"' for text in self.texts]
+        # Per slot, and a last one for "not met" (slot -1).
+        self.length = np.array([len(t) for t in self.texts] + [0], np.int64)
+        self.wanted = np.array([t.startswith(self.only.categories) for t in quoted] + [False])
+        self.skip = np.array([t.startswith(self.only.skip_categories) for t in quoted] + [False])
+
+
+def _mixed(keys: np.ndarray) -> np.ndarray:
+    """One 64-bit value per two-word key, for a sorted search (two keys may share one)."""
+    return keys[:, 0] ^ (keys[:, 1] * _MIX)
 
 
 def occurrences(data: np.ndarray, pattern: bytes) -> np.ndarray:
@@ -344,6 +420,7 @@ class TraceEventStream:
         self.bytes_read = 0
         self._separator = b"},{"
         self._layout: Layout | None = None
+        self._categories: CategoryTable | None = None
 
     def __iter__(self) -> Iterator[list[dict]]:
         try:
@@ -374,14 +451,15 @@ class TraceEventStream:
         # be a fragment; a writer that separates some events otherwise may put two events in one piece.
         one_spelling = len(set(spellings)) == 1 and b"\n" in self._separator
         self._layout = sniff_layout(pending[:_SNIFF_BYTES]) if one_spelling else None
-        while True:  # the events of each block are parsed before the next is read (one block in memory)
-            events, pending = self._cut(pending)
-            if events:
-                yield events
+        self._categories = CategoryTable(self.only, self._layout) if self.only and self._layout else None
+        while True:
             block = self._read(blocks)
             if not block:
                 break
             pending += block
+            events, pending = self._cut(pending)
+            if events:
+                yield events
         events, tail = self._finish(pending)
         if events:
             yield events
@@ -432,7 +510,8 @@ class TraceEventStream:
     def _parse(self, block: bytes | memoryview) -> list[dict] | None:
         """The events of a run of whole events (with a filter: the wanted ones); None if it is not one."""
         starts_an_object = bytes(block[:64]).lstrip()[:1] == b"{"
-        selection = self.only.select(block, self._separator, self._layout) if self.only and starts_an_object else None
+        selection = (self.only.select(block, self._separator, self._layout, self._categories)
+                     if self.only and starts_an_object else None)
         if selection is not None:
             try:
                 events = _decoded(self.decoder, selection.events)
