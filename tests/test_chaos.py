@@ -50,6 +50,10 @@ def test_nothing_is_lost_or_stored_twice_through_kills_and_a_full_disk(tmp_path)
         killed = _agent(collector.address, "killed", tmp_path / "spool-killed", logs["killed"])
         restarted = None
         try:
+            # every agent running and stored before the first kill: the disk must fill under a running agent
+            # (one still starting on a loaded machine would find it full at start, with no batch to drop)
+            poll(lambda: all(_samples(collector.address).get(n, 0) > 0 for n in ("steady", "full", "killed")), 120,
+                 "every agent to store samples")
             kills = 0
             while kills < COLLECTOR_KILLS and (steady.poll() is None or full.poll() is None):
                 before = _samples(collector.address)
