@@ -63,3 +63,15 @@ def test_replay_takes_the_connection_settings_from_the_environment_like_the_othe
         ("/etc/ca.pem", "agent.pem", "/etc/token", False)
     query = _parser(cli.command("nodes")).parse_args(["--collector", "c:7700", "--tls-cert", "agent.pem"])
     assert commandline.connection(query) == ("c:7700", security)
+
+
+def test_help_is_wrapped_at_the_terminal_width_columns_says(monkeypatch, capsys):
+    widest = {}
+    for columns in (70, 120):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        with pytest.raises(SystemExit):
+            cli.main(["analyze", "--help"])
+        lines = capsys.readouterr().out.splitlines()
+        widest[columns] = max(map(len, lines))
+        assert len(lines) > 5 and widest[columns] <= columns - 2, lines
+    assert widest[120] > 70

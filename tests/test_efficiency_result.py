@@ -5,6 +5,7 @@ import os
 
 import orjson
 
+from gpuwatch.apps.commandline import json_text
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.load import load_paths
 from gpuwatch.efficiency.result import Analysis, Coverage, RankBreakdown, StepBreakdown, WhatIf
@@ -25,6 +26,16 @@ def test_the_document_reads_back_into_the_same_typed_result():
     # the keys acceptance checks read
     assert (doc["coverage"]["ranks_present"], doc["coverage"]["world_size"]) == (2, 128)
     assert doc["straggler_verdict"] == "undetermined" and doc["what_if"]["slowdown"] >= 1.0
+
+
+def test_the_document_as_json_text_is_what_the_command_line_prints_for_it():
+    """`gpuwatch analyze --json` writes the document with msgspec (loaded already), other commands with
+    orjson: the two texts are the same."""
+    for trace in (SAMPLED, os.path.join(DATA, "ns_resolution_rank0")):
+        result = analyze(load_paths([trace]), per_step=True)
+        text = result.json_text()
+        assert text == json_text(result.to_json()) and orjson.loads(text) == result.to_json()
+        assert text.startswith('{\n  "') and text.count("\n") > 100  # indented by two spaces
 
 
 def test_segments_ride_along_but_never_enter_the_document():

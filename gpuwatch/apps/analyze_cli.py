@@ -11,7 +11,7 @@ import sys
 # bring numpy in.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from gpuwatch.apps.commandline import Command, add_json_flag, print_json
+from gpuwatch.apps.commandline import Command, add_json_flag
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.load import load_paths
 from gpuwatch.efficiency.partition import CATEGORIES
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
         _write(args.html, html_report(doc).encode())
     if args.json:
-        print_json(doc.to_json())
+        sys.stdout.write(doc.json_text() + "\n")
     else:
         sys.stdout.write(format_table(doc))
     return 0

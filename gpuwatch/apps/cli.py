@@ -71,6 +71,22 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
+def _help_formatter(prog: str) -> argparse.HelpFormatter:
+    """argparse's help formatter at the terminal's width, read as `shutil.get_terminal_size` reads it
+    ($COLUMNS, else the terminal of stdout, else 80 columns). argparse makes a formatter for every argument
+    added, and left to itself imports shutil (with bz2 and lzma) for the width: 2 ms of a small `analyze`."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
+        except (AttributeError, ValueError, OSError):  # no stdout, or not a terminal
+            columns = 0
+    return argparse.HelpFormatter(prog, width=(columns if columns > 0 else 80) - 2)
+
+
 def _main(given: list[str] | None) -> int:
     argv = sys.argv[1:] if given is None else given
     if given is None:
@@ -80,6 +96,7 @@ def _main(given: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="gpuwatch",
         description="Where GPU time goes in training clusters, and which GPU is about to fail.",
+        formatter_class=_help_formatter,
     )
     parser.add_argument("--version", action="version", version=f"gpuwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -88,7 +105,7 @@ def _main(given: list[str] | None) -> int:
     # 3 % of a small `analyze`); all of them for the overall help and for an unknown command's error.
     for name in [wanted] if wanted in COMMANDS else COMMANDS:
         help_text = COMMANDS[name][1]
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_help_formatter)
         if name == wanted:
             command(name).add_arguments(p)
     try:

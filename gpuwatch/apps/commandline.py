@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import orjson
-
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.times import parse_duration
 
@@ -184,12 +182,13 @@ def time_flag(flag: str) -> Callable[[str], int]:
 def json_text(value: Any) -> str:
     """Standard JSON, indented: a non-finite number (from a store written before ingest refused them) is null,
     never the ``Infinity``/``NaN`` tokens that strict parsers reject; numpy numbers as numbers; anything else
-    JSON has no type for (paths, times) as its text."""
-    return orjson.dumps(value, default=str, option=_JSON_OPTIONS).decode()
+    JSON has no type for (paths, times) as its text. orjson is imported here, when JSON is printed (with the
+    modules it loads, 4 ms of a command's start-up)."""
+    import orjson
 
-
-_JSON_OPTIONS = (orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
-                 | orjson.OPT_PASSTHROUGH_DATETIME)
+    options = (orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+               | orjson.OPT_PASSTHROUGH_DATETIME)
+    return orjson.dumps(value, default=str, option=options).decode()
 
 
 def print_json(value: Any) -> None:
