@@ -7,7 +7,6 @@ span tables, the in-process probe) build it; `gpuwatch.efficiency.analyze` consu
 from __future__ import annotations
 
 import io
-import json
 
 import msgspec
 import numpy as np
@@ -115,7 +114,7 @@ class RankTimeline(msgspec.Struct):
         header = {name: getattr(self, name) for name in _META_FIELDS}
         buffer = io.BytesIO()
         np.savez_compressed(
-            buffer, header=np.frombuffer(json.dumps(header).encode(), np.uint8), step_marks=self.step_marks,
+            buffer, header=np.frombuffer(msgspec.json.encode(header), np.uint8), step_marks=self.step_marks,
             **{name: getattr(self, name) for name in _ACTIVITY_COLUMNS},
         )
         return buffer.getvalue()
@@ -124,7 +123,7 @@ class RankTimeline(msgspec.Struct):
     def from_bytes(cls, data: bytes) -> "RankTimeline":
         """The timeline that `to_bytes` wrote (columns added since then read as unknown)."""
         with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
-            header = json.loads(arrays["header"].tobytes())
+            header = msgspec.json.decode(arrays["header"].tobytes())
             n = len(arrays["start_us"])
             columns = {name: arrays[name] if name in arrays.files else np.full(n, UNKNOWN, _DTYPES[name])
                        for name in _ACTIVITY_COLUMNS}
