@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import gzip
+import io
+import json
 import os
 import shutil
 
 import grpc
+import msgspec
+import numpy as np
 import orjson
 import pandas as pd
 import pytest
@@ -17,6 +21,7 @@ from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.client import connect
 from gpuwatch.efficiency import analyze, load_paths
 from gpuwatch.collector.server import serve
+from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.efficiency.traces.spans import timelines_from_spans
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -174,3 +179,19 @@ def test_cli_with_a_token_collector(tmp_path, capsys, monkeypatch):
         assert orjson.loads(capsys.readouterr().out)["source"] == "traces"
     finally:
         server.stop()
+
+
+def test_a_stored_timeline_reads_back_whole_also_with_a_header_written_by_the_json_module():
+    (timeline,) = load_paths(RANKS[:1])
+    timeline.job_id = "jöb-7"  # not ASCII: the json module escaped it, msgspec writes UTF-8
+    again = RankTimeline.from_bytes(timeline.to_bytes())
+    assert again.job_id == "jöb-7" and again.trace_meta == timeline.trace_meta and again.rank == timeline.rank
+    assert np.array_equal(again.start_us, timeline.start_us) and again.group_ranks == timeline.group_ranks
+    with np.load(io.BytesIO(timeline.to_bytes())) as arrays:  # rewritten as an earlier gpuwatch stored it
+        columns = {name: arrays[name] for name in arrays.files}
+    header = json.dumps(msgspec.json.decode(columns.pop("header").tobytes())).encode()
+    assert b"\\u00f6" in header
+    old = io.BytesIO()
+    np.savez_compressed(old, header=np.frombuffer(header, np.uint8), **columns)
+    earlier = RankTimeline.from_bytes(old.getvalue())
+    assert earlier.job_id == "jöb-7" and np.array_equal(earlier.end_us, timeline.end_us)
