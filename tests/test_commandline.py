@@ -107,3 +107,38 @@ def test_a_one_shot_command_keeps_freed_memory_for_reuse_instead_of_faulting_it_
     default, kept = faults("default"), faults("keep")
     assert default > 5 * 3000 // 2  # 3,200 pages a round, given back and faulted in again (most of them)
     assert kept * 10 < default
+
+
+_DOCSTRING_PROBE = """
+import sys, types
+from gpuwatch.apps import cli
+from gpuwatch.apps.commandline import Command
+
+def run(args):
+    import numpy
+    before = numpy.ndarray.all.__doc__
+    sys.modules["numpy._core._add_newdocs"].__name__  # touched: the module runs now
+    print(repr(before), repr(numpy.ndarray.all.__doc__))
+
+probe = types.ModuleType("probe")
+probe.DOCS = Command(lambda parser: None, run)
+sys.modules["probe"] = probe
+cli.COMMANDS.update(docs=("probe:DOCS", ""))
+sys.argv = ["gpuwatch", "docs"]
+sys.exit(cli.main())
+"""
+
+
+def test_as_the_process_gpuwatch_attaches_numpy_docstrings_only_once_something_reads_their_module(tmp_path):
+    plain = subprocess.run([sys.executable, "-c", "import numpy; print(repr(numpy.ndarray.all.__doc__))"],
+                           capture_output=True, text=True, check=True).stdout
+    assert len(plain) > 100  # numpy as usual: the method's docstring attached at import
+    ran = subprocess.run([sys.executable, "-c", _DOCSTRING_PROBE], capture_output=True, text=True, cwd=tmp_path)
+    assert (ran.returncode, ran.stdout) == (0, f"None {plain}"), ran.stderr
+
+
+def test_a_library_call_leaves_the_import_system_as_it_was(capsys):
+    finders = list(sys.meta_path)
+    with pytest.raises(SystemExit):
+        cli.main(["analyze", "--help"])
+    assert sys.meta_path == finders

@@ -137,3 +137,15 @@ def test_table_ranks_the_rank_that_lost_most_first(capsys):
     table = format_table(Analysis.from_json(doc))
     rows = [line.split()[1] for line in table.splitlines() if line.strip().startswith("rank ")]
     assert rows[:2] == ["1", "0"]
+
+
+def test_the_gpuwatch_process_writes_what_a_library_call_writes(capsys, tmp_path):
+    """As the process, `gpuwatch analyze` runs tuned (the cycle collector off, freed memory kept, numpy's
+    docstrings deferred): the document is the same, byte for byte."""
+    for trace in (SAMPLED, os.path.join(DATA, "ns_resolution_rank0")):
+        assert main(["analyze", trace, "--json"]) == 0
+        in_process = capsys.readouterr().out
+        ran = subprocess.run([sys.executable, "-m", "gpuwatch", "analyze", trace, "--json"],
+                             capture_output=True, text=True, cwd=tmp_path)
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout == in_process and json.loads(ran.stdout)["ranks"]

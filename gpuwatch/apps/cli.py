@@ -16,6 +16,10 @@ from gpuwatch import __version__
 from gpuwatch.core.errors import UserError
 
 if TYPE_CHECKING:  # imported with the command's module, not for `gpuwatch --help`
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
     from gpuwatch.apps.commandline import Command
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -91,6 +95,30 @@ def _keep_freed_memory() -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 
 
+class _LazyNumpyDocstrings:
+    """An import finder that makes numpy's two docstring modules lazy (`importlib.util.LazyLoader`): they
+    run when something first touches them, not at numpy's import. numpy runs them only to attach docstrings
+    to its C functions and types, about 350 `inspect.cleandoc` calls and the textwrap import: 6 ms of the
+    150 ms of a small `analyze` (numpy 2.4), for text no command shows. Whatever reads those modules (a numpy
+    that imports a name from them; pandas, torch and others that walk `sys.modules` do touch them) runs
+    them then, in full, and numpy's own documentation build mocks the second one out: both only attach
+    text. Until then `numpy.ndarray.all.__doc__` is None, as under `python -OO`."""
+
+    modules = frozenset(("numpy._core._add_newdocs", "numpy._core._add_newdocs_scalars"))
+
+    def find_spec(self, name: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:  # the meta path finder protocol
+        if name not in self.modules:
+            return None
+        import importlib.machinery
+        import importlib.util
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = importlib.util.LazyLoader(spec.loader)
+        return spec
+
+
 def _help_formatter(prog: str) -> argparse.HelpFormatter:
     """argparse's help formatter at the terminal's width, read as `shutil.get_terminal_size` reads it
     ($COLUMNS, else the terminal of stdout, else 80 columns). argparse makes a formatter for every argument
@@ -113,6 +141,8 @@ def _main(given: list[str] | None) -> int:
         # The cycle collector's passes while the command's modules import find nothing to free (modules,
         # classes and functions live on) and cost 6 ms of numpy's import; back on below unless one-shot.
         gc.disable()
+        if not any(isinstance(finder, _LazyNumpyDocstrings) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _LazyNumpyDocstrings())  # before a command's modules import numpy
     parser = argparse.ArgumentParser(
         prog="gpuwatch",
         description="Where GPU time goes in training clusters, and which GPU is about to fail.",
