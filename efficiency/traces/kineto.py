@@ -98,7 +98,7 @@ _DTYPE_BYTES = {
     "int": 4, "int32": 4, "long": 8, "int64": 8, "short": 2, "int16": 2, "byte": 1, "uint8": 1,
     "char": 1, "int8": 1, "bool": 1,
 }
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+_RANK_IN_NAME = r"(?i)rank[-_]?(\d+)"  # compiled when first used (re caches it): a trace names its rank
 
 
 class _Interner(dict):
@@ -329,7 +329,7 @@ def _rank_list(members) -> list[int]:
 def _rank_of(path: str, info: dict, default_rank: int | None) -> int:
     if isinstance(info.get("rank"), int):
         return info["rank"]
-    match = _RANK_IN_NAME.search(path.rsplit("/", 1)[-1])
+    match = re.search(_RANK_IN_NAME, path.rsplit("/", 1)[-1])
     if match:
         return int(match.group(1))
     if default_rank is not None:
