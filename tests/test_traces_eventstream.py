@@ -41,30 +41,6 @@ def test_filtered_reading_gives_the_same_timeline(path, block_bytes, monkeypatch
     _same_timeline(filtered, kineto.load_kineto(path))
 
 
-@pytest.mark.parametrize("first_bytes", [1, 100, 64 << 10])
-def test_a_small_first_block_reads_every_event_however_long_the_head(first_bytes, monkeypatch, tmp_path):
-    """The first block is small, so that its events are parsed while the second is decompressed; a head
-    before the array longer than it (here 200 KB of device properties) is read on, block by block."""
-    events = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "ts": i, "dur": 1, "args": {"stream": 7}}
-              for i in range(3000)]
-    path = tmp_path / "long_head.json"
-    with open(path, "w") as f:
-        json.dump({"deviceProperties": [{"name": "x" * 1000, "id": i} for i in range(200)], "traceEvents": events,
-                   "displayTimeUnit": "ns"}, f, indent=2)
-    monkeypatch.setattr(eventstream, "_FIRST_BLOCK_BYTES", first_bytes)
-    stream = TraceEventStream(str(path), only=WANTED, block_bytes=16 << 10)
-    assert [e["name"] for block in stream for e in block] == [e["name"] for e in events]
-    assert stream.meta["displayTimeUnit"] == "ns" and len(stream.meta["deviceProperties"]) == 200
-
-
-def test_the_reader_begins_with_a_small_block(tmp_path):
-    path = tmp_path / "t.json"
-    path.write_bytes(b"x" * (3 << 20))
-    with open(path, "rb") as f:
-        sizes = [len(block) for block in eventstream._blocks(f, 1 << 20)]
-    assert sizes == [64 << 10, 1 << 20, 1 << 20, (1 << 20) - (64 << 10)]
-
-
 def test_filter_drops_cpu_ops_and_flows_unparsed():
     kept = _all_events(REAL[0], kineto._WANTED)
     every = _all_events(REAL[0])
