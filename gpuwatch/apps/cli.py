@@ -104,7 +104,8 @@ class _LazyNumpyDocstrings:
     them then, in full, and numpy's own documentation build mocks the second one out: both only attach
     text. Until then `numpy.ndarray.all.__doc__` is None, as under `python -OO`."""
 
-    modules = frozenset(("numpy._core._add_newdocs", "numpy._core._add_newdocs_scalars"))
+    modules = frozenset(("numpy._core._add_newdocs", "numpy._core._add_newdocs_scalars",
+                         "numpy.core._add_newdocs", "numpy.core._add_newdocs_scalars"))  # numpy 2.x, 1.x
 
     def find_spec(self, name: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> ModuleSpec | None:  # the meta path finder protocol
