@@ -6,6 +6,7 @@ import json
 import os
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -281,18 +282,24 @@ def test_categories_learnt_in_earlier_blocks_judge_later_ones_alike():
     pieces = [b'{\n    "ph": "X", "cat": "%s", "name": "%s", "pid": 1, "tid": 2,\n    "ts": 5, "dur": 1\n  }'
               % (c.encode(), n.encode()) for c, n in heads]
     separator = b"},\n  {"
-    layout = eventstream.sniff_layout(b"[\n  " + b",\n  ".join(pieces * 2))
-    assert layout is not None and layout.to_name == b'", "name": "'
-    table = eventstream.CategoryTable(wanted, layout)
-    for _ in range(60):
-        block = b",\n  ".join(pieces[i] for i in rng.integers(0, len(pieces), rng.integers(1, 30)))
-        learnt = wanted.select(block, separator, layout, table)
-        alone = wanted.select(block, separator, layout)  # a table of this block alone
-        assert (learnt.events, list(learnt.other_ranges())) == (alone.events, list(alone.other_ranges())), block
-        assert learnt.events == _select_by_head_reference(block, separator, layout, wanted), block
-    assert {b"kernel", b"kernels", b"kernel_like", b"cuda_runtime", b"cuda_runtime_x", b"cpu_op"} <= set(table.texts)
-    # under 4 characters, 16 bytes would hold part of the name; over 15, not the closing quote
-    assert not {b"ab", b"x", b"", b"gpu_user_annotation"} & set(table.texts)
+    sniffed = eventstream.sniff_layout(b"[\n  " + b",\n  ".join(pieces * 2))
+    assert sniffed is not None and sniffed.to_name == b'", "name": "'
+    # the categories of the heads read where the layout was learnt (the escaped one and the 40 c's are not)
+    assert set(sniffed.categories) == {c.encode() for c, _ in heads} - {b"", b"a\\\"b", b"c" * 40}
+    unsniffed = msgspec.structs.replace(sniffed, categories=())
+    for layout in (sniffed, unsniffed):  # a table that starts with those, and one that learns all of them
+        table = eventstream.CategoryTable(wanted, layout)
+        assert (b"cuda_runtime" in table.texts) == (layout is sniffed)  # before any block
+        for _ in range(60):
+            block = b",\n  ".join(pieces[i] for i in rng.integers(0, len(pieces), rng.integers(1, 30)))
+            learnt = wanted.select(block, separator, layout, table)
+            alone = wanted.select(block, separator, unsniffed)  # a table of this block alone
+            assert (learnt.events, list(learnt.other_ranges())) == (alone.events, list(alone.other_ranges())), block
+            assert learnt.events == _select_by_head_reference(block, separator, layout, wanted), block
+        assert {b"kernel", b"kernels", b"kernel_like", b"cuda_runtime", b"cuda_runtime_x", b"cpu_op"} <= set(table.texts)
+        # under 4 characters, 16 bytes would hold part of the name; over 15, not the closing quote
+        assert not {b"ab", b"x", b"", b"gpu_user_annotation"} & set(table.texts)
+    layout = sniffed
     # A category is named by all 16 bytes: others that share its first 8 (or all but its last) are not it.
     probes = [b"cuda_run%04d" % i for i in range(300)] + [b"cuda_runtimf", b"kernem", b"cpu_oq"]
     rows = np.frombuffer(b"".join((p + layout.to_name)[:16] for p in probes + [b"cuda_runtime"]), np.uint8)
