@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install install-test demo test proto bench
+.PHONY: install install-test demo lint test proto bench
 
 install:
 	$(PIP) install -q -e .
@@ -12,6 +12,12 @@ install-test:
 
 demo: install
 	gpuwatch demo
+
+# The checks CI runs before the tests: layer contracts, types ([tool.mypy]) and style ([tool.ruff]).
+lint: install-test
+	lint-imports
+	$(PYTHON) -m mypy
+	$(PYTHON) -m ruff check .
 
 test: install-test
 	$(PYTHON) -m pytest -q

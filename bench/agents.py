@@ -366,12 +366,14 @@ def main() -> int:
     print(f"{'collector':>9} {'agents':>7} {'expected b/s':>12} {'acked b/s':>10} {'values/s':>11} {'ack p50 ms':>10} "
           f"{'ack p99 ms':>10} {'agents acked':>12} {'nodes p50/max ms':>16} {'RSS MiB':>8} {'CPU ms/b coll/emu':>17} "
           f"{'load':>5}", flush=True)
-    runs = [("before", args.before_python), ("this", sys.executable)] if args.before_python else [("this", sys.executable)]
+    runs = ([("before", args.before_python), ("this", sys.executable)] if args.before_python
+            else [("this", sys.executable)])
     for n in (int(x) for x in args.agents.split(",")):
         for label, python in runs:
             r = run_fleet(n, args, python)
             print(f"{label:>9} {r['agents']:>7} {r['expected_batches_s']:>12.0f} {r['batches_s']:>10.0f} "
-                  f"{r['values_s']:>11,.0f} {r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} {r['agents_acked']:>6}/{r['agents']:<5} "
+                  f"{r['values_s']:>11,.0f} {r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} "
+                  f"{r['agents_acked']:>6}/{r['agents']:<5} "
                   f"{r['query_p50_ms']:>7.0f}/{r['query_max_ms']:<8.0f} {r['rss_mib']:>8.0f} "
                   f"{r['collector_ms_per_batch']:>8.2f}/{r['emulator_ms_per_batch']:<8.2f} {r['load']:>5.1f}"
                   + (f"  failed queries {r['queries_failed']}/{r['queries']}" if r["queries_failed"] else "")

@@ -201,7 +201,8 @@ def gpuwatch_command(venv: str, root: str = ROOT) -> list[str]:
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels, source],
                        check=True, capture_output=True)
         subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
-                        *[os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl")]], check=True, capture_output=True)
+                        *[os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl")]],
+                       check=True, capture_output=True)
     return [os.path.join(venv, "bin", "gpuwatch")]
 
 
@@ -259,10 +260,13 @@ def compare(label: str, folder: str, size_mb: float, runs: int, python: str | No
             print(f"{name:<26}{row['wall_s']:>14.3f}  {walls:<42}{row['cpu_s']:>14.3f}{row['peak_mb']:>16.0f}")
     if hta is not None:
         print(f"speed-up {hta['wall_s'] / gw['wall_s']:.1f}x wall, {hta['cpu_s'] / gw['cpu_s']:.1f}x CPU time; "
-              f"memory {gw['peak_mb'] / hta['peak_mb']:.2f}x of HTA; development venv {hta['wall_s'] / best['dev']['wall_s']:.1f}x wall")
+              f"memory {gw['peak_mb'] / hta['peak_mb']:.2f}x of HTA; "
+              f"development venv {hta['wall_s'] / best['dev']['wall_s']:.1f}x wall")
         print(f"bare interpreter start-up (`python -c pass`): gpuwatch's {best['bare']['wall_s']:.3f} s wall / "
-              f"{best['bare']['cpu_s']:.3f} s CPU, HTA's {best['hta_bare']['wall_s']:.3f} / {best['hta_bare']['cpu_s']:.3f} s, "
-              f"the development venv's {best['dev_bare']['wall_s']:.3f} / {best['dev_bare']['cpu_s']:.3f} s (this machine's "
+              f"{best['bare']['cpu_s']:.3f} s CPU, "
+              f"HTA's {best['hta_bare']['wall_s']:.3f} / {best['hta_bare']['cpu_s']:.3f} s, "
+              f"the development venv's {best['dev_bare']['wall_s']:.3f} / {best['dev_bare']['cpu_s']:.3f} s "
+              f"(this machine's "
               f".pth hooks and the editable install's finder)")
     return {"gpuwatch": gw, "hta": hta, "startup": best["startup"]}
 
@@ -285,13 +289,16 @@ def single(trace: str, runs: int, python: str | None, gpuwatch: list[str], old: 
 def _print_window(gw: dict, hta: dict | None) -> None:
     b, w = gw["breakdown_us"], gw["window_us"]
     idle = b["small_kernel_overhead"] + b["host_stall"] + b["idle_other"]
-    print(f"gpuwatch --steps hta: window {w / 1000:.1f} ms, compute {100 * b['compute'] / w:.2f} %, idle {100 * idle / w:.2f} %")
+    print(f"gpuwatch --steps hta: window {w / 1000:.1f} ms, compute {100 * b['compute'] / w:.2f} %, "
+          f"idle {100 * idle / w:.2f} %")
     if hta is not None:
         hw = hta["kernel_time(us)"]
         d_compute = 100 * abs(b["compute"] - hta["compute_time(us)"]) / w
         d_idle = 100 * abs(idle - hta["idle_time(us)"]) / w
-        print(f"HTA: window {hw / 1000:.1f} ms, compute {hta['compute_time_pctg']:.2f} %, idle {hta['idle_time_pctg']:.2f} %")
-        print(f"agreement: compute differs by {d_compute:.3f} % of the window, idle by {d_idle:.3f} % (target <= 0.5 %)")
+        print(f"HTA: window {hw / 1000:.1f} ms, compute {hta['compute_time_pctg']:.2f} %, "
+              f"idle {hta['idle_time_pctg']:.2f} %")
+        print(f"agreement: compute differs by {d_compute:.3f} % of the window, idle by {d_idle:.3f} % "
+              "(target <= 0.5 %)")
         if max(d_compute, d_idle) > 0.5:
             print("  (HTA rounds fractional-us timestamps inward, shrinking every kernel, and counts cuda_sync "
                   "events as GPU busy: docs/efficiency.md, 'Agreement with HolisticTraceAnalysis')")
@@ -301,15 +308,18 @@ def _print_phases(p: dict, wall: float, startup: float) -> None:
     """Where the time goes, and how close the reader is to the floor of decompressing and parsing."""
     print("where gpuwatch's time goes (each phase alone, best of 5, in one process):")
     print(f"  interpreter start-up + imports {startup:.3f} s of the {wall:.3f} s whole process (measured taking turns)")
-    print(f"  decompression alone: zlib {p['gunzip_zlib_s']:.3f} s, ISA-L (what gpuwatch uses) {p['gunzip_isal_s']:.3f} s")
+    print(f"  decompression alone: zlib {p['gunzip_zlib_s']:.3f} s, "
+          f"ISA-L (what gpuwatch uses) {p['gunzip_isal_s']:.3f} s")
     print(f"  floor of reading everything: gzip.decompress + orjson.loads {p['bare_floor_s']:.3f} s; "
           f"ISA-L + orjson.loads with the cycle collector paused {p['best_floor_s']:.3f} s")
     needed = p["gunzip_isal_s"] + p["kept_decode_s"]
     print(f"  floor of reading what gpuwatch needs, as if finding those events cost nothing: ISA-L + a parse of only "
-          f"the events it keeps ({p['kept_mb']:.1f} MB compact): orjson.loads {p['gunzip_isal_s'] + p['kept_parse_s']:.3f} s, "
+          f"the events it keeps ({p['kept_mb']:.1f} MB compact): "
+          f"orjson.loads {p['gunzip_isal_s'] + p['kept_parse_s']:.3f} s, "
           f"msgspec into the reader's structs (what gpuwatch does) {needed:.3f} s")
     print(f"  gpuwatch stream (decompress + filter + parse of the events it needs) {p['stream_s']:.3f} s = "
-          f"{p['stream_s'] / p['bare_floor_s']:.2f}x of the bare floor, {p['stream_s'] / p['best_floor_s']:.2f}x of the best, "
+          f"{p['stream_s'] / p['bare_floor_s']:.2f}x of the bare floor, "
+          f"{p['stream_s'] / p['best_floor_s']:.2f}x of the best, "
           f"{p['stream_s'] / needed:.2f}x of the floor of what it needs")
     print(f"  load (stream + columns + launch/step/collective joins) {p['load_s']:.3f} s; "
           f"classification and breakdown {p['breakdown_s']:.3f} s; what-if {p['what_if_s']:.3f} s; "

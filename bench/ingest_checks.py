@@ -59,11 +59,11 @@ def main() -> None:
             data = batch_bytes(ticks)
             record = encode_record(data)
             repeat = max(5, args.repeat * 5 // ticks)
-            parse = per_call_us(lambda: pb.TelemetryBatch.FromString(data), repeat)
-            decode = per_call_us(lambda: decode_batch(data, window), repeat)
-            frame = per_call_us(lambda: encode_record(data), repeat)
-            check = per_call_us(lambda: decode_record(record), repeat)
-            write = per_call_us(lambda: write_durably(Path(path), record), repeat)
+            parse = per_call_us(lambda data=data: pb.TelemetryBatch.FromString(data), repeat)
+            decode = per_call_us(lambda data=data: decode_batch(data, window), repeat)
+            frame = per_call_us(lambda data=data: encode_record(data), repeat)
+            check = per_call_us(lambda record=record: decode_record(record), repeat)
+            write = per_call_us(lambda record=record: write_durably(Path(path), record), repeat)
             print(f"{name:<22}{len(data):>10}{parse:>10.0f}{decode:>17.0f}{frame:>10.0f}{check:>10.0f}{write:>18.0f}")
 
 

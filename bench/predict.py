@@ -166,7 +166,7 @@ def model_card(model: dict, trained_on: list[str], result: dict, validation: dic
     """The shipped model's card: what it was trained on and how it did on a configuration it never saw."""
     return "\n".join([
         "# Shipped failure model (models/data/default_model.skops)", "",
-        f"Regenerate: `python bench/predict.py --save-default` (writes the model and this card).", "",
+        "Regenerate: `python bench/predict.py --save-default` (writes the model and this card).", "",
         "## Trained on", "",
         f"Simulated fleets (`gpuwatch simulate --profile NAME`, docs/failure-model.md §1): {', '.join(trained_on)}; "
         f"each {args.nodes} nodes x {args.gpus} GPUs x {args.days:g} days at {args.resolution:g} s, fault rate "

@@ -80,7 +80,8 @@ def alertmanager(tmp_path):
 # ------------------------------------------------------------------------------------------ sink
 @pytest.fixture
 def sink():
-    """(server, "127.0.0.1:PORT"): an in-memory Ingest server (gpuwatch.simulator.collector_sink) on a free loopback port."""
+    """(server, "127.0.0.1:PORT"): an in-memory Ingest server (gpuwatch.simulator.collector_sink) on a free
+    loopback port."""
     s = IngestSink()
     port = s.start()
     yield s, f"127.0.0.1:{port}"

@@ -81,7 +81,8 @@ def test_command_with_ticks_exits_zero_after_everything_is_acknowledged(tmp_path
 
 def test_command_stops_cleanly_on_sigterm(tmp_path, sink):
     server, address = sink
-    proc = subprocess.Popen(_agent_cmd(address, tmp_path, "--batch-interval", "0.05"), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_agent_cmd(address, tmp_path, "--batch-interval", "0.05"), stderr=subprocess.PIPE,
+                            text=True)
     try:
         assert server.store.wait_for(lambda s: len(s.batches) >= 2, 60)
         proc.send_signal(signal.SIGTERM)

@@ -46,7 +46,7 @@ def _ticks(sampler, clock, n, step=1.0):
 
 def _power_trace(node, seed=0, n=5):
     clock = Clock()
-    with SimulatedFleet(2, node=node, seed=seed, clock=clock) as fleet:
+    with SimulatedFleet(2, node=node, seed=seed, clock=clock):
         sampler = NvmlSampler(clock=clock)
         sampler.open()
         try:
@@ -138,7 +138,8 @@ def test_faults_show_in_the_slow_tier(rig):
     v = sampler.sample().rows[1]
     assert (v["gpu_ecc_sbe_volatile_total"], v["gpu_ecc_dbe_aggregate_total"]) == (5, 1)
     assert (v["gpu_remapped_rows_correctable"], v["gpu_remapped_rows_pending"]) == (2, 1)
-    assert (v["gpu_pcie_replay_total"], v["gpu_nvlink_crc_flit_errors_total"], v["gpu_nvlink_replay_errors_total"]) == (7, 3, 1)
+    assert (v["gpu_pcie_replay_total"], v["gpu_nvlink_crc_flit_errors_total"],
+            v["gpu_nvlink_replay_errors_total"]) == (7, 3, 1)
     assert (v["gpu_pcie_link_gen"], v["gpu_pcie_link_width"], v["gpu_pcie_link_width_max"]) == (3, 8, 16)
 
 
@@ -180,7 +181,8 @@ def test_kmsg_source_reads_new_lines_from_a_log_file(rig, tmp_path):
 
 
 def test_parse_kmsg_lines():
-    x = parse_kmsg_line("3,1203,98834121,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=2471, name=python, GPU has fallen off the bus.")
+    x = parse_kmsg_line("3,1203,98834121,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=2471, name=python, "
+                        "GPU has fallen off the bus.")
     assert (x.pci_bus_id, x.code) == ("0000:3b:00", 79) and x.message.startswith("pid=2471")
     x = parse_kmsg_line("[ 1234.5] NVRM: Xid (PCI:0000:B7:00): 48, An uncorrectable double bit error")
     assert (x.pci_bus_id, x.code) == ("0000:b7:00", 48)

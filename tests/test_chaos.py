@@ -57,7 +57,8 @@ def test_nothing_is_lost_or_stored_twice_through_kills_and_a_full_disk(tmp_path)
             kills = 0
             while kills < COLLECTOR_KILLS and (steady.poll() is None or full.poll() is None):
                 before = _samples(collector.address)
-                poll(lambda: any(_samples(collector.address).get(n, 0) > before.get(n, 0) for n in ("steady", "full"))
+                poll(lambda before=before: any(_samples(collector.address).get(n, 0) > before.get(n, 0)
+                                               for n in ("steady", "full"))
                      or (steady.poll() is not None and full.poll() is not None), 120,
                      f"progress before collector kill {kills + 1}")
                 collector.kill()

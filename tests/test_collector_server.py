@@ -123,7 +123,8 @@ def test_refuses_to_start_on_a_locked_store_or_a_taken_address(collector, tmp_pa
     with pytest.raises(UserError, match="address in use"):
         serve(collector.address, str(tmp_path / "other.duckdb"))
     # the store is opened and locked by this process; a second process cannot take it
-    import subprocess, sys
+    import subprocess
+    import sys
     result = subprocess.run([sys.executable, "-m", "gpuwatch", "collector", "--listen", "127.0.0.1:0",
                              "--db", collector.store.path], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Could not set lock" in result.stderr and "Traceback" not in result.stderr

@@ -150,7 +150,7 @@ def test_a_batch_that_cannot_be_stored_fails_alone_not_its_group(store):
     bad = ColumnarBatch(message, checked.gpu_values, checked.host_values, checked.sample_ts)
     futures = [store.submit(make_batch(1)), store.submit(bad), store.submit(make_batch(2))]
     assert not futures[0].result(30).duplicate and not futures[2].result(30).duplicate
-    with pytest.raises(Exception):
+    with pytest.raises(OverflowError):
         futures[1].result(30)
     assert store.count("gpu_samples") == 2 * ROWS_PER_BATCH
     assert store.write(make_batch(3)).sequence == 3  # the writer keeps going

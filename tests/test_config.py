@@ -149,7 +149,8 @@ def test_the_agent_config_is_its_settings_plus_one_run():
     setting_keys = [o.key for o in AGENT_OPTIONS]
     assert [o.key for o in config.options(AgentConfig)] == setting_keys  # declared once, in AgentSettings
     assert {"tls_ca", "tls_cert", "tls_key", "token_file", "insecure"} <= set(setting_keys)
-    cfg = load_config(AGENT_OPTIONS, {"interval": 0.5, "tls_ca": "ca.pem"}, env={}).build(AgentConfig, drain_timeout=2.0)
+    cfg = load_config(AGENT_OPTIONS, {"interval": 0.5, "tls_ca": "ca.pem"}, env={}).build(AgentConfig,
+                                                                                         drain_timeout=2.0)
     assert (cfg.interval, cfg.drain_timeout, cfg.tls_ca, cfg.node) == (0.5, 2.0, "ca.pem", socket.gethostname())
 
 

@@ -87,7 +87,8 @@ def test_views_with_unknown_values_render_as_dashes_in_text_and_rich():
     empty = DemoView(0.0, 60.0, 600.0, None, None, [], [], [])
     assert "waiting for the first batches" in render_text(empty)
     console.print(render_rich(empty))
-    assert "none" in summary_text(DemoResult(nodes=[], events={}, report={"failed": [], "false_alarms": []}, workdir=""))
+    assert "none" in summary_text(DemoResult(nodes=[], events={}, report={"failed": [], "false_alarms": []},
+                                             workdir=""))
 
 
 def test_the_degrading_gpu_is_flagged_before_it_fails_and_no_healthy_gpu_is(demo):
@@ -161,7 +162,8 @@ def _breakdown_us(store: DuckDBStore, job_id: str) -> dict[str, float]:
     from gpuwatch.collector.breakdowns import BreakdownService
     from gpuwatch.v1 import query_pb2 as q
 
-    return json.loads(BreakdownService().breakdown(q.BreakdownRequest(job_id=job_id), store).json)["job"]["breakdown_us"]
+    reply = BreakdownService().breakdown(q.BreakdownRequest(job_id=job_id), store)
+    return json.loads(reply.json)["job"]["breakdown_us"]
 
 
 

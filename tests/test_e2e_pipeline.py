@@ -1,6 +1,6 @@
 """End to end over real gRPC on loopback: `gpuwatch agent` processes (simulated GPUs beneath pynvml) stream to
-a real `gpuwatch collector` process with its store (DuckDB, and ClickHouse in-process through chdb); restarts and kills on either side lose nothing
-and store nothing twice."""
+a real `gpuwatch collector` process with its store (DuckDB, and ClickHouse in-process through chdb); restarts and
+kills on either side lose nothing and store nothing twice."""
 import json
 import os
 import subprocess

@@ -14,7 +14,8 @@ from helpers import KINETO_DATA
 
 DATA = KINETO_DATA
 SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
-CATEGORIES = {"compute", "memcpy", "comm_transfer", "comm_wait", "bubble", "small_kernel_overhead", "host_stall", "idle_other"}
+CATEGORIES = {"compute", "memcpy", "comm_transfer", "comm_wait", "bubble", "small_kernel_overhead", "host_stall",
+              "idle_other"}
 
 
 def test_json_document_keys(capsys, tmp_path):
@@ -26,7 +27,8 @@ def test_json_document_keys(capsys, tmp_path):
     doc = json.loads(capsys.readouterr().out)
     assert {"ranks", "job", "stragglers", "delayed", "matched_collectives"} <= set(doc)
     for r in doc["ranks"]:
-        assert {"rank", "window_us", "breakdown_us", "comm_overlapped_us", "overlap_ratio", "short_kernels", "per_step"} <= set(r)
+        assert {"rank", "window_us", "breakdown_us", "comm_overlapped_us", "overlap_ratio", "short_kernels",
+                "per_step"} <= set(r)
         assert set(r["breakdown_us"]) == CATEGORIES
         assert set(r["short_kernels"]) == {"count", "time_us"}
         assert sum(r["breakdown_us"].values()) == r["window_us"]

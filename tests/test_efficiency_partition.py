@@ -57,7 +57,8 @@ def test_gaps_without_launch_times_are_idle_other():
 def test_compute_overlapping_communication_counts_compute_and_overlap():
     tl = timeline(0, [(COMPUTE, 0, 100), (COLLECTIVE, 50, 150, None, "all_reduce")])
     entry = analyze([tl]).to_json()["ranks"][0]
-    assert breakdown(analyze([tl]).to_json()) == {**dict.fromkeys(CATEGORIES, 0.0), "compute": 100.0, "comm_transfer": 50.0}
+    assert breakdown(analyze([tl]).to_json()) == {**dict.fromkeys(CATEGORIES, 0.0), "compute": 100.0,
+                                                  "comm_transfer": 50.0}
     assert entry["comm_overlapped_us"] == 50
     assert entry["overlap_ratio"] == pytest.approx(0.5)
 
@@ -77,7 +78,8 @@ def test_p2p_is_bubble_and_collective_takes_precedence_over_p2p():
 
 def test_staggered_arrivals_split_wait_and_transfer():
     # All three ranks finish the all-reduce at 200; they arrive at 100, 130 and 160.
-    tls = [timeline(r, [(COMPUTE, 0, s), (COLLECTIVE, s, 200, None, "all_reduce")]) for r, s in enumerate((100, 130, 160))]
+    tls = [timeline(r, [(COMPUTE, 0, s), (COLLECTIVE, s, 200, None, "all_reduce")])
+           for r, s in enumerate((100, 130, 160))]
     doc = analyze(tls).to_json()
     assert doc["matched_collectives"] == 1
     waits = [breakdown(doc, i)["comm_wait"] for i in range(3)]

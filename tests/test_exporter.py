@@ -33,7 +33,8 @@ def _snapshot(n_jobs: int = 2) -> dict:
         latency.observe(seconds)
     jobs = [
         {"job_id": f"job-{j}", "breakdown": {"compute": 0.55, "comm_wait": 0.25, "host_stall": 0.2, "bogus": 1.0},
-         "lost_gpu_seconds_total": 100.0 * j, "rank_lost_ratio": {0: 0.4, 1: 0.5}, "stragglers": {1: 0.012} if j else {}}
+         "lost_gpu_seconds_total": 100.0 * j, "rank_lost_ratio": {0: 0.4, 1: 0.5},
+         "stragglers": {1: 0.012} if j else {}}
         for j in range(n_jobs)
     ]
     return {
@@ -66,7 +67,8 @@ def test_render_values_and_types():
     assert _value(text, "gpu_utilization_ratio", node="n1", gpu="1") == 2.0
     assert _value(text, "gpu_energy_joules_total", node="n2", gpu="0") == 1.0
     assert "# TYPE gpu_energy_joules_total counter" in text and "# TYPE gpu_temperature_celsius gauge" in text
-    assert {s.labels["gpu"] for s in _samples(text) if s.name == "gpu_power_watts" and s.labels["node"] == "n1"} == {"0"}
+    assert {s.labels["gpu"] for s in _samples(text)
+            if s.name == "gpu_power_watts" and s.labels["node"] == "n1"} == {"0"}
     assert _value(text, "gpu_xid_errors_total", gpu="0", node="n1", xid="13") == 2.0
     assert _value(text, "gpuwatch_gpu_failure_risk_ratio", node="n1", gpu="0") == 0.91
     assert _value(text, "gpuwatch_gpu_health_state", node="n1", gpu="0", state="fail") == 1.0
@@ -235,7 +237,8 @@ def test_dcgm_naming_serves_dcgm_exporter_names_units_and_labels():
                          gpu_sm_clock_hertz=1.98e9, gpu_energy_joules_total=10.0)
     text = _render({"gpus": [gpu]}, names="dcgm")
     labels = {"gpu": "0", "UUID": "GPU-n1-0", "pci_bus_id": "00000000:18:00.0", "device": "nvidia0",
-              "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "n1", "DCGM_FI_DRIVER_VERSION": "570.1", "hpc_job": "job-1"}
+              "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "n1", "DCGM_FI_DRIVER_VERSION": "570.1",
+              "hpc_job": "job-1"}
     assert _value(text, "DCGM_FI_DEV_GPU_UTIL", **labels) == 50.0
     assert _value(text, "DCGM_FI_DEV_FB_USED", **labels) == 2048.0 and _value(text, "DCGM_FI_DEV_FB_FREE") == 78 * 1024
     assert _value(text, "DCGM_FI_DEV_SM_CLOCK") == pytest.approx(1980.0)

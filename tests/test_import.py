@@ -52,7 +52,8 @@ def test_a_dcgm_exporter_history_becomes_a_recording_in_gpuwatch_units(tmp_path)
         ("h1", 1, "xid", 79)
     assert int(ts_ms(events["ts"])[0]) == (T0_S + 15 * 8) * 1000
     gpus = rec.table("gpus")
-    assert sorted(gpus["uuid"]) == ["GPU-h1-0", "GPU-h1-1", "GPU-h2-0"] and set(gpus["name"]) == {"NVIDIA H100 80GB HBM3"}
+    assert sorted(gpus["uuid"]) == ["GPU-h1-0", "GPU-h1-1", "GPU-h2-0"]
+    assert set(gpus["name"]) == {"NVIDIA H100 80GB HBM3"}
 
 
 def test_an_imported_recording_replays_and_the_training_loader_reads_it(tmp_path):
@@ -70,7 +71,8 @@ def test_an_imported_recording_replays_and_the_training_loader_reads_it(tmp_path
 def test_wide_files_with_the_recordings_own_columns(tmp_path):
     ts = pd.date_range("2026-01-01", periods=4, freq="1s", tz="UTC")
     wide = pd.DataFrame({"node": "w1", "gpu_index": [0, 0, 1, 1], "ts": ts.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                         "gpu_power_watts": [300.0, None, 310.0, 320.0], "gpu_temperature_celsius": ["55", "x", "57", "58"],
+                         "gpu_power_watts": [300.0, None, 310.0, 320.0],
+                         "gpu_temperature_celsius": ["55", "x", "57", "58"],
                          "job_id": "j", "rank": [0, 0, 1, 1], "comment": "ignored"})
     wide.to_csv(tmp_path / "wide.csv", index=False)
     result = import_files([tmp_path / "wide.csv"], tmp_path / "R", fmt="wide", quiet=True)
@@ -105,8 +107,8 @@ def test_named_columns_and_rows_without_keys(tmp_path):
     df = pd.DataFrame({"when": [T0_S * 1000, T0_S * 1000 + 1000, None], "box": ["b1", "b1", "b1"],
                        "card": [0, 0, 0], "gpu_utilization_ratio": [0.1, 0.2, 0.3]})
     df.to_parquet(tmp_path / "x.parquet")
-    result = import_files([tmp_path / "x.parquet"], tmp_path / "R", columns=Columns(node="box", gpu="card", time="when"),
-                          quiet=True)
+    result = import_files([tmp_path / "x.parquet"], tmp_path / "R",
+                          columns=Columns(node="box", gpu="card", time="when"), quiet=True)
     assert result["gpu_samples"] == 2 and result["skipped_rows"] == 1
     assert list(ts_ms(open_recording(tmp_path / "R").table("gpu_samples")["ts"])) == [T0_S * 1000, T0_S * 1000 + 1000]
 

@@ -61,7 +61,8 @@ def test_ranks_behind_their_peers_are_the_stuck_ones():
     hang = hangs[0]
     assert hang["culprits"] == [2] and hang["stalled_ranks"] == [0, 1, 2, 3]
     stuck = {e["rank"]: e for e in hang["stuck"]}
-    assert (stuck[2]["state"], stuck[2]["op"], stuck[2]["seq"], stuck[2]["node"]) == ("behind", "all_reduce", 10, "node1")
+    assert (stuck[2]["state"], stuck[2]["op"], stuck[2]["seq"], stuck[2]["node"]) == ("behind", "all_reduce", 10,
+                                                                                      "node1")
     assert "rank(s) 2" in hang["summary"] and "all_reduce" in hang["summary"]
     assert detect_hangs(pd.DataFrame(rows), t + 30e6, threshold_s=60) == []
 

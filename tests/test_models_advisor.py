@@ -64,8 +64,10 @@ def test_advise_cli_json_against_the_reference_numbers(capsys):
     assert out["waste"] == pytest.approx(0.23, abs=0.006)
     rows = {round(r["recall"], 2): r for r in out["by_recall"]}
     assert {0.0, 0.5, 0.8, 0.9, 0.95} <= set(rows) and sum(r.get("model", False) for r in out["by_recall"]) == 1
-    assert rows[0.5]["interval_s"] / MIN == pytest.approx(61, abs=0.5) and rows[0.5]["waste"] == pytest.approx(0.16, abs=0.005)
-    assert rows[0.9]["interval_s"] / MIN == pytest.approx(136, abs=0.5) and rows[0.9]["waste"] == pytest.approx(0.07, abs=0.005)
+    assert rows[0.5]["interval_s"] / MIN == pytest.approx(61, abs=0.5)
+    assert rows[0.5]["waste"] == pytest.approx(0.16, abs=0.005)
+    assert rows[0.9]["interval_s"] / MIN == pytest.approx(136, abs=0.5)
+    assert rows[0.9]["waste"] == pytest.approx(0.07, abs=0.005)
 
 
 def test_advise_rate_from_data_and_bad_input(tmp_path, capsys):

@@ -226,7 +226,8 @@ def test_threshold_follows_a_new_false_alarm_over_a_day_not_in_one_step():
         return float(rep.threshold[t == t[np.argmin(np.abs(t - ms))]][0])
 
     settled = burst_end + 48 * HOUR  # the burst joins the estimate once it is two days old
-    before, early, later, day_after = at(settled - HOUR), at(settled + 3 * HOUR), at(settled + 12 * HOUR), at(settled + 26 * HOUR)
+    before, early = at(settled - HOUR), at(settled + 3 * HOUR)
+    later, day_after = at(settled + 12 * HOUR), at(settled + 26 * HOUR)
     assert before < early < later < day_after
     assert day_after == pytest.approx(at(settled + 30 * HOUR), abs=0.02)  # a day on: the new level, held
 

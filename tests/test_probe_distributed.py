@@ -52,14 +52,15 @@ def _by_rank(rows: list[dict], kind: str) -> dict[int, list[dict]]:
 def test_collectives_of_four_ranks_align_and_show_the_slow_rank(tmp_path):
     world = 4
     results, rows = run_job(collectives_worker, world, tmp_path)
-    for rank, result in results.items():
+    for result in results.values():
         stats = result["stats"]
         assert stats["steps"] == STEPS and stats["dropped"] == 0 and stats["errors"] == 0
         assert stats["sent"] == stats["records"] > 0
     assert {r["job_id"] for r in rows} == {"job-coll"} and {r["world_size"] for r in rows} == {world}
 
     steps = _by_rank(rows, "step")
-    assert {rank: [r["step"] for r in rs] for rank, rs in steps.items()} == {r: list(range(STEPS)) for r in range(world)}
+    assert ({rank: [r["step"] for r in rs] for rank, rs in steps.items()}
+            == {r: list(range(STEPS)) for r in range(world)})
 
     colls = _by_rank(rows, "collective")
     pair_pg = results[0]["pair_group"]

@@ -37,11 +37,13 @@ def test_identity_and_endpoint_come_from_the_environment():
     ident = identity_from_environment(env={"TORCHELASTIC_RUN_ID": "te-1", "RANK": "5", "LOCAL_RANK": "1",
                                            "WORLD_SIZE": "16", "GPUWATCH_NODE": "gpu-007"})
     assert (ident.job_id, ident.rank, ident.local_rank, ident.world_size, ident.node) == ("te-1", 5, 1, 16, "gpu-007")
-    slurm = identity_from_environment(job="override", env={"SLURM_JOB_ID": "99", "SLURM_PROCID": "2", "SLURM_NTASKS": "4"})
+    slurm = identity_from_environment(job="override",
+                                      env={"SLURM_JOB_ID": "99", "SLURM_PROCID": "2", "SLURM_NTASKS": "4"})
     assert (slurm.job_id, slurm.rank, slurm.world_size) == ("override", 2, 4)
     assert identity_from_environment(env={"SLURM_JOB_ID": "99"}).job_id == "99"
     assert default_endpoint({"GPUWATCH_PROBE_SOCKET": "/x/y.sock"}) == "/x/y.sock"
-    assert default_endpoint({"XDG_RUNTIME_DIR": "/run/user/7"}) in ("/run/user/7/gpuwatch-probe.sock", "/run/gpuwatch/probe.sock")
+    assert default_endpoint({"XDG_RUNTIME_DIR": "/run/user/7"}) in ("/run/user/7/gpuwatch-probe.sock",
+                                                                     "/run/gpuwatch/probe.sock")
 
 
 def test_wire_round_trip_and_datagram_size_limit():
@@ -208,7 +210,8 @@ def test_profiler_window_ships_compact_span_rows(tmp_path):
         dist.destroy_process_group()
         listener.close()
     assert probe.stats()["errors"] == 0
-    profiled = [(k, n, s) for k, n, s in zip(kinds, names, steps) if k in ("compute", "collective") and n != "all_reduce"]
+    profiled = [(k, n, s) for k, n, s in zip(kinds, names, steps)
+                if k in ("compute", "collective") and n != "all_reduce"]
     assert {k for k, _, _ in profiled} == {"compute", "collective"}
     assert any(n.startswith("aten::") for _, n, _ in profiled) and any("allreduce" in n for _, n, _ in profiled)
     assert {s for _, _, s in profiled} == {1, 2}

@@ -220,7 +220,8 @@ def test_the_rule_test_passes_on_series_prometheus_recorded_from_the_exporter(st
 
 def _annotations(alertname: str, labels: dict[str, str]) -> dict[str, str]:
     """The rule's annotations with ``labels`` filled in (its templates use only ``$labels``)."""
-    (rule,) = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if r.get("alert") == alertname]
+    (rule,) = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
+               if r.get("alert") == alertname]
     return {k: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m[1]], v) for k, v in rule["annotations"].items()}
 
 

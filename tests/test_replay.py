@@ -17,7 +17,7 @@ from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.efficiency.traces.spans import timelines_from_spans
 from gpuwatch.core.errors import UserError
 from gpuwatch.models.model import load_model
-from gpuwatch.core.recording import RecordingWriter, open_recording, ts_ms
+from gpuwatch.core.recording import RecordingWriter, open_recording
 from gpuwatch.apps.replay import (format_result, node_batches, recording_batches, recording_id, replay_agent_id,
                              replay_offline)
 from helpers import (T0, CollectorProcess, degrading_node, sim_batches, sorted_samples, two_rank_spans,
@@ -142,7 +142,8 @@ def test_agent_ids_are_stable_per_recording_and_node(tmp_path, agent_recording):
     write_small_recording(tmp_path / "R")
     rec = open_recording(tmp_path / "R")
     ids = {tb.batch.agent_id for tb in recording_batches(rec)}
-    assert ids == {replay_agent_id("n1", recording_id(rec))} == {f"replay-n1-{recording_id(open_recording(tmp_path / 'R'))}"}
+    assert ids == {replay_agent_id("n1", recording_id(rec))} == {
+        f"replay-n1-{recording_id(open_recording(tmp_path / 'R'))}"}
     assert recording_id(rec) != recording_id(open_recording(agent_recording))
 
 
@@ -213,7 +214,8 @@ def test_replay_into_a_token_collector(agent_recording, tmp_path, capsys):
         assert cli.main([*argv, "--token-file", str(token_file)]) == 0
         assert json.loads(capsys.readouterr().out)["duplicates"] == 0
         server.store.flush()
-        assert server.store.count("gpu_samples") == sum(c["samples"] for c in _recorded_counts(agent_recording).values())
+        assert server.store.count("gpu_samples") == sum(c["samples"]
+                                                        for c in _recorded_counts(agent_recording).values())
     finally:
         server.stop()
 

@@ -146,7 +146,8 @@ def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp
         for batch in sim_batches(gpu, events):
             server.store.write(batch)
 
-        (got,) = poll(lambda: alertmanager_alerts(alertmanager, ALERT_NAME), 60, "the GPU alert in Alertmanager", every=0.2)
+        (got,) = poll(lambda: alertmanager_alerts(alertmanager, ALERT_NAME), 60, "the GPU alert in Alertmanager",
+                      every=0.2)
         assert got["labels"]["node"] == "node-0000" and got["labels"]["gpu"] == str(FAILING)
         assert "checkpoint" in got["annotations"]["action"]
         assert cli.main(["alerts", "--collector", server.address, "--json"]) == 0

@@ -139,7 +139,7 @@ def test_port_in_use_is_a_clear_error():
     with socket.socket() as taken:  # a plain socket: gRPC servers share ports with SO_REUSEPORT
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
         with pytest.raises(UserError, match=f"cannot listen on {address}: address in use"):
             security.add_listen_port(grpc.server(futures.ThreadPoolExecutor(1)), address)
 

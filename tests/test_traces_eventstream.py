@@ -296,7 +296,8 @@ def test_categories_learnt_in_earlier_blocks_judge_later_ones_alike():
             alone = wanted.select(block, separator, unsniffed)  # a table of this block alone
             assert (learnt.events, list(learnt.other_ranges())) == (alone.events, list(alone.other_ranges())), block
             assert learnt.events == _select_by_head_reference(block, separator, layout, wanted), block
-        assert {b"kernel", b"kernels", b"kernel_like", b"cuda_runtime", b"cuda_runtime_x", b"cpu_op"} <= set(table.texts)
+        assert {b"kernel", b"kernels", b"kernel_like", b"cuda_runtime", b"cuda_runtime_x",
+                b"cpu_op"} <= set(table.texts)
         # under 4 characters, 16 bytes would hold part of the name; over 15, not the closing quote
         assert not {b"ab", b"x", b"", b"gpu_user_annotation"} & set(table.texts)
     layout = sniffed

@@ -42,7 +42,8 @@ def test_old_kineto_categories_read_like_the_new_ones(tmp_path):
     doc = _read(os.path.join(SAMPLED, "rank0.json.gz"))
     for e in doc["traceEvents"]:
         e["cat"] = OLD_CATEGORIES.get(e.get("cat"), e.get("cat"))
-    doc["traceEvents"] += [{"ph": "s", "cat": "async_gpu", "name": "cudaLaunchKernel", "id": 1, "pid": 1, "tid": 1, "ts": 1}]
+    doc["traceEvents"] += [{"ph": "s", "cat": "async_gpu", "name": "cudaLaunchKernel", "id": 1, "pid": 1, "tid": 1,
+                            "ts": 1}]
     old = analyze([load_kineto(_write(tmp_path / "old_rank0.json", doc))]).to_json()
     new = analyze([load_kineto(os.path.join(SAMPLED, "rank0.json.gz"))]).to_json()
     assert old["ranks"][0]["breakdown_us"] == new["ranks"][0]["breakdown_us"]
@@ -72,7 +73,8 @@ def test_mtia_trace(tmp_path):
 
 
 def test_no_gpu_events_stays_a_clear_error(tmp_path):
-    events = [{"ph": "X", "cat": "cuda_sync", "name": "Event Sync", "pid": 0, "tid": 7, "ts": 1, "dur": 5, "args": {"stream": 7}},
+    events = [{"ph": "X", "cat": "cuda_sync", "name": "Event Sync", "pid": 0, "tid": 7, "ts": 1, "dur": 5,
+               "args": {"stream": 7}},
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": 9, "args": {}}]
     with pytest.raises(UserError, match="sync.json: no GPU activity in the trace"):
         load_kineto(_write(tmp_path / "sync.json", {"traceEvents": events}))
@@ -81,8 +83,10 @@ def test_no_gpu_events_stays_a_clear_error(tmp_path):
 @pytest.mark.parametrize("key, value, named", [("args", [1, 2], "got `array` - at `args`"),
                                                ("ts", "late", "TypeError"), ("name", None, "AttributeError")])
 def test_a_mistyped_key_of_an_event_read_is_one_clear_line(tmp_path, key, value, named):
-    events = [{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10, "dur": 5, "args": {"correlation": 1}},
-              {"ph": "X", "cat": "kernel", "name": "k2", "pid": 0, "tid": 7, "ts": 20, "dur": 5, "args": {"correlation": 2}}]
+    events = [{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10, "dur": 5,
+               "args": {"correlation": 1}},
+              {"ph": "X", "cat": "kernel", "name": "k2", "pid": 0, "tid": 7, "ts": 20, "dur": 5,
+               "args": {"correlation": 2}}]
     events[1][key] = value
     with pytest.raises(UserError, match=r"^\S*bad.json: malformed trace event \(.*" + re.escape(named)) as error:
         load_kineto(_write(tmp_path / "bad.json", {"traceEvents": events}))
@@ -163,10 +167,12 @@ def test_window_stated_and_steps_picked(capsys):
 def _p2p_rank(rank: int, kernels: list[tuple]) -> dict:
     """A Kineto trace of one pipeline rank: per kernel (name, ts, dur, op, args) a launch, the enclosing
     op, and the kernel with its args."""
-    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 10_000}]
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0,
+               "dur": 10_000}]
     for corr, (name, ts, dur, op, args) in enumerate(kernels, start=1):
         if op:
-            events.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": 1, "tid": 1, "ts": ts - 20, "dur": 15, "args": {}})
+            events.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": 1, "tid": 1, "ts": ts - 20, "dur": 15,
+                           "args": {}})
         events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": ts - 10,
                        "dur": 5, "args": {"correlation": corr}})
         events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur,

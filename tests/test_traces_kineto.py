@@ -1,4 +1,5 @@
-"""Kineto loading: real traces from the shared data set (../shared/data/kineto) (against HTA's numbers) and constructed ones."""
+"""Kineto loading: real traces from the shared data set (../shared/data/kineto) (against HTA's numbers) and
+constructed ones."""
 from __future__ import annotations
 
 import gzip
@@ -58,7 +59,8 @@ def test_control_trace_partition_and_collective_types(control):
     (os.path.join(SAMPLED, "rank1.json.gz"), 1, 600.7, 54.72, 22.57, 20.05),
 ])
 def test_agrees_with_hta_temporal_breakdown(path, rank, window_ms, idle_pct, compute_pct, overlap_pct):
-    """HTA 0.5.0 numbers (docs/efficiency.md, "Agreement with HolisticTraceAnalysis") on the same window, within 0.5 % of the window."""
+    """HTA 0.5.0 numbers (docs/efficiency.md, "Agreement with HolisticTraceAnalysis") on the same window, within
+    0.5 % of the window."""
     entry = analyze([hta_window(load_kineto(path))]).to_json()["ranks"][0]
     assert entry["rank"] == rank
     assert entry["window_us"] / 1000 == pytest.approx(window_ms, abs=0.05)
@@ -116,7 +118,8 @@ def write_trace(path, events, rank=0, world=2, gz=False, minified=False):
 
 
 COMM_EVENTS = [
-    {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "pid": 1, "tid": 1, "ts": 0, "dur": 1000, "args": {}},
+    {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "pid": 1, "tid": 1, "ts": 0, "dur": 1000,
+     "args": {}},
     _op("nccl:all_to_all", 10, 20), _launch(1, 12), _kernel(1, "ncclDevKernel_SendRecv(ncclDevComm*)", 100, 50, 20),
     _op("nccl:send", 30, 20), _launch(2, 32), _kernel(2, "ncclKernel_SendRecv_RING", 200, 50, 20),
     _launch(3, 60), _kernel(3, "nccldevkernel_sendrecv", 300, 50, 20),

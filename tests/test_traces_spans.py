@@ -43,7 +43,8 @@ def test_probe_steps_minus_communication_is_compute():
 
 
 def test_csv_and_parquet_files(tmp_path):
-    rows = [dict(rank=0, kind="compute", start_us=T0, dur_us=50), dict(rank=0, kind="memset", start_us=T0 + 60, dur_us=10),
+    rows = [dict(rank=0, kind="compute", start_us=T0, dur_us=50),
+            dict(rank=0, kind="memset", start_us=T0 + 60, dur_us=10),
             dict(rank=0, kind="collective", name="nccl:_all_gather_base", start_us=T0 + 100, dur_us=20)]
     pd.DataFrame(rows).to_csv(tmp_path / "s.csv", index=False)
     pd.DataFrame([{**r, "rank": 1} for r in rows]).to_parquet(tmp_path / "s.parquet")
@@ -51,7 +52,8 @@ def test_csv_and_parquet_files(tmp_path):
     assert sorted(tl.rank for tl in tls) == [0, 1]
     assert list(tls[0].type_names()[tls[0].kind == COLLECTIVE]) == ["all_gather"]
     b = analyze(tls).to_json()["ranks"][0]["breakdown_us"]
-    assert (b["compute"], b["memcpy"], b["comm_transfer"], b["small_kernel_overhead"], b["idle_other"]) == (50, 10, 20, 10, 30)
+    assert (b["compute"], b["memcpy"], b["comm_transfer"], b["small_kernel_overhead"],
+            b["idle_other"]) == (50, 10, 20, 10, 30)
 
 
 def test_bad_span_tables(tmp_path):

@@ -2,7 +2,8 @@
 
 Launchers leave the job in every rank's environment: SLURM (SLURM_JOB_ID, SLURM_PROCID, SLURM_LOCALID) and
 torchrun / TorchElastic (TORCHELASTIC_RUN_ID, RANK, LOCAL_RANK). Other schedulers are covered by the configured
-``job_label``: the name of one more environment variable that holds the job id (ranks from RANK/LOCAL_RANK). The environ reader is injectable so the simulated fleet can provide its fake PIDs'
+``job_label``: the name of one more environment variable that holds the job id (ranks from RANK/LOCAL_RANK).
+The environ reader is injectable so the simulated fleet can provide its fake PIDs'
 environments. Processes change rarely, so the daemon refreshes this on the slow cadence and caches per PID.
 """
 from __future__ import annotations

@@ -61,7 +61,7 @@ class ProbeListener:
         while not self._closed.is_set():
             try:
                 data = self._sock.recv(MAX_DATAGRAM)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if self._closed.is_set():

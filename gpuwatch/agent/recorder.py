@@ -20,7 +20,8 @@ from gpuwatch.v1 import telemetry_pb2 as pb
 class BatchRecorder:
     """Appends batches to a recording directory (an existing recording is continued, not overwritten)."""
 
-    def __init__(self, path: str | os.PathLike, *, resolution_s: float | None = None, batches_per_part: int = 12) -> None:
+    def __init__(self, path: str | os.PathLike, *, resolution_s: float | None = None,
+                 batches_per_part: int = 12) -> None:
         self.writer = RecordingWriter(path, source="gpuwatch agent", resolution_s=resolution_s)
         self.batches_per_part = batches_per_part
         self.batches = 0

@@ -74,7 +74,8 @@ def check_node(cfg: AgentConfig, collector_timeout_s: float = 2.0, *,
 
 
 def _lost_gpus(gpus: list[GpuSupport]) -> list[CheckItem]:
-    return [CheckItem(f"GPU {g.index}", False, f"{g.uuid or 'unknown uuid'} is lost (off the bus)") for g in gpus if g.lost]
+    return [CheckItem(f"GPU {g.index}", False, f"{g.uuid or 'unknown uuid'} is lost (off the bus)")
+            for g in gpus if g.lost]
 
 
 def _check_gpus(simulation: SimulatedNode | None) -> tuple[CheckItem, list[GpuSupport]]:

@@ -14,7 +14,6 @@ from contextlib import nullcontext
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.core import settings as config

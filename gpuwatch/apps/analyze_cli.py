@@ -25,7 +25,8 @@ _PROGRESS_BYTES = 64 << 20  # report reading progress on stderr past this many b
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="Kineto trace files (.json/.json.gz, one per rank), folders of them, or span tables (.csv/.parquet)")
+                        help="Kineto trace files (.json/.json.gz, one per rank), folders of them, "
+                             "or span tables (.csv/.parquet)")
     add_json_flag(parser, "print the breakdown document as JSON")
     parser.add_argument("--per-step", action="store_true", help="add a breakdown per step for each rank")
     parser.add_argument("--steps", metavar="A:B|hta",
@@ -112,7 +113,8 @@ def format_table(doc: Analysis) -> str:
     for label, entries in ((f"straggler{among}", doc.stragglers), ("delayed", doc.delayed)):
         for s in entries:
             lines.append(f"{label}: rank {s.rank} last at {100 * s.last_share:.0f} % of {s.collectives} "
-                         f"collectives (chance {100 * s.chance_share:.0f} %), mean lateness {s.mean_lateness_us:.0f} us, "
+                         f"collectives (chance {100 * s.chance_share:.0f} %), "
+                         f"mean lateness {s.mean_lateness_us:.0f} us, "
                          f"busy {s.busy_per_step_us:.0f} us/step vs peer median {s.peer_median_busy_per_step_us:.0f}")
     if doc.straggler_verdict == "none" and not doc.delayed:
         lines.append("no stragglers")
@@ -120,6 +122,7 @@ def format_table(doc: Analysis) -> str:
     for r in doc.ranks:
         for s in r.per_step or []:
             lines.append(f"rank {r.rank} step {s.step}: {s.window_us / 1000:.1f} ms, "
-                         f"lost {100 * s.lost_fraction:.1f} %" + ("" if s.mfu is None else f", MFU {100 * s.mfu:.1f} %"))
+                         f"lost {100 * s.lost_fraction:.1f} %"
+                         + ("" if s.mfu is None else f", MFU {100 * s.mfu:.1f} %"))
     return "\n".join(lines) + "\n"
 

@@ -89,7 +89,8 @@ def client_security(args: argparse.Namespace) -> ClientSecurity:
     """The TLS and token settings from the flags of :func:`add_client_security_arguments` and GPUWATCH_*."""
     from gpuwatch.core import settings
 
-    return settings.load_config(settings.CLIENT_SECURITY_OPTIONS, args, config_file=False).build(settings.ClientSecurity)
+    return settings.load_config(settings.CLIENT_SECURITY_OPTIONS, args,
+                                config_file=False).build(settings.ClientSecurity)
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:

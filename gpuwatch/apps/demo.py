@@ -3,7 +3,8 @@
 Starts a collector on the embedded store with the failure scorer and alerts, and several agent processes
 (8 simulated GPUs each) on accelerated simulated time: each 0.2 s tick is two simulated minutes, so a
 one-minute demo covers ten simulated hours, and one GPU of the last node is scripted (``--sim-fault``) to
-degrade over most of them and fail near the end. The scorer runs on the data clock (the newest stored sample), the fleet view shows
+degrade over most of them and fail near the end. The scorer runs on the data clock (the newest stored sample),
+the fleet view shows
 per node utilisation, power, temperature, the highest failure risk and the active alerts, and the summary
 states when the GPU was flagged and when it failed, both read back from the store. Each node also runs a
 synthetic training job (``--sim-job``, one rank slower than the rest); the view shows each job's lost share
@@ -507,7 +508,8 @@ def render_rich(view: DemoView):
     for j in view.jobs:
         lost = None if j.lost_fraction is None else j.lost_fraction * 100
         jobs.add_row(j.job_id, _num(j.ranks, "d"), _num(j.steps, "d"),
-                     Text(_num(lost, ".1f"), style="red" if (lost or 0) >= 30 else "yellow" if (lost or 0) >= 10 else ""),
+                     Text(_num(lost, ".1f"),
+                          style="red" if (lost or 0) >= 30 else "yellow" if (lost or 0) >= 10 else ""),
                      Text(str(j.stragglers), style="yellow" if j.stragglers else ""),
                      _breakdown_bar(j.breakdown), _top_loss(j.breakdown))
     legend = Text("key: ", style="grey62")
@@ -567,13 +569,15 @@ def summary_text(result: DemoResult) -> str:
              "per node",
              f"  GPU samples stored {samples:,}: one row of every NVML reading per GPU per agent tick",
              "  events:" + ("" if result.events else " none")]
-    lines += [f"    {kind} {count}: {MEANINGS.get(kind, 'events of this kind')}" for kind, count in result.events.items()]
+    lines += [f"    {kind} {count}: {MEANINGS.get(kind, 'events of this kind')}"
+              for kind, count in result.events.items()]
     for f in result.report["failed"]:
         if f["flagged_ms"] is None:
             lines.append(f"  GPU {f['gpu_index']} on node {f['node']} failed at {_clock(f['failed_ms'])} UTC "
                          "(simulated) without an alert before it")
         else:
-            lines.append(f"  GPU {f['gpu_index']} on node {f['node']} flagged at {_clock(f['flagged_ms'])} UTC, failed at "
+            lines.append(f"  GPU {f['gpu_index']} on node {f['node']} flagged at {_clock(f['flagged_ms'])} UTC, "
+                         f"failed at "
                          f"{_clock(f['failed_ms'])} UTC: lead time {f['lead_time_s'] / 60:.0f} minutes (simulated), "
                          f"the time there was to checkpoint and drain (peak risk {_num(f.get('peak_risk'), '.2f')})")
     if not result.report["failed"]:

@@ -10,7 +10,8 @@ An agent id belongs to one running agent. Two agents with the same id (a spool o
 second node) would have the collector take the second one's batches for resends of the first one's and
 drop them as duplicates. Each agent process sends a random instance token with its calls
 (:data:`gpuwatch.core.batches.INSTANCE_METADATA`); while one instance holds a live stream for an id, a stream of
-another instance for that id is refused with ALREADY_EXISTS and a message that says what to do. The store's duplicate check
+another instance for that id is refused with ALREADY_EXISTS and a message that says what to do.
+The store's duplicate check
 catches the case where the two never overlap in time (:class:`gpuwatch.core.errors.AgentIdConflict`).
 """
 from __future__ import annotations

@@ -132,7 +132,8 @@ def _job_hang(job_id: str, rows: pd.DataFrame, now_us: float, threshold_s: float
     for rank, op in running.iterrows():
         if int(rank) in stalled.index and int(rank) not in stuck:
             stuck[int(rank)] = _entry(rank, nodes, "waiting", op["process_group"], int(op["seq"]), str(op["name"]),
-                                      float(op["start_us"]), int(op["peer"]) if "peer" in op and op["peer"] >= 0 else None)
+                                      float(op["start_us"]),
+                                      int(op["peer"]) if "peer" in op and op["peer"] >= 0 else None)
     if not culprits:  # ranks waiting on a p2p peer that is not itself waiting in an op
         culprits = {e["peer"] for e in stuck.values() if e["peer"] is not None and e["peer"] not in stuck}
     for rank in stalled.index:
@@ -165,5 +166,6 @@ def _summary_line(job_id: str, stuck: dict[int, dict], culprits: set[int]) -> st
     where = {(e["op"], e["process_group"], e["seq"]) for r, e in stuck.items() if r in culprits and e["op"]}
     ops = ", ".join(f"{op} (pg {pg}, seq {seq})" for op, pg, seq in sorted(where))
     if culprits:
-        return f"job {job_id}: rank(s) {', '.join(map(str, sorted(culprits)))} hold the job" + (f" at {ops}" if ops else "")
+        return (f"job {job_id}: rank(s) {', '.join(map(str, sorted(culprits)))} hold the job"
+                + (f" at {ops}" if ops else ""))
     return f"job {job_id}: rank(s) {', '.join(map(str, sorted(stuck)))} stopped making progress"

@@ -279,7 +279,8 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
     (gpuwatch.core.columnar); it reads only attributes that the collector's view of a batch shares.
     """
     if batch.schema_version != SCHEMA_VERSION:
-        raise BatchError(f"schema_version {batch.schema_version} is not supported (this collector reads {SCHEMA_VERSION})")
+        raise BatchError(f"schema_version {batch.schema_version} is not supported "
+                         f"(this collector reads {SCHEMA_VERSION})")
     if not batch.agent_id:
         raise BatchError("agent_id is empty")
     if not 1 <= batch.sequence <= MAX_SEQUENCE:

@@ -74,7 +74,8 @@ def server_credentials(cert: PathLike, key: PathLike, client_ca: PathLike | None
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
-def channel_credentials(ca: PathLike, cert: PathLike | None = None, key: PathLike | None = None) -> grpc.ChannelCredentials:
+def channel_credentials(ca: PathLike, cert: PathLike | None = None,
+                        key: PathLike | None = None) -> grpc.ChannelCredentials:
     """TLS for a gRPC client, verifying the server against ``ca``; ``cert``/``key`` add a client certificate."""
     pair = _pair(cert, key, "client")
     private_key, chain = pair if pair else (None, None)

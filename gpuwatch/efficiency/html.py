@@ -67,7 +67,8 @@ def _cards(doc: Analysis) -> str:
     verdict = doc.straggler_verdict
     cards = [
         ("compute", f"{100 * job.breakdown_fraction['compute']:.1f} %", ""),
-        ("lost GPU-hours", f"{job.lost_gpu_hours:.4f}" + ("" if job.lost_cost is None else f" ({job.lost_cost:.2f})"), ""),
+        ("lost GPU-hours",
+         f"{job.lost_gpu_hours:.4f}" + ("" if job.lost_cost is None else f" ({job.lost_cost:.2f})"), ""),
         ("window (all ranks)", f"{job.window_us / 1e6:.3f} GPU-s", ""),
         ("ranks present", f"{cov.ranks_present} of {cov.world_size or '?'}", "" if cov.complete else "warn"),
         ("stragglers", verdict, {"found": "bad", "undetermined": "warn"}.get(verdict, "")),
@@ -160,7 +161,8 @@ def _trend(doc: Analysis) -> str:
         svg.append(f"<polyline points='{' '.join(f'{x:.1f},{y:.1f}' for x, y, _ in pts)}' fill='none' "
                    f"stroke='{colour}' stroke-width='2'/>")
         svg += [f"<circle cx='{x:.1f}' cy='{y:.1f}' r='3' fill='{colour}'><title>rank {rank} step {s.step}: "
-                f"lost {100 * s.lost_fraction:.1f} % of {s.window_us / 1000:.1f} ms</title></circle>" for x, y, s in pts]
+                f"lost {100 * s.lost_fraction:.1f} % of {s.window_us / 1000:.1f} ms</title></circle>"
+                for x, y, s in pts]
     legend = "".join(f"<span class='k' style='background:{_PALETTE[k % len(_PALETTE)]}'></span>rank {rank}"
                      for k, (rank, _) in enumerate(series))
     return ("<p class='note'>Share of each step's window not spent computing (lost), per rank.</p>"
@@ -183,7 +185,8 @@ def _what_if(doc: Analysis) -> str:
         y = 4 + i * _ROW
         width = max(0.0, (s - 1.0)) / max(top - 1.0, 1e-9) * _W
         svg.append(f"<text x='4' y='{y + 14}' font-size='12'>{escape(label)}</text>"
-                   f"<rect x='{_LABEL}' y='{y}' width='{width:.1f}' height='{_ROW - 8}' fill='{'#cf222e' if i == 0 else '#0969da'}'/>"
+                   f"<rect x='{_LABEL}' y='{y}' width='{width:.1f}' height='{_ROW - 8}' "
+                   f"fill='{'#cf222e' if i == 0 else '#0969da'}'/>"
                    f"<text x='{_LABEL + width + 6:.1f}' y='{y + 13}' font-size='12'>{s:.3f}x</text>")
     return (text + "<p class='note'>Slowdown left when only that rank (or op kind) keeps its measured durations and "
             "everything else runs at the job's typical duration (1.000x: no excess).</p>" + "".join(svg) + "</svg>")
@@ -193,7 +196,8 @@ def _top_kernels(doc: Analysis) -> str:
     out = []
     for rows, title in ((doc.top_kernels.by_time, "by GPU time"),
                         (doc.top_kernels.by_count, "by count (short = under 10 µs)")):
-        head = "<tr><th class='n'>kernel</th><th>kind</th><th>count</th><th>short</th><th>time ms</th><th>mean µs</th></tr>"
+        head = ("<tr><th class='n'>kernel</th><th>kind</th><th>count</th><th>short</th><th>time ms</th>"
+                "<th>mean µs</th></tr>")
         body = "".join(
             f"<tr><td class='n' title='{escape(k.name)}'>{escape(_short(k.name))}</td><td>{k.kind}</td>"
             f"<td>{k.count}</td><td>{k.short_count}</td><td>{k.time_us / 1000:.2f}</td><td>{k.mean_us:.1f}</td></tr>"

@@ -67,7 +67,8 @@ def match_collectives(timelines: list[RankTimeline]) -> Matching:
     per_rank = np.bincount(owner[matched_row], minlength=len(timelines))
     ranks = np.array([tl.rank for tl in timelines])
     return Matching(
-        waits=waits, instance_of=instance_of, matched=int((size >= 2).sum()), matched_per_rank=[int(x) for x in per_rank],
+        waits=waits, instance_of=instance_of, matched=int((size >= 2).sum()),
+        matched_per_rank=[int(x) for x in per_rank],
         instance=instance[matched_row], rank=ranks[owner[matched_row]], start_us=start[matched_row],
     )
 

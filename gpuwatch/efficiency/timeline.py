@@ -76,7 +76,7 @@ class RankTimeline(msgspec.Struct):
         name: np.ndarray | None = None,
         correlation: np.ndarray | None = None,
         **meta,
-    ) -> "RankTimeline":
+    ) -> RankTimeline:
         """Build a timeline from whatever columns are known, filling the others with "unknown"."""
         n = len(start_us)
 
@@ -102,7 +102,7 @@ class RankTimeline(msgspec.Struct):
             **meta,
         )
 
-    def select(self, mask: np.ndarray) -> "RankTimeline":
+    def select(self, mask: np.ndarray) -> RankTimeline:
         """The same rank restricted to the activities where `mask` is true (e.g. one window or step range)."""
         arrays = {name: getattr(self, name)[mask] for name in _ACTIVITY_COLUMNS}
         meta = {name: getattr(self, name) for name in _META_FIELDS}
@@ -120,7 +120,7 @@ class RankTimeline(msgspec.Struct):
         return buffer.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "RankTimeline":
+    def from_bytes(cls, data: bytes) -> RankTimeline:
         """The timeline that `to_bytes` wrote (columns added since then read as unknown)."""
         with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
             header = msgspec.json.decode(arrays["header"].tobytes())

@@ -294,8 +294,9 @@ def _op_keys(timelines, parts, kind: np.ndarray, group_size: np.ndarray) -> np.n
         local = kinds * len(names) + name_id     # (kind, name) as one local code
         comm_code = type_id * sizes + size       # (type, group size) as one local code
         key = np.empty(len(o), np.int64)
-        for mask, code, label in ((~comm, local, lambda c: ("op", c // len(names), names[c % len(names)])),
-                                  (comm, comm_code, lambda c: ("comm", types[c // sizes], c % sizes))):
+        for mask, code, label in ((~comm, local, lambda c, names=names: ("op", c // len(names), names[c % len(names)])),
+                                  (comm, comm_code,
+                                   lambda c, types=types, sizes=sizes: ("comm", types[c // sizes], c % sizes))):
             if not mask.any():
                 continue
             uniq, inverse = np.unique(code[mask], return_inverse=True)

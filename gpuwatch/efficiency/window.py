@@ -34,7 +34,8 @@ def select_steps(timelines: list[RankTimeline], spec: str | None) -> tuple[list[
         if not len(after):
             known = sorted({int(s) for s in distinct(before.step) if s >= 0})
             have = f"steps {known[0]}..{known[-1]}" if known else "no step annotations"
-            raise UserError(f"--steps {spec}: {before.source or f'rank {before.rank}'} has no GPU activity there ({have})")
+            raise UserError(f"--steps {spec}: {before.source or f'rank {before.rank}'} "
+                            f"has no GPU activity there ({have})")
     return chosen, {"selection": spec, "rule": rule}
 
 

@@ -11,7 +11,8 @@ def coverage_lines(doc: Analysis) -> list[str]:
     lines = [f"analysed window: {win.rule}; {win.activities} GPU activities"
              + (f", steps {win.steps[0]}..{win.steps[-1]}" if win.steps else ", no step annotations")]
     lines.append(f"coverage: {cov.ranks_present} of {world} rank(s) present"
-                 + {True: "; events were sampled", None: "; some GPU activities have no launch record (partial recording)",
+                 + {True: "; events were sampled",
+                    None: "; some GPU activities have no launch record (partial recording)",
                     False: ""}[cov.events_sampled])
     if cov.comm_wait_lower_bound:
         lines.append("comm_wait is a lower bound: ranks are missing, so the last arrival at a collective may be a rank "
@@ -35,8 +36,10 @@ def what_if_lines(w: WhatIf | None) -> list[str]:
         "so the what-if is a rough estimate here (launch records missing, or host time the trace does not show)"]
     return [
         f"what-if: {w.slowdown:.3f}x slower than with every op at its typical duration "
-        f"(step {w.no_launch_delay_step_us / 1000:.2f} ms without launch delays vs ideal {w.ideal_step_us / 1000:.2f} ms)",
-        f"  replay check: replayed step {w.replayed_step_us / 1000:.2f} ms vs measured {w.actual_step_us / 1000:.2f} ms "
+        f"(step {w.no_launch_delay_step_us / 1000:.2f} ms without launch delays "
+        f"vs ideal {w.ideal_step_us / 1000:.2f} ms)",
+        f"  replay check: replayed step {w.replayed_step_us / 1000:.2f} ms "
+        f"vs measured {w.actual_step_us / 1000:.2f} ms "
         f"(error {100 * w.replay_error:.1f} %); measured / no-launch-delay {w.actual_over_no_launch_delay:.3f}",
         *caution,
         "  by rank: " + ", ".join(f"rank {r.rank} {r.slowdown:.3f}x" for r in ranks),

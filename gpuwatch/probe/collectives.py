@@ -17,7 +17,8 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from gpuwatch.probe.wire import SpanRow
 
@@ -31,7 +32,8 @@ class OpSpec:
     peer: tuple[int, str] | None = None
 
 
-def _spec(kind: str, label: str, data: tuple[int, str] | None, group_pos: int, peer: tuple[int, str] | None = None) -> OpSpec:
+def _spec(kind: str, label: str, data: tuple[int, str] | None, group_pos: int,
+          peer: tuple[int, str] | None = None) -> OpSpec:
     return OpSpec(kind, label, data, (group_pos, "group"), peer)
 
 

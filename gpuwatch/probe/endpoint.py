@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 SYSTEM_DIR = "/run/gpuwatch"
 ENV_VAR = "GPUWATCH_PROBE_SOCKET"

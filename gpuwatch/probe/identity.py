@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from gpuwatch.probe.buffer import RecordBuffer
 from gpuwatch.probe.endpoint import default_endpoint
@@ -107,7 +108,8 @@ class Probe:
 
     def _end_step(self, now_ns: int) -> None:
         start_ns, step = self._step_start_ns, self._steps
-        self._buffer.push(SpanRow(step, "step", "step", start_ns / 1000.0, (now_ns - start_ns) / 1000.0, "", step, -1, -1))
+        self._buffer.push(SpanRow(step, "step", "step", start_ns / 1000.0, (now_ns - start_ns) / 1000.0, "", step,
+                                  -1, -1))
         self._steps = step + 1
         self._step_start_ns = now_ns
         self._step_starts.append(now_ns / 1000.0)

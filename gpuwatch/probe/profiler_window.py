@@ -8,7 +8,8 @@ GPU activities are used when present; a CPU-only job (no GPU events) gets its to
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from gpuwatch.probe.wire import SpanRow
 

@@ -54,7 +54,8 @@ class SimulatedFleet(FaultScripting):
         self.gpus = [SimGpu(i, MODELS[model], workload, seed, node) for i in range(n_gpus)]
         if workload.busy_fraction > 0:
             for gpu in self.gpus:
-                self.start_job(gpu.index, job_id or f"sim-{node}", rank=gpu.index, local_rank=gpu.index, launcher=launcher)
+                self.start_job(gpu.index, job_id or f"sim-{node}", rank=gpu.index, local_rank=gpu.index,
+                               launcher=launcher)
         self._library: FakeNvmlLib | None = None
         self._drivers: dict[int, list[FaultDriver]] = {}
 

@@ -136,7 +136,8 @@ class SimGpu:
         self.unsupported |= set(self.model.unsupported)
         self.busy_integrals = {k: 0.0 for k in ("sm_active", "sm_occupancy", "tensor", "dram", "graphics")}
         ident = random.Random(f"{self.node}/{self.index}/{self.seed}")
-        self.uuid = "GPU-%08x-%04x-%04x-%04x-%012x" % tuple(ident.getrandbits(b) for b in (32, 16, 16, 16, 48))
+        self.uuid = "GPU-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}".format(
+            *(ident.getrandbits(b) for b in (32, 16, 16, 16, 48)))
         self.pci_bus = 0x18 + 0x10 * self.index
         self.serial = f"{1650000000000 + self.seed * 1000 + self.index}"
 

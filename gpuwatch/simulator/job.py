@@ -6,7 +6,8 @@ an ``all_reduce`` of the default process group; one rank computes slower, so its
 collective (the engine's comm_wait). How much slower drifts over simulated hours (a straggler that comes and
 goes, as a noisy neighbour or a throttling GPU makes one), with a phase of its own per job, so a live view
 shows each job's breakdown moving rather than one constant share. The rows are deterministic for a job id
-and step, and come out as a ``SpanTable`` exactly like :meth:`ProbeListener.drain` output. Synthetic: no timing here is measured.
+and step, and come out as a ``SpanTable`` exactly like :meth:`ProbeListener.drain` output.
+Synthetic: no timing here is measured.
 """
 from __future__ import annotations
 

@@ -327,7 +327,8 @@ class DuckDBStore(GroupWriter):
             self._check_gpu(node)
         if kind is not None and kind not in KNOWN_EVENT_KINDS and not self._records(
                 "SELECT 1 FROM events WHERE kind = $kind LIMIT 1", {"kind": kind}):
-            raise UserError(f"event kind {kind!r} is not one of the known kinds: {', '.join(sorted(KNOWN_EVENT_KINDS))}")
+            raise UserError(f"event kind {kind!r} is not one of the known kinds: "
+                            f"{', '.join(sorted(KNOWN_EVENT_KINDS))}")
 
     def gpu_samples(
         self,

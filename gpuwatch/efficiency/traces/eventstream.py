@@ -121,7 +121,7 @@ class EventFilter(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, categories: Iterable[str], name_prefixes: Iterable[str] = (), *, phases: str = "",
-           skip: tuple[Iterable[str], Iterable[str]] = ((), ())) -> "EventFilter":
+           skip: tuple[Iterable[str], Iterable[str]] = ((), ())) -> EventFilter:
         """With `skip=(categories, heads)`: events of those categories whose names begin with one of those
         heads (8 characters each) are not wanted."""
         heads = tuple(n.encode() for n in skip[1])
@@ -187,7 +187,8 @@ class EventFilter(msgspec.Struct, frozen=True):
         closed = slot >= 0
         new = np.flatnonzero(headed & ~closed)
         if len(new):  # categories not met before: each ends at its first quote (a backslash first: an escape)
-            rows = _bytes_at(data, starts[new] + at_cat, max(_TEXT_WIDTH, _words(self.categories, self.skip_categories)))
+            rows = _bytes_at(data, starts[new] + at_cat,
+                             max(_TEXT_WIDTH, _words(self.categories, self.skip_categories)))
             stops = (rows[:, :_TEXT_WIDTH] == ord('"')) | (rows[:, :_TEXT_WIDTH] == ord("\\"))
             length[new] = new_length = stops.argmax(1)
             closed[new] = new_closed = rows[np.arange(len(new)), new_length] == ord('"')
@@ -197,7 +198,8 @@ class EventFilter(msgspec.Struct, frozen=True):
         after = _bytes_at(data, starts + at_cat + length, len(to_name) + _words(self.name_prefixes, self.skip_heads))
         known = headed & closed & _rows_equal(after, 0, to_name)
         name = after[:, len(to_name):]
-        skipped = skip & _one_of(np.ascontiguousarray(name[:, :8]).view(np.uint64)[:, 0], _sorted_words(self.skip_heads))
+        skipped = skip & _one_of(np.ascontiguousarray(name[:, :8]).view(np.uint64)[:, 0],
+                                 _sorted_words(self.skip_heads))
         wanted = (wanted & ~skipped) | _starts_with_any(name, self.name_prefixes)
         # Shown by its head to be of a wanted phase (so not, say, a flow arrow); without phases, none is.
         of_wanted_phase = framed & wanted_phase if self.phases else np.zeros(len(starts), bool)
