@@ -107,6 +107,12 @@ class AgentConfig(AgentSettings):
             object.__setattr__(self, "node", socket.gethostname())
 
     @property
+    def node_name(self) -> str:
+        """``node``, typed as set: __post_init__ fills in the hostname when it is not given."""
+        assert self.node is not None
+        return self.node
+
+    @property
     def spool_dir(self) -> Path:
         return Path(self.spool) if self.spool else default_spool_dir()
 
@@ -181,15 +187,15 @@ class Agent:
                 self.recorder = BatchRecorder(cfg.record, resolution_s=cfg.interval * self.clock.speed)
                 stack.callback(self.recorder.close)
             if cfg.metrics_listen:
-                self._serve_metrics(devices, sampler.driver_version)
-                stack.callback(self.metrics_server.close)
+                server = self._serve_metrics(cfg.metrics_listen, devices, sampler.driver_version)
+                stack.callback(server.close)
             if cfg.probe_socket:
                 self.probe = _open_probe_listener(cfg.probe_socket)
                 stack.callback(self.probe.close)
             watcher = XidWatcher(devices, self.emit, kmsg_path=cfg.kmsg_path)
             watcher.start()
             stack.callback(watcher.stop)
-            if self.spool is not None:
+            if self.spool is not None and cfg.collector is not None:
                 self.uplink = Uplink(self.spool, cfg.collector, channel_security=cfg)
                 self.uplink.start()
                 stack.callback(self.uplink.stop)
@@ -208,7 +214,8 @@ class Agent:
         if not drained:
             stopped = "stopped; " if self._stop.is_set() else ""
             message = (f"{stopped}collector {cfg.collector} did not acknowledge {pending} batches "
-                       f"({self.uplink.stats.last_error or 'no answer'}); they are kept in the spool {cfg.spool_dir} "
+                       f"({(self.uplink.stats.last_error if self.uplink else None) or 'no answer'}); "
+                       f"they are kept in the spool {cfg.spool_dir} "
                        "and sent when the agent starts again")
             if ticks is not None:
                 raise UserError(message)
@@ -218,27 +225,29 @@ class Agent:
     def _drain(self, ticks: int | None) -> bool:
         """Wait for the collector to acknowledge the spool: up to drain_timeout after --ticks, but a stop()
         (SIGTERM/SIGINT) ends that wait at once; a stopped agent gets stop_flush_s."""
-        cfg = self.config
+        cfg, uplink, spool = self.config, self.uplink, self.spool
+        assert uplink is not None and spool is not None, "run() drains only with an uplink"
         if ticks is None or self._stop.is_set():
-            return self.uplink.wait_drained(cfg.stop_flush_s)
+            return uplink.wait_drained(cfg.stop_flush_s)
         deadline = time.monotonic() + cfg.drain_timeout
         while not self._stop.is_set() and (remaining := deadline - time.monotonic()) > 0:
-            if self.uplink.wait_drained(min(remaining, DRAIN_POLL_S)):
+            if uplink.wait_drained(min(remaining, DRAIN_POLL_S)):
                 return True
-            if self.uplink.stats.fenced:  # another agent holds this id: waiting longer changes nothing
+            if uplink.stats.fenced:  # another agent holds this id: waiting longer changes nothing
                 break
-        return not self.spool.pending()
+        return not spool.pending()
 
-    def _serve_metrics(self, devices: list[GpuDevice], driver_version: str) -> None:
+    def _serve_metrics(self, listen: str, devices: list[GpuDevice], driver_version: str) -> MetricsServer:
         from gpuwatch.agent.node_metrics import NodeMetrics
         from gpuwatch.core.prometheus import start_metrics_server
 
         cfg = self.config
-        self.metrics = NodeMetrics(cfg.node, [d.info() for d in devices], self.spool,
+        self.metrics = NodeMetrics(cfg.node_name, [d.info() for d in devices], self.spool,
                                    driver_version=driver_version)
-        self.metrics_server = start_metrics_server(cfg.metrics_listen, self.metrics.snapshot, cfg.metrics_token,
-                                                   insecure=cfg.insecure, names=cfg.metrics_names)
-        log.info("node metrics at %s", self.metrics_server.url)
+        self.metrics_server = server = start_metrics_server(listen, self.metrics.snapshot, cfg.metrics_token,
+                                                            insecure=cfg.insecure, names=cfg.metrics_names)
+        log.info("node metrics at %s", server.url)
+        return server
 
     def _identity(self, sampler: NvmlSampler) -> pb.NodeIdentity:
         return pb.NodeIdentity(node=self.config.node, agent_version=__version__, driver_version=sampler.driver_version,
@@ -286,7 +295,7 @@ class Agent:
             self.metrics.observe_host(host_values)
         self._move_events(builder, tick.events)
 
-    def _move_events(self, builder: BatchBuilder, extra: list[Event] = ()) -> None:
+    def _move_events(self, builder: BatchBuilder, extra: Sequence[Event] = ()) -> None:
         """Put the queued events (and ``extra``) into the batch being built."""
         with self._events_lock:
             pending, self._events = [*self._events, *extra], []
@@ -317,7 +326,7 @@ class Agent:
         chunks = span_chunks(spans, SPAN_BYTES_PER_BATCH)
         if not len(builder) and not chunks:
             return 0
-        for chunk in chunks or [None]:  # the first batch takes the rows and events, later ones only spans
+        for chunk in (chunks if chunks else [None]):  # the first batch takes the rows and events, later ones only spans
             if chunk is not None:
                 builder.add_spans(chunk)
             try:
@@ -336,7 +345,8 @@ class Agent:
                 self.spool.append(batch.sequence, batch.SerializeToString())
             except SpoolFull:  # counted as dropped by the spool; sampling goes on
                 return
-            self.uplink.notify()
+            if self.uplink is not None:
+                self.uplink.notify()
 
 
 def span_chunks(spans: pb.SpanTable, max_bytes: int) -> list[pb.SpanTable]:

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from gpuwatch.agent.spool import Spool
-from gpuwatch.core.prometheus import GpuSnapshot, Snapshot
+from gpuwatch.core.prometheus import AgentSnapshot, GpuSnapshot, HostSnapshot, Snapshot
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 
@@ -59,8 +59,8 @@ class NodeMetrics:
         """The exporter's snapshot: ``gpus``, ``hosts`` and this agent's spool under ``agents``."""
         with self._lock:
             gpus = [self._gpu(i) for i in sorted(self._values)]
-            host = {"node": self._node, "values": dict(self._host)}
-            agent = {"node": self._node, "spool_dropped_total": self._dropped,
+            host: HostSnapshot = {"node": self._node, "values": dict(self._host)}
+            agent: AgentSnapshot = {"node": self._node, "spool_dropped_total": self._dropped,
                      "last_seen_timestamp_seconds": self._last_sample_s}
         if self._spool is not None:
             agent["spool_bytes"] = self._spool.pending_bytes()

@@ -20,6 +20,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -99,7 +100,7 @@ class Uplink:
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._call = None
+        self._call: Any | None = None  # the stream in flight (grpc's call: iterable, cancel())
         self._attempt = 0
         self._metadata = ((INSTANCE_METADATA, uuid.uuid4().hex),)
 

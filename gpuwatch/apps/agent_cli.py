@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args, settings)
-    simulation = simulated_node(args, cfg.node)
+    simulation = simulated_node(args, cfg.node_name)
     if args.check:
         return _check(cfg, args.json, simulation)
     if args.new_agent_id:

@@ -120,9 +120,9 @@ def format_table(doc: Analysis) -> str:
         lines.append("no stragglers")
     lines += what_if_lines(doc.what_if)
     for r in doc.ranks:
-        for s in r.per_step or []:
-            lines.append(f"rank {r.rank} step {s.step}: {s.window_us / 1000:.1f} ms, "
-                         f"lost {100 * s.lost_fraction:.1f} %"
-                         + ("" if s.mfu is None else f", MFU {100 * s.mfu:.1f} %"))
+        for p in r.per_step or []:
+            lines.append(f"rank {r.rank} step {p.step}: {p.window_us / 1000:.1f} ms, "
+                         f"lost {100 * p.lost_fraction:.1f} %"
+                         + ("" if p.mfu is None else f", MFU {100 * p.mfu:.1f} %"))
     return "\n".join(lines) + "\n"
 

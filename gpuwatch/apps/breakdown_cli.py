@@ -36,6 +36,7 @@ def submit_traces(stub: query_pb2_grpc.QueryStub, job_id: str, paths: list[str],
             progress(path, len(content))
         reply = stub.SubmitTrace(q.SubmitTraceRequest(job_id=job_id, filename=path, content=content),
                                  timeout=_RPC_TIMEOUT_S)
+    assert reply is not None, "expand_paths names at least one file"
     return orjson.loads(reply.json)
 
 

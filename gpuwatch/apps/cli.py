@@ -130,7 +130,7 @@ def _help_formatter(prog: str) -> argparse.HelpFormatter:
         columns = 0
     if columns <= 0:
         try:
-            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns if sys.__stdout__ else 0
         except (AttributeError, ValueError, OSError):  # no stdout, or not a terminal
             columns = 0
     return argparse.HelpFormatter(prog, width=(columns if columns > 0 else 80) - 2)

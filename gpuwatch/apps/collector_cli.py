@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     from gpuwatch.collector.snapshot import MetricsService  # imported once the port was bound (assembly)
 
-    metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService)), None)
+    metrics = next((s.server.url for s in server.services if isinstance(s, MetricsService) and s.server), None)
     print(f"gpuwatch collector listening on {server.address}, store {redacted(cfg.store or cfg.db)}"
           + (f", metrics {metrics}" if metrics else ""), flush=True)
     stop.wait()

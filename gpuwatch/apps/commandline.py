@@ -78,7 +78,7 @@ def add_quiet_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
 
-def add_client_security_arguments(parser: argparse.ArgumentParser) -> None:
+def add_client_security_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--tls-ca --tls-cert --tls-key --token-file --insecure`` (or GPUWATCH_TLS_CA, ...), as the agent has them."""
     from gpuwatch.core import settings  # here, as below: commands without a collector (analyze) start without it
 

@@ -225,8 +225,8 @@ def _start_agent(address: str, workdir: Path, plan: DemoPlan, i: int, origin: fl
                "--slow-interval", str(plan.interval_s), "--batch-interval", str(max(0.5, plan.interval_s)),
                "--sim-speed", str(plan.sim_speed), "--sim-start", str(sim_start), "--sim-origin", str(origin),
                "--sim-job", job_name(node), "--sim-job-step", str(plan.interval_s * plan.sim_speed / STEPS_PER_TICK)]
-    if node == plan.fault_node and plan.fault_spec():
-        command += ["--sim-fault", plan.fault_spec()]
+    if node == plan.fault_node and (fault := plan.fault_spec()):
+        command += ["--sim-fault", fault]
     if record is not None:
         command += ["--record", str(record)]
     log = open(workdir / f"{node}.log", "wb")
@@ -382,7 +382,7 @@ def _top_loss(breakdown: dict[str, float]) -> str:
     losses = {k: v for k, v in breakdown.items() if k != "compute" and v is not None and v > 0}
     if not losses:
         return "-"
-    top = max(losses, key=losses.get)
+    top = max(losses, key=losses.__getitem__)
     return f"{top} {losses[top] * 100:.1f}%"
 
 
@@ -471,6 +471,7 @@ def render_rich(view: DemoView):
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
+    from rich.console import JustifyMethod
     from rich.text import Text
 
     fleet = Table(box=None, padding=(0, 1), show_edge=False, expand=False)
@@ -501,9 +502,10 @@ def render_rich(view: DemoView):
                      "threshold) → red (alert) · FAILED: fatal XID or lost, until reset · power, temp: node means",
                      style="grey62")
     jobs = Table(box=None, padding=(0, 1), show_edge=False)
-    for column, justify in (("job (synthetic)", "left"), ("ranks", "right"), ("steps", "right"),
-                            ("lost %", "right"), ("stragglers", "right"), ("where the time went", "left"),
-                            ("top loss", "left")):
+    job_columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("job (synthetic)", "left"), ("ranks", "right"), ("steps", "right"), ("lost %", "right"),
+        ("stragglers", "right"), ("where the time went", "left"), ("top loss", "left"))
+    for column, justify in job_columns:
         jobs.add_column(column, justify=justify, no_wrap=True)
     for j in view.jobs:
         lost = None if j.lost_fraction is None else j.lost_fraction * 100

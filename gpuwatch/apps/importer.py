@@ -131,7 +131,9 @@ def import_files(files: Sequence[str | os.PathLike], out: str | os.PathLike, *, 
     out = Path(out)
     check_new_recording(out)
     report = _Report()
-    wide, long, inventory = [], [], []
+    wide: list[pd.DataFrame] = []
+    long: list[pd.DataFrame] = []
+    inventory: list[pd.DataFrame] = []
     for path in map(Path, files):
         for chunk in _read_chunks(path, quiet):
             shape = _detect(path, chunk, fmt)

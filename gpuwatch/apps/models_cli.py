@@ -132,7 +132,7 @@ def _train(args: argparse.Namespace) -> dict:
     model = train_model(ds, false_alarm_budget=args.false_alarm_budget,
                         description=f"trained on {args.data}", quiet=args.quiet)
     if ds.uninformative_fields or model["training"]["dropped_features"]:
-        fields = ", ".join(f"{k} ({v})" for k, v in ds.uninformative_fields.items()) or "none"
+        fields = ", ".join(f"{k} ({v})" for k, v in (ds.uninformative_fields or {}).items()) or "none"
         print(f"gpuwatch train: left out {len(model['training']['dropped_features'])} features without information "
               f"in {args.data}; fields never recorded or constant: {fields}", file=sys.stderr)
     try:

@@ -287,7 +287,7 @@ def store_results(store: Any) -> dict[str, Any]:
     nodes = [{"node": r["node"], "gpus": r["gpus"], "samples": r["samples"], "events": int(counts.get(r["node"], 0)),
               "agent_id": r["agent_id"], "last_sequence": r["last_sequence"]} for r in store.nodes()]
     service = BreakdownService()
-    breakdowns = {}
+    breakdowns: dict[str, dict[str, Any]] = {}
     for job_id in store.span_job_ids():
         try:
             found = Analysis.from_json(json.loads(service.breakdown(q.BreakdownRequest(job_id=job_id), store).json))

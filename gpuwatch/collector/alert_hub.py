@@ -109,6 +109,7 @@ class AlertHub:
         while it held the cluster lease), so taking the work over neither re-fires nor resolves twice."""
         with self._lock:
             self._jobs.clear()
+        assert self._store is not None, "reloaded once started"
         self._restore(self._store, replace=True)
 
     def use_policy(self, policy: AlertPolicy) -> None:

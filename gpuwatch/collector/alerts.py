@@ -22,6 +22,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 # the job the alerts' checkpoint/drain advice assumes unless the collector is told (job_gpus, checkpoint_cost)
 from gpuwatch.core.settings import DEFAULT_CHECKPOINT_COST_S, DEFAULT_JOB_GPUS
@@ -160,7 +161,7 @@ class AlertEngine:
                 last_high = alert.last_high_ms if alert else None
                 if ob.failed and not was:
                     continue  # nothing left to predict: the failure itself is the health state's to report
-                if was and (ob.failed or alert.failed):
+                if alert is not None and (ob.failed or alert.failed):
                     if ob.failed and not alert.failed:
                         turned_failed.append(alert)
                     self._failed(alert, ob, t)  # a failed GPU's alert stays until the GPU is reset
@@ -172,13 +173,13 @@ class AlertEngine:
                                   ob.signals, suggest_action(ob.risk, ob.node, self.advice), t, None, last_high)
                     self._active[ob.gpu_uuid] = alert
                     changes.append(Transition("fire", alert))
-                elif active:
+                elif active and alert is not None:
                     alert.risk, alert.last_high_ms = ob.risk, last_high
                     if ob.risk > alert.peak_risk:
                         alert.peak_risk, alert.signals = ob.risk, ob.signals
                         alert.action = suggest_action(ob.risk, ob.node, self.advice)
                     alert.jobs, alert.ranks = ob.jobs or alert.jobs, ob.ranks or alert.ranks
-                elif was:
+                elif alert is not None:  # was active
                     alert.risk, alert.ends_ms = ob.risk, t
                     del self._active[ob.gpu_uuid]
                     self._resolved.append(alert)
@@ -228,6 +229,14 @@ class AlertEngine:
             sender.close(timeout_s)
 
 
+class Sendable(Protocol):
+    """What the senders read of an alert: :class:`Alert`, and the job alerts of the alert hub."""
+
+    def to_json(self) -> dict: ...
+
+    def to_alertmanager(self) -> dict: ...
+
+
 class AlertSender:
     """Posts alert batches from a background thread: bounded queue (oldest dropped), retries with backoff."""
 
@@ -236,12 +245,12 @@ class AlertSender:
         self.url = url
         self.retries, self.timeout_s, self.backoff_s = retries, timeout_s, backoff_s
         self.sent = self.failed = self.dropped = 0
-        self._queue: queue.Queue[list[Alert] | None] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[Sequence[Sendable] | None] = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"alert-sender {url}", daemon=True)
         self._thread.start()
 
-    def submit(self, alerts: list[Alert]) -> None:
+    def submit(self, alerts: Sequence[Sendable]) -> None:
         """Queue a batch; never blocks (drops the oldest queued batch when full)."""
         while True:
             try:
@@ -254,7 +263,7 @@ class AlertSender:
                 except queue.Empty:
                     pass
 
-    def body(self, alerts: list[Alert]) -> object:
+    def body(self, alerts: Sequence[Sendable]) -> object:
         raise NotImplementedError
 
     def endpoint(self) -> str:
@@ -267,7 +276,7 @@ class AlertSender:
                 return
             self._deliver(batch)
 
-    def _deliver(self, batch: list[Alert]) -> None:
+    def _deliver(self, batch: Sequence[Sendable]) -> None:
         data = json.dumps(self.body(batch)).encode()
         for attempt in range(self.retries + 1):
             request = urllib.request.Request(self.endpoint(), data=data, method="POST",
@@ -304,12 +313,12 @@ class AlertmanagerSender(AlertSender):
     def endpoint(self) -> str:
         return self.url.rstrip("/") + "/api/v2/alerts"
 
-    def body(self, alerts: list[Alert]) -> object:
+    def body(self, alerts: Sequence[Sendable]) -> object:
         return [a.to_alertmanager() for a in alerts]
 
 
 class WebhookSender(AlertSender):
     """Generic JSON webhook: POST {"version": "1", "source": "gpuwatch", "alerts": [...]}."""
 
-    def body(self, alerts: list[Alert]) -> object:
+    def body(self, alerts: Sequence[Sendable]) -> object:
         return {"version": "1", "source": "gpuwatch", "alerts": [a.to_json() for a in alerts]}

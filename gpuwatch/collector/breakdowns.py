@@ -137,7 +137,7 @@ def breakdown_rows(analysis: Analysis) -> pd.DataFrame:
     category, in µs: columns rank, step, category, us."""
     rows = []
     for rank in analysis.ranks:
-        slices = [(None, rank.breakdown_us)]
+        slices: list[tuple[int | None, dict[str, float]]] = [(None, rank.breakdown_us)]
         slices += [(UNKNOWN_STEP if s.step is None else s.step, s.breakdown_us) for s in rank.per_step or []]
         rows += [(rank.rank, step, category, us) for step, values in slices for category, us in values.items()]
     return pd.DataFrame(rows, columns=["rank", "step", "category", "us"]).astype({"step": "Int64"})

@@ -164,7 +164,7 @@ class JobsMonitor(PeriodicService):
         """:func:`list_jobs` with this monitor's latest flags."""
         with self._lock:
             flags = {job: dict(f) for job, f in self._flags.items()}
-        return list_jobs(self._store, now_us, self.window_s, flags)
+        return list_jobs(self.bound_store, now_us, self.window_s, flags)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Per monitored job: breakdown fractions, lost GPU seconds so far, lost ratio per rank, stragglers."""
@@ -176,7 +176,7 @@ class JobsMonitor(PeriodicService):
         by ``Jobs`` and metrics). Alerts are raised for running jobs only: the alerts of a job that finished, or
         whose every node's agent stopped after its last span (the job is gone), resolve."""
         now = time.time() * 1e6 if now_us is None else now_us
-        spans = self._store.recent_spans(max(self.window_s, self.hang_threshold_s))
+        spans = self.bound_store.recent_spans(max(self.window_s, self.hang_threshold_s))
         hangs = {h["job_id"]: h for h in detect_hangs(spans, now, self.hang_threshold_s)}
         finished = {s["job_id"] for s in job_summaries(spans, now, self.window_s, lost=False) if s["finished"]}
         recent = spans[spans["start_us"] >= now - self.window_s * 1e6]
@@ -201,7 +201,7 @@ class JobsMonitor(PeriodicService):
 
     def _stopped_nodes(self) -> dict[str, float]:
         """Nodes whose agent's last lifecycle event is ``agent_stop`` -> when it stopped (epoch us)."""
-        stopped = self._store.stopped_agents()
+        stopped = self.bound_store.stopped_agents()
         return dict(zip(stopped["node"], stopped["stopped_us"].astype(float)))
 
     def _job_flags(self, job_id: str, rows: pd.DataFrame, new_rows: pd.DataFrame, now_us: float,
@@ -211,7 +211,7 @@ class JobsMonitor(PeriodicService):
         fresh = analyse_spans(new_rows, job_id, per_step=True) if len(new_rows) else None
         if fresh:  # the per-step aggregates that outlive the raw spans
             steps = breakdown_rows(fresh)
-            self._store.add_step_breakdowns(steps[steps["step"].notna() & (steps["us"] > 0)].assign(job_id=job_id))
+            self.bound_store.add_step_breakdowns(steps[steps["step"].notna() & (steps["us"] > 0)].assign(job_id=job_id))
         lost = self._lost_s.get(job_id, 0.0) + (fresh.job.lost_us / 1e6 if fresh else 0.0)
         self._lost_s[job_id] = lost
         stragglers = []

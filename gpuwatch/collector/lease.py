@@ -83,8 +83,10 @@ class ClusterLease:
 
     def _try(self) -> None:
         started = time.monotonic()
+        store = self._store
+        assert store is not None, "start() sets the store before the first try"
         try:
-            taken = self._store.take_lease(self.name, self.holder, self.ttl_s)
+            taken = store.take_lease(self.name, self.holder, self.ttl_s)
         except Exception:  # the store is away: stop doing the work, try again next time
             log.warning("lease %s: could not reach the store", self.name, exc_info=True)
             taken = False

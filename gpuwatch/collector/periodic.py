@@ -72,6 +72,13 @@ class PeriodicService:
         """Use ``store`` without the periodic thread."""
         self._store = store
 
+    @property
+    def bound_store(self) -> Store:
+        """The store rounds work on (:meth:`bind` or :meth:`start` sets it)."""
+        if self._store is None:
+            raise RuntimeError(f"{self.name}: no store bound yet")
+        return self._store
+
     def start(self, store: Store) -> Mapping[str, Any]:
         self.bind(store)
         self.begin_rounds()

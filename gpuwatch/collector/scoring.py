@@ -159,7 +159,7 @@ def _scored_rows(store: Store, model: dict | None, feats: pd.DataFrame, owners: 
             "node": node, "gpu_index": key[1], "gpu_uuid": uuids.get(key) or f"{node}/{key[1]}",
             "job_id": jobs[i] if isinstance(jobs[i], str) and jobs[i] else None,
             "rank": int(ranks[i]) if pd.notna(ranks[i]) else None,
-            "risk": None if risks[i] is None else float(risks[i]), "signals": signals[i],
+            "risk": None if (risk := risks[i]) is None else float(risk), "signals": signals[i],
             "health": str(health.at[i, "state"]), "reasons": list(health.at[i, "reasons"]), "failed": None,
         }
         out.append(_with_failure(row, failures.get(key)))
@@ -243,6 +243,7 @@ class Scorer(PeriodicService):
 
     def _load_then_begin(self) -> None:
         started = time.perf_counter()
+        assert self._load_model is not None, "start() loads in the background only with a loader"
         try:
             self.model = self._load_model()
         except Exception as exc:  # a bad model file must not take ingest and queries down with it
@@ -275,12 +276,12 @@ class Scorer(PeriodicService):
         if now is None:
             return []
         started = time.perf_counter()
-        gpus = score_gpus(self._store, self.model, now, self.history)
+        gpus = score_gpus(self.bound_store, self.model, now, self.history)
         if self.calibrator is not None:
             self._tell_faults(now)
             self.threshold = self.calibrator.threshold(now)
         if self.hub is not None and self.model is not None:
-            if self.hub.engine is not None:
+            if self.hub.engine is not None and self.threshold is not None:
                 self.hub.engine.policy = self.hub.engine.policy.with_threshold(self.threshold)
             self.hub.observe_risk([observation(g, now) for g in gpus], now_ms=now)
         if self.calibrator is not None and gpus:
@@ -295,7 +296,8 @@ class Scorer(PeriodicService):
 
     def _tell_faults(self, now_ms: int) -> None:
         """Fatal XIDs since the last round: the GPUs' recent scores were true alarms, not false ones."""
-        recent = fatal_xids(self._store, now_ms, self.history.history_s)
+        assert self.calibrator is not None, "told only to a calibrator"
+        recent = fatal_xids(self.bound_store, now_ms, self.history.history_s)
         self._faults_told = {k for k in self._faults_told if k[2] > now_ms - self.history.history_s * 1000}
         for ev in recent.itertuples():
             key = (ev.node, int(ev.gpu_index), int(ev.t_ms))
@@ -307,7 +309,7 @@ class Scorer(PeriodicService):
         wall = int(time.time() * 1000)
         if self.clock == WALL:
             return wall
-        newest = newest_sample_ms(self._store)
+        newest = newest_sample_ms(self.bound_store)
         if self.clock == DATA or newest is None:
             return newest
         if not self._on_data_clock and abs(newest - wall) > AUTO_SKEW_S * 1000:

@@ -39,7 +39,7 @@ import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -177,8 +177,9 @@ def _awaitable_commit(stored: concurrent.futures.Future, in_flight: asyncio.Sema
         in_flight.release()
         if waiter.cancelled():
             return
-        if done.exception() is not None:
-            waiter.set_exception(done.exception())
+        error = done.exception()
+        if error is not None:
+            waiter.set_exception(error)
         else:
             waiter.set_result(done.result())
 
@@ -196,7 +197,9 @@ class _IdleWatch:
         self.idle_s = idle_s
         self.expired = False
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
+        task = asyncio.current_task()
+        assert task is not None, "made by the task that reads the stream"
+        self._task = task
         self._since: float | None = None  # loop time the current read began; None between reads
         self._timer = self._loop.call_later(idle_s, self._check)
 
@@ -301,8 +304,9 @@ class IngestService:
                     if isinstance(item, BaseException):  # earlier batches were acked above; now refuse this one
                         idle = isinstance(item, StreamIdle)
                         await self._abort(item, context)
-                    yield await self._acked(*item, context)
-                    window.release()
+                    else:
+                        yield await self._acked(item[0], item[1], context)
+                        window.release()
             except asyncio.CancelledError:
                 log.debug("ingest stream from %s cancelled (client gone or server stopping)", context.peer())
                 raise
@@ -344,10 +348,11 @@ class IngestService:
 
     async def _submit(self, batch: ColumnarBatch) -> asyncio.Future:
         """Queue ``batch`` for the writer once the collector-wide bound has room; the future is its commit."""
-        if self._in_flight is None:
+        if self._in_flight is None or self._inbox is None:
             self._in_flight = asyncio.Semaphore(self._max_in_flight)
             self._inbox = _CommitInbox(asyncio.get_running_loop())
         await self._in_flight.acquire()
+        assert self.store is not None, "Ingest calls wait for attach()"
         try:
             stored = self.store.submit(batch)
         except BaseException:
@@ -360,11 +365,13 @@ class IngestService:
         try:
             return _ack(await commit)
         except Exception as exc:
+            assert self.store is not None, "a batch was submitted to it"
             await self._abort(store_failure(exc, batch, self.store.unstorable_errors), context)
 
-    async def _abort(self, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+    async def _abort(self, exc: BaseException, context: grpc.aio.ServicerContext) -> NoReturn:
         if isinstance(exc, BatchRejected):
             if exc.code != grpc.StatusCode.UNAVAILABLE:  # refused for good: counted, per agent too
+                assert self.store is not None, "Ingest calls wait for attach()"
                 self.store.counters.reject()
                 agent = exc.agent or "?"
                 self.rejected_by_agent[agent] += 1
@@ -381,6 +388,7 @@ class IngestService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"idle stream closed: {exc}")
         else:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is shutting down; resend to it later")
+        raise AssertionError("unreachable: context.abort raises")  # grpc's context is untyped
 
 
 def _instance(context: grpc.aio.ServicerContext) -> str:
@@ -488,10 +496,10 @@ def query_handler(gate: StoreGate, handlers: Mapping[str, QueryHandler]) -> grpc
             if fn is None and store is not None:  # a service's method: registered once the services started
                 gate.wait_for_services(min(context.time_remaining() or STORE_WAIT_S, STORE_WAIT_S))
                 fn = handlers.get(name)
-            if store is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is opening its store; retry shortly")
+            if store is None:  # (context.abort raises)
+                return context.abort(grpc.StatusCode.UNAVAILABLE, "the collector is opening its store; retry shortly")
             if fn is None:
-                context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not available in this collector yet")
+                return context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not available in this collector yet")
             try:
                 return fn(request, store)
             except NotFound as exc:

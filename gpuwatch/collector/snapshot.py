@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatch.core import fields
-from gpuwatch.core.prometheus import MetricsServer, Snapshot, start_metrics_server
+from gpuwatch.core.prometheus import GpuSnapshot, JobSnapshot, MetricsServer, Snapshot, start_metrics_server
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.store.base import Store
@@ -28,11 +28,12 @@ def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor
     for row in store.xid_counts():
         xids[(row["node"], row["gpu_index"])][int(row["code"])] = int(row["n"])
     scores = scorer.latest() if scorer is not None else {}
-    gpus = []
+    gpus: list[GpuSnapshot] = []
     for row in store.latest():
         key = (row["node"], row["gpu_index"])
         info, score = inventory.get(key, {}), scores.get(key, {})
-        gpu = {"node": key[0], "gpu": key[1], "gpu_uuid": info.get("uuid") or "", "model": info.get("name") or "",
+        gpu: GpuSnapshot = {"node": key[0], "gpu": key[1], "gpu_uuid": info.get("uuid") or "",
+               "model": info.get("name") or "",
                "values": {name: row[name] for name in fields.GPU_FIELD_NAMES if row.get(name) is not None},
                "xid_counts": xids.get(key, {}), "job_id": info.get("job_id") or "",
                "rank": -1 if info.get("rank") is None else info["rank"]}
@@ -50,7 +51,7 @@ def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor
     }
 
 
-def _job(flags: Mapping[str, Any]) -> dict[str, Any]:
+def _job(flags: Mapping[str, Any]) -> JobSnapshot:
     return {"job_id": flags["job_id"], "breakdown": flags["breakdown"],
             "lost_gpu_seconds_total": flags["lost_gpu_seconds_total"], "rank_lost_ratio": flags["rank_lost_ratio"],
             "stragglers": {s["rank"]: s["mean_lateness_us"] / 1e6 for s in flags["stragglers"]}}

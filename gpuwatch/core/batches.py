@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 
@@ -55,10 +56,11 @@ class BatchBuilder:
         self._reset()
 
     def _reset(self) -> None:
-        self._gpu_rows: dict[int, dict[str, list]] = {}
+        self._gpu_rows: dict[int, _GpuRows] = {}
         self._gpu_blocks: list[pb.GpuSamples] = []
         self._host: dict[str, list] = {"ts_ms": []}
         self._host_cols: dict[str, list[float]] = {}
+        self._host_block: dict[str, Sequence[float]] = {}  # columns given whole (add_host_block)
         self._events: list[pb.Event] = []
         self._spans: pb.SpanTable | None = None
 
@@ -102,7 +104,7 @@ class BatchBuilder:
         if self._host["ts_ms"]:
             raise ValueError("host rows already added to this batch")
         self._host["ts_ms"] = [int(t) for t in ts_ms]
-        self._host_cols = dict(columns)
+        self._host_block = dict(columns)
 
     def add_host_row(self, ts_ms: int, values: Mapping[str, float]) -> None:
         n = len(self._host["ts_ms"])
@@ -155,12 +157,23 @@ class BatchBuilder:
         if n_host:
             batch.host.ts_ms.extend(self._host["ts_ms"])
             batch.host.MergeFromString(encoded_columns(
-                _HOST_COLUMNS_FIELD, {name: _padded(values, n_host) for name, values in self._host_cols.items()}))
+                _HOST_COLUMNS_FIELD,
+                {name: _padded(values, n_host) for name, values in (self._host_block or self._host_cols).items()}))
         batch.events.extend(self._events)
         if self._spans is not None:
             batch.spans.CopyFrom(self._spans)
         self._reset()
         return batch
+
+
+class _GpuRows(TypedDict):
+    """One GPU's rows added one at a time (add_gpu_row), column by column."""
+
+    ts_ms: list[int]
+    job_id: list[str]
+    rank: list[int]
+    local_rank: list[int]
+    cols: dict[str, list[float]]
 
 
 def _append_values(cols: dict[str, list[float]], row: int, values: Mapping[str, float]) -> None:
@@ -193,7 +206,7 @@ def encoded_columns(field_number: int, columns: Mapping[str, Sequence[float]]) -
     adds the columns. Values are copied as packed float64 bytes, not one Python float at a time, and the
     bytes before each column's values are kept per (field, name, count): replaying a recording builds tens of
     thousands of columns a second, where creating Column messages one by one cost most of the replay."""
-    parts = []
+    parts: list[bytes] = []
     for name, values in columns.items():
         data = np.asarray(values, dtype="<f8").tobytes()
         key = (field_number, name, len(data) // 8)

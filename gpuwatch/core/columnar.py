@@ -97,17 +97,16 @@ class _Layouts:
     def positions(self, heads: tuple[bytes, ...], where: str) -> np.ndarray | None:
         """Catalogue positions of the columns whose encoded heads (``0a <len> name``) are ``heads``;
         None when a head is not in the canonical form; BatchError for an unknown or repeated field."""
-        found = self._known.get(heads, False)
-        if found is not False:
-            return found
+        if heads in self._known:
+            return self._known[heads]
         if len(self._known) >= self._MAX:
             self._known.clear()
-        positions: np.ndarray | None = np.empty(len(heads), np.intp)
+        positions = np.empty(len(heads), np.intp)
         seen: set[bytes] = set()
         for i, head in enumerate(heads):
             if head[:1] != b"\x0a" or head[1] >= 0x80 or len(head) != 2 + head[1]:
-                positions = None  # not canonical: the protobuf path reads (and checks) it
-                break
+                self._known[heads] = None  # not canonical: the protobuf path reads (and checks) it
+                return None
             name = head[2:]
             if name not in self._index:
                 raise BatchError(f"{where}: unknown field {name.decode('utf-8', 'replace')!r}")

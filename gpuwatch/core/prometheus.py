@@ -99,7 +99,7 @@ class AgentSnapshot(TypedDict, total=False):
     node: str
     spool_bytes: float                    # bytes waiting in the agent's spool
     spool_dropped_total: int              # batches the agent dropped because its spool was full
-    last_seen_timestamp_seconds: float    # unix time of the agent's last batch
+    last_seen_timestamp_seconds: float | None  # unix time of the agent's last batch (None: none yet)
 
 
 class Snapshot(TypedDict, total=False):
@@ -175,18 +175,24 @@ class _Families:
     """One family per catalogue entry, filled sample by sample; only non-empty families are exposed."""
 
     def __init__(self) -> None:
-        self._families: dict[str, Metric] = {
+        self._families: dict[str, GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily] = {
             m.name: _FAMILY_TYPES[m.kind](m.name, m.help, labels=m.labels) for m in METRICS
         }
 
     def add(self, name: str, labels: Sequence[Any], value: Any) -> None:
         if value is None or (isinstance(value, float) and math.isnan(value)):
             return
-        self._families[name].add_metric([str(v) for v in labels], float(value))
+        family = self._families[name]
+        if isinstance(family, HistogramMetricFamily):
+            raise TypeError(f"{name} is a histogram: fill it with histogram()")
+        family.add_metric([str(v) for v in labels], float(value))
 
     def histogram(self, name: str, snapshot: Mapping[str, Any]) -> None:
         buckets = [(_le_text(le), float(count)) for le, count in snapshot["buckets"]]
-        self._families[name].add_metric([], buckets, float(snapshot["sum"]))
+        family = self._families[name]
+        if not isinstance(family, HistogramMetricFamily):
+            raise TypeError(f"{name} is not a histogram")
+        family.add_metric([], buckets, float(snapshot["sum"]))
 
     def __iter__(self) -> Iterator[Metric]:
         return (family for family in self._families.values() if family.samples)
@@ -480,7 +486,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        host = self._server.server_address[0]
+        host = str(self._server.server_address[0])
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def close(self) -> None:

@@ -128,7 +128,7 @@ class RecordingWriter:
             raise UserError(f"recording {self.path}: exists and is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
         existing = (self.path / MANIFEST).exists()
-        self._manifest = _read_manifest(self.path) if existing else {
+        self._manifest: dict[str, Any] = _read_manifest(self.path) if existing else {
             "format": FORMAT, "version": VERSION, "resolution_s": resolution_s, "source": source,
             "start_ms": None, "end_ms": None, "nodes": [], "tables": {t: 0 for t in TABLES},
         }

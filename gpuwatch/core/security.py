@@ -60,7 +60,7 @@ def read_token(path: PathLike) -> str:
 def _pair(cert: PathLike | None, key: PathLike | None, role: str) -> tuple[bytes, bytes] | None:
     if (cert is None) != (key is None):
         raise UserError(f"{role} certificate and key go together: got only the {'certificate' if cert else 'key'}")
-    if cert is None:
+    if cert is None or key is None:
         return None
     return _read_pem(key, f"{role} key"), _read_pem(cert, f"{role} certificate")
 

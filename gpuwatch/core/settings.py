@@ -407,7 +407,8 @@ def load_config(
     return Config(values, sources)
 
 
-def add_arguments(parser: argparse.ArgumentParser, schema: Sequence[Option], *, config_file: bool = True) -> None:
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, schema: Sequence[Option], *,
+                  config_file: bool = True) -> None:
     """Add ``--config`` (unless ``config_file`` is false) and one flag per option; flags default to None so file
     and environment can apply."""
     if config_file:

@@ -134,7 +134,7 @@ def _trend(doc: Analysis) -> str:
     series = [(rank, steps) for rank, steps in series if steps]
     if not series:
         return "<p class='note'>No step annotations in the analysed window (or run with --per-step).</p>"
-    step_ids = sorted({s.step for _, steps in series for s in steps})
+    step_ids = sorted({s.step for _, steps in series for s in steps if s.step is not None})
     h, left, bottom = 220, 50, 40
     n = len(step_ids)
 
@@ -157,7 +157,7 @@ def _trend(doc: Analysis) -> str:
                f"<text x='{left + _W / 2}' y='{h + 34}' font-size='12' text-anchor='middle'>step</text>")
     for k, (rank, steps) in enumerate(series):
         colour = _PALETTE[k % len(_PALETTE)]
-        pts = [(x_of(s.step), h - s.lost_fraction / y_max * (h - 10), s) for s in steps]
+        pts = [(x_of(s.step), h - s.lost_fraction / y_max * (h - 10), s) for s in steps if s.step is not None]
         svg.append(f"<polyline points='{' '.join(f'{x:.1f},{y:.1f}' for x, y, _ in pts)}' fill='none' "
                    f"stroke='{colour}' stroke-width='2'/>")
         svg += [f"<circle cx='{x:.1f}' cy='{y:.1f}' r='3' fill='{colour}'><title>rank {rank} step {s.step}: "

@@ -46,7 +46,7 @@ def load_paths(paths: list[str], *, progress: Callable[[str, int], None] | None 
     process: no worker, and the process-pool modules are not even imported."""
     files = expand_paths(paths)
     default_rank = 0 if len(files) == 1 else None
-    jobs = [(path, functools.partial(progress, path) if progress else None) for path in files]
+    jobs: list[_Job] = [(path, functools.partial(progress, path) if progress else None) for path in files]
     workers = min(len(files), workers or os.cpu_count() or 1)
     if workers <= 1:
         return [tl for path, report in jobs for tl in load_file(path, progress=report, default_rank=default_rank)]

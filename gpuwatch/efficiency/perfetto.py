@@ -30,6 +30,7 @@ def _category_events(rank: int, part: Partition) -> list[dict]:
         {"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": name}}
         for i, name in enumerate(CATEGORIES)
     ]
+    assert part.segments is not None, "partitioned without keep_segments"
     starts, ends, cats = part.segments
     base = part.origin_us
     events += [

@@ -33,7 +33,8 @@ def find_stragglers(matching: Matching, busy_per_step_us: dict[int, float]) -> t
     unique_last = at_latest & (np.bincount(inst, weights=at_latest)[inst] == 1)
     median_start = _group_median(inst, start, len(ids))
 
-    stragglers, delayed = [], []
+    stragglers: list[Straggler] = []
+    delayed: list[Straggler] = []
     for r in distinct(rank):
         mine = rank == r
         n = int(mine.sum())

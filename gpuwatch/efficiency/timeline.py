@@ -7,6 +7,7 @@ span tables, the in-process probe) build it; `gpuwatch.efficiency.analyze` consu
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -125,8 +126,9 @@ class RankTimeline(msgspec.Struct):
         with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
             header = msgspec.json.decode(arrays["header"].tobytes())
             n = len(arrays["start_us"])
-            columns = {name: arrays[name] if name in arrays.files else np.full(n, UNKNOWN, _DTYPES[name])
-                       for name in _ACTIVITY_COLUMNS}
+            columns: dict[str, Any] = {
+                name: arrays[name] if name in arrays.files else np.full(n, UNKNOWN, _DTYPES[name])
+                for name in _ACTIVITY_COLUMNS}
             return cls(step_marks=arrays["step_marks"], **header, **columns)
 
     def type_names(self) -> np.ndarray:

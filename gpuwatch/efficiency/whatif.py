@@ -19,6 +19,7 @@ one rank's (or one op kind's) actual durations and all else ideal.
 from __future__ import annotations
 
 import functools
+from typing import TypedDict
 
 import msgspec
 import numpy as np
@@ -54,6 +55,19 @@ class _Graph(msgspec.Struct):
     step: np.ndarray
     key: np.ndarray             # what "the same op" is for the ideal: kernel name, or type and group size
     comm: np.ndarray            # True for communication ops (their ideal is a median, not a mean)
+
+
+class _Part(TypedDict):
+    """One rank's ops in actual start order, and where they sit among all ranks' ops."""
+
+    order: np.ndarray   # the rank's activity rows in actual start order
+    start: np.ndarray   # us, relative to the job origin
+    end: np.ndarray
+    deps: np.ndarray    # per op, the local ops it waits for (-1: none)
+    pred: np.ndarray
+    offset: int         # global id of the rank's first op
+    pos: int            # index of the rank among the timelines
+    delay: np.ndarray   # host launch delay before each op
 
 
 def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
@@ -100,7 +114,7 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
 
 def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
     origin = min(float(tl.start_us.min()) for tl in timelines if len(tl))
-    parts = []
+    parts: list[_Part] = []
     offset = 0
     for pos, tl in enumerate(timelines):
         order = np.lexsort((tl.end_us, tl.start_us))
@@ -124,7 +138,9 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
     key = _op_keys(timelines, parts, kind, group_size)
     step = np.concatenate([tl.step[p["order"]] for tl, p in zip(timelines, parts)])
     node = np.empty(n, np.int64)
-    heads, deps, base = [], [], []
+    heads: list[int] = []
+    node_deps: list[tuple[int, ...]] = []
+    base: list[float] = []
     for p in parts:
         span = slice(p["offset"], p["offset"] + len(p["start"]))
         local_node, local_heads = _chains(p["deps"], p["pred"], instance[span] < 0, step[span])
@@ -132,11 +148,11 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
         node[span] = local_node + first
         heads.extend((local_heads + p["offset"]).tolist())
         for row in p["deps"][local_heads].tolist():
-            deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
+            node_deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
         base.extend([float(p["start"][0])] * len(local_heads))
     head = np.array(heads, dtype=np.int64)
     return _Graph(
-        node=node, head=head, order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
+        node=node, head=head, order=np.argsort(start[head], kind="stable").tolist(), deps=node_deps, base=base,
         instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
         start=start, end=end, transfer=transfer, delay=np.concatenate([p["delay"] for p in parts]),
         rank_pos=np.concatenate([np.full(len(p["start"]), p["pos"]) for p in parts]),
@@ -214,7 +230,7 @@ def _launch_delays(start: np.ndarray, end: np.ndarray, launch: np.ndarray, deps:
     return np.where(np.isnan(stall), 0.0, np.maximum(stall, 0.0))
 
 
-def _instances(timelines, parts, matching: Matching, n: int):
+def _instances(timelines: list[RankTimeline], parts: list[_Part], matching: Matching, n: int):
     """Cross-rank instance of each op (matched collectives, paired p2p), the ops of each, and each op's
     group size (ranks in its instance, or the size of its process group where the trace lists it)."""
     instance = np.full(n, _NO_INSTANCE, dtype=np.int64)
@@ -275,7 +291,8 @@ def _p2p_keys(tl: RankTimeline):
     return out
 
 
-def _op_keys(timelines, parts, kind: np.ndarray, group_size: np.ndarray) -> np.ndarray:
+def _op_keys(timelines: list[RankTimeline], parts: list[_Part], kind: np.ndarray, group_size: np.ndarray
+             ) -> np.ndarray:
     """What counts as "the same op" for the ideal durations, as a dense integer per op: the kernel name
     (and kind) for compute and memory ops, (collective type, group size) for communication. Built from
     each timeline's small name tables, so no per-op string is made."""

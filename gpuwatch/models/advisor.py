@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from gpuwatch.models.faults import LLAMA3_FAULTS_PER_GPU_HOUR
 
@@ -126,7 +127,7 @@ def advice_table(n_gpus: int, checkpoint_s: float, *, failure_rate: float | None
     """What `gpuwatch advise` reports: the rate and where it came from, Young/Daly intervals and waste, and the
     interval and waste a predictor of each recall allows (0, 0.5, 0.8, 0.9, ``recalls`` and the model's)."""
     if failure_rate is not None:
-        rate = {"faults_per_gpu_hour": failure_rate, "source": "given"}
+        rate: dict[str, Any] = {"faults_per_gpu_hour": failure_rate, "source": "given"}
     elif data is not None:
         observed, episodes, gpu_hours = observed_fault_rate(data)
         rate = {"faults_per_gpu_hour": observed, "source": f"observed in {data}",

@@ -150,10 +150,10 @@ def _episodes(rows: pd.DataFrame, ts: np.ndarray, risk: np.ndarray, active: np.n
     end[gap] = ts[ep["last"].to_numpy()][gap] + step_ms
     last_of_gpu = ~same_gpu  # still firing when the GPU's data ends: a fault after its last row ends it there
     for j in np.flatnonzero(last_of_gpu):
-        f = fault_ms.get(g[ep["last"].iat[j]])
+        gpu_faults = fault_ms.get(g[ep["last"].iat[j]])
         t_last = ts[ep["last"].iat[j]]
-        if f is not None and (k := np.searchsorted(f, t_last, side="right")) < len(f):
-            end[j] = f[k]
+        if gpu_faults is not None and (k := np.searchsorted(gpu_faults, t_last, side="right")) < len(gpu_faults):
+            end[j] = gpu_faults[k]
     first = ep["first"].to_numpy()
     return pd.DataFrame({"node": rows["node"].to_numpy()[first], "gpu_index": rows["gpu_index"].to_numpy()[first],
                          "start_ms": ts[first], "end_ms": end, "peak_risk": ep["peak"].to_numpy()})

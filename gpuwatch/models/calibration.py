@@ -174,7 +174,7 @@ class BudgetCalibrator:
     def _code(self, gpu: Hashable) -> int:
         return self._codes.setdefault(gpu, len(self._codes))
 
-    def observe(self, t_ms: int, gpus: Sequence[Hashable], scores: np.ndarray) -> None:
+    def observe(self, t_ms: int, gpus: Sequence[Hashable] | np.ndarray, scores: np.ndarray) -> None:
         """Keep one round of scores (at most one round per model step: a live collector scores more often)."""
         if self._last_kept_ms is not None and t_ms - self._last_kept_ms < self.step_ms:
             return

@@ -104,7 +104,9 @@ def _duckdb_source(p: Path) -> DuckDBSource:
     try:
         with duckdb.connect(str(p), read_only=True) as con:
             nodes = [r[0] for r in con.execute("SELECT DISTINCT node FROM gpu_samples ORDER BY node").fetchall()]
-            lo, hi, n = con.execute("SELECT epoch_ms(min(ts)), epoch_ms(max(ts)), count(*) FROM gpu_samples").fetchone()
+            row = con.execute("SELECT epoch_ms(min(ts)), epoch_ms(max(ts)), count(*) FROM gpu_samples").fetchone()
+            assert row is not None, "an aggregate query returns one row"
+            lo, hi, n = row
     except duckdb.Error as exc:
         raise UserError(f"{p}: not a gpuwatch DuckDB store with gpu_samples and events tables: {exc}") from None
     if not n:

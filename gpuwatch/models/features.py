@@ -186,7 +186,7 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
         inc = np.where(same_gpu, np.where(d >= 0, d, xv), 0.0)
         return np.bincount(flat_sorted[valid], weights=inc, minlength=n_gpu * n_bin).reshape(n_gpu, n_bin)
 
-    present = np.zeros(n_gpu * n_bin, bool)
+    present: np.ndarray = np.zeros(n_gpu * n_bin, bool)
     present[cells] = True
     present = present.reshape(n_gpu, n_bin)
     per_hour = 3600 // step_s
@@ -197,7 +197,7 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
         return _window_sum(x, w, floor, back)
     cols: dict[str, np.ndarray] = {}
     for short, sources in COUNTERS.items():
-        inc = sum(dense_growth(c) for c in sources)
+        inc = sum((dense_growth(c) for c in sources), np.zeros(()))
         d1, d2, d6, d24 = (win(inc, w * per_hour) for w in (1, 2, 6, 24))
         base = np.log1p(np.maximum(d24 - d6, 0.0) / _BASELINE_H)
         cols[f"{short}_log1h"], cols[f"{short}_log6h"] = np.log1p(d1), np.log1p(d6)

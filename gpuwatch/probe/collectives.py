@@ -109,7 +109,7 @@ class CollectiveRecorder:
         self._cuda_timer = cuda_timer
         self._flight_recorder_on = flight_recorder_on
         self._wrappers: dict[str, tuple[Callable, Callable]] = {}
-        self._patched: list[tuple[Any, str, Callable]] = []
+        self._patched: list[tuple[Any, str, Any]] = []  # (module, name, torch's function)
         self._tls = threading.local()
         self._seq: dict[tuple[str, str], int] = {}
         self._group_names: dict[int, str] = {}
@@ -177,7 +177,7 @@ class CollectiveRecorder:
                     return None
                 self._normalize_p2p_ops(p2p_ops)
                 group = p2p_ops[0].group
-                data = [o.tensor for o in p2p_ops]
+                data: Any = [o.tensor for o in p2p_ops]
                 parts = [(_P2P_LABELS.get(o.op.__name__, "p2p"), _nbytes(o.tensor), o.peer)
                          for o in p2p_ops]
             else:

@@ -58,6 +58,8 @@ def entry_to_row(entry: Mapping[str, Any], step: int) -> SpanRow | None:
         is_p2p = True
     started = entry.get("time_discovered_started_ns") or entry.get("time_created_ns")
     completed = entry.get("time_discovered_completed_ns")
+    if started is None:  # no start time: nothing to place on the timeline
+        return None
     if entry.get("duration_ms") is not None:
         dur_us = float(entry["duration_ms"]) * 1000.0
     elif started and completed:

@@ -28,7 +28,7 @@ class SpanRow(NamedTuple):
 
 
 ROW_FIELDS = SpanRow._fields
-_ROW_TYPES = (int, str, str, (int, float), (int, float), str, int, int, int)
+_ROW_TYPES: tuple[type | tuple[type, ...], ...] = (int, str, str, (int, float), (int, float), str, int, int, int)
 
 
 def _encode(header: dict[str, Any], rows: list) -> bytes:

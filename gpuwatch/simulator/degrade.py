@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from gpuwatch.core.times import parse_duration
 
 if TYPE_CHECKING:  # failsim pulls in numpy and pandas: imported only when a fault is scripted
-    from gpuwatch.simulator.fleet import SimulatedFleet
+    from gpuwatch.simulator.faults import FaultScripting
     from gpuwatch.simulator.gpu import SimGpu
     from gpuwatch.simulator.failing_fleet import FaultPlan
 
@@ -119,7 +119,7 @@ class Degradation:
         return cls(FaultPlan(node, spec.gpu, spec.mechanism, start_ms + int(spec.after_s * 1000), fault_ms,
                              fault_ms + _NEVER_S * 1000, xid, seed=spec.seed))
 
-    def __call__(self, fleet: SimulatedFleet, now_s: float) -> None:
+    def __call__(self, fleet: FaultScripting, now_s: float) -> None:
         if self._last_s is None:
             self._last_s = now_s
             return

@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -145,7 +146,7 @@ class Effects:
     reason_bits: np.ndarray | None = None  # clock-event reasons to set (NVML bitmask) per tick
 
 
-def plan_effects(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> Effects:
+def plan_effects(plan: FaultPlan, ts_ms: np.ndarray | list[int], dt_s: float) -> Effects:
     """The plan's effect on its GPU at the ticks ``ts_ms`` (each covering ``dt_s`` seconds before it).
 
     Works on any time range: a whole recording at once, or one tick at a time for a live simulated GPU.
@@ -554,7 +555,7 @@ def simulate_fleet(cfg: FleetConfig, out: str | Path, quiet: bool = False) -> di
     root = np.random.SeedSequence(cfg.seed)
     group_seeds = root.spawn(math.ceil(cfg.nodes / cfg.nodes_per_job))
     node_seeds = np.random.SeedSequence([cfg.seed, 1]).spawn(cfg.nodes)
-    summary = {"faults": {}, "near_misses": 0, "gpu_rows": 0, "events": 0}
+    summary: dict[str, Any] = {"faults": {}, "near_misses": 0, "gpu_rows": 0, "events": 0}
     all_plans: list[FaultPlan] = []
     with RecordingWriter(out, source="gpuwatch simulate", resolution_s=cfg.resolution_s,
                          extra={"simulation": asdict(cfg)}) as writer, \

@@ -129,7 +129,7 @@ class FakeNvmlLib:
         gpu.advance(self._fleet.clock())
         return gpu, N.NVML_SUCCESS
 
-    def _scalar(self, handle, out, symbol: str, getter: Callable[[SimGpu], int]) -> int:
+    def _scalar(self, handle, out, symbol: str, getter: Callable[[SimGpu], float]) -> int:
         gpu, rc = self._gpu(handle, symbol)
         if gpu is not None:
             _out(out).value = int(getter(gpu))

@@ -135,7 +135,9 @@ def create_statements(database: str, ttl_days: float | None, cluster: str | None
     on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
     statements = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
     for table, (columns, engine) in _ddl(ttl_days).items():
-        replacing, version, rest = _ENGINE.match(engine).groups()
+        match = _ENGINE.match(engine)
+        assert match is not None, f"engine of {table}: {engine}"
+        replacing, version, rest = match.groups()
         kind = replacing or ""
         if cluster is None:
             statements.append(f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n    {columns}\n) ENGINE = "
@@ -330,9 +332,10 @@ class ClickHouseStore(GroupWriter):
 
     def trim_spans(self, timeout: float | None = None) -> int:
         """Delete raw spans older than ``span_retention_s`` before their job's newest span."""
-        if not self.span_retention_s:
+        retention = self.span_retention_s
+        if not retention:
             return 0
-        return self.run_write(lambda _: self._trim(self.span_retention_s), timeout)
+        return self.run_write(lambda _: self._trim(retention), timeout)
 
     # ---- telemetry reads -------------------------------------------------------------------------------
     def nodes(self) -> list[dict[str, Any]]:

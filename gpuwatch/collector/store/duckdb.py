@@ -128,8 +128,8 @@ _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes
 class DuckDBStore(GroupWriter):
     """One DuckDB database file (or ":memory:"), written by one writer thread, read through cursors."""
 
-    unstorable_errors = (duckdb.ConversionException, duckdb.OutOfRangeException, duckdb.InvalidInputException,
-                         duckdb.ConstraintException)
+    unstorable_errors: tuple[type[BaseException], ...] = (duckdb.ConversionException, duckdb.OutOfRangeException,
+                                                          duckdb.InvalidInputException, duckdb.ConstraintException)
 
     def __init__(
         self,
@@ -175,9 +175,10 @@ class DuckDBStore(GroupWriter):
     def trim_spans(self, timeout: float | None = None) -> int:
         """Delete the raw spans older than ``span_retention_s`` before their job's newest span (the job's own
         clock, so replayed or simulated time is trimmed like live time); return how many were deleted."""
-        if not self.span_retention_s:
+        retention = self.span_retention_s
+        if not retention:
             return 0
-        return self.run_write(lambda con: _trim_spans(con, self.span_retention_s), timeout)
+        return self.run_write(lambda con: _trim_spans(con, retention), timeout)
 
     def _housekeeping(self, retention: bool, trim: bool) -> None:
         if retention and self.retention_days:
@@ -830,7 +831,7 @@ def _delete_before(con: duckdb.DuckDBPyConnection, cutoff: dt.datetime) -> dict[
     con.begin()
     try:
         for table, column in RETENTION.items():
-            deleted[table] = int(con.execute(f"DELETE FROM {table} WHERE {column} < ?", [cutoff]).fetchone()[0])
+            deleted[table] = int(con.execute(f"DELETE FROM {table} WHERE {column} < ?", [cutoff]).fetchall()[0][0])
         con.commit()
     except BaseException:
         _rollback_keeping_cause(con)

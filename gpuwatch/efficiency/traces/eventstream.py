@@ -30,7 +30,7 @@ import io
 import re
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import BinaryIO, NamedTuple, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar, overload
 
 import msgspec
 import numpy as np
@@ -75,7 +75,7 @@ _LAYOUT = re.compile(rb'(\{\s*"ph"\s*:\s*")X("\s*,\s*"cat"\s*:\s*")([^"\\]{1,32}
 _TEXT_WIDTH = 32  # bytes read of a category (a longer one is read by the key search)
 
 
-def sniff_layout(text: bytes) -> Layout | None:
+def sniff_layout(text: bytes | memoryview) -> Layout | None:
     """The most common spelling of event heads in `text` (the start of a trace), with the categories of those
     heads; None if no event there starts with its phase, category and name."""
     found = _LAYOUT.findall(text)
@@ -231,6 +231,10 @@ class CategoryTable:
         self.texts: list[bytes] = [text for text in layout.categories if self._nameable(len(text))]
         self._update()
 
+    @overload
+    def _nameable(self, length: int) -> bool: ...
+    @overload
+    def _nameable(self, length: np.ndarray) -> np.ndarray: ...
     def _nameable(self, length: int | np.ndarray) -> bool | np.ndarray:
         """Whether a category of `length` is named by 16 bytes: its closing quote within them, and not so
         short that they reach past the start of the name's text."""
@@ -456,7 +460,7 @@ class TraceEventStream:
         self._layout: Layout | None = None
         self._categories: CategoryTable | None = None
 
-    def __iter__(self) -> Iterator[list[dict]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         try:
             with _opened(self.path, self.content) as f:
                 blocks = read_ahead(iter(functools.partial(f.read, self.block_bytes), b""))
@@ -464,7 +468,7 @@ class TraceEventStream:
                     yield from self._events(blocks)
                 finally:
                     blocks.close()
-        except (OSError, EOFError, isal_zlib.error) as exc:
+        except (OSError, EOFError, isal_zlib.error) as exc:  # type: ignore[misc]  # isal's stub: error an instance
             raise UserError(f"{self.path}: cannot read the trace ({exc})") from None
 
     def _read(self, blocks: Iterator[bytes]) -> bytes:
@@ -474,8 +478,8 @@ class TraceEventStream:
             self.progress(self.bytes_read)
         return data
 
-    def _events(self, blocks: Iterator[bytes]) -> Iterator[list[dict]]:
-        pending = self._find_array(blocks)
+    def _events(self, blocks: Iterator[bytes]) -> Iterator[list[Any]]:
+        pending: bytes | memoryview = self._find_array(blocks)
         spellings = _SEPARATOR.findall(pending[:_SNIFF_BYTES])
         if spellings:
             self._separator = max(set(spellings), key=spellings.count)
@@ -649,7 +653,7 @@ def read_ahead(items: Iterator[_T], depth: int = 2) -> Generator[_T, None, None]
 
 
 @contextlib.contextmanager
-def _opened(path: str, content: TraceContent | None) -> Iterator[BinaryIO]:
+def _opened(path: str, content: TraceContent | None) -> Iterator[BinaryIO | igzip.IGzipFile]:
     """The trace's bytes, gunzipped (ISA-L) when they begin with the gzip magic: the file at `path`, else
     `content` (bytes, or a seekable binary file that the caller closes)."""
     with contextlib.ExitStack() as stack:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from array import array
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -232,14 +232,14 @@ class _Collected:
         interned = self.names
         self.gpu_ts.fromlist([e.ts for e in gpu])
         self.gpu_dur.fromlist([e.dur for e in gpu])
-        self.gpu_kind.fromlist(kinds)
+        self.gpu_kind.fromlist(cast("list[int]", kinds))  # None kinds were dropped above
         self.gpu_name.fromlist([interned.setdefault(n, len(interned)) for n in names])
         streams = [a.stream for a in args]
         self.gpu_stream.fromlist([s if type(s) is int else UNKNOWN for s in streams])
         corrs = [a.correlation for a in args]
         self.gpu_corr.fromlist([c if type(c) is int else UNKNOWN for c in corrs])
 
-    def _kind(self, kind: int, name: str) -> int | None:
+    def _kind(self, kind: int | None, name: str) -> int | None:
         """The provisional kind of a GPU activity: MTIA events by name, communication kernels by name."""
         if kind == _BY_NAME:
             kind = _mtia_kind(name)

@@ -98,7 +98,7 @@ def _rank_timeline(rank: int, rows: pd.DataFrame, source: str, job: str | None) 
     op_names = _derived_names(op_names, kind, start, step)
     names = sorted(set(op_names))
     name_id = {n: i for i, n in enumerate(names)}
-    world = int(rows["world_size"].max()) if rows["world_size"].notna().any() else SPAN_UNSET["world_size"]
+    world = int(rows["world_size"].max()) if rows["world_size"].notna().any() else int(SPAN_UNSET["world_size"])
     marks = np.column_stack([step_ids, step_start, step_end]) if len(step_start) else np.empty((0, 3))
     return RankTimeline.build(
         rank, start, end, kind, step=step, coll_type=coll_type, process_group=process_group, seq=seq,
