@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -58,7 +58,7 @@ class BatchBuilder:
     def _reset(self) -> None:
         self._gpu_rows: dict[int, _GpuRows] = {}
         self._gpu_blocks: list[pb.GpuSamples] = []
-        self._host: dict[str, list] = {"ts_ms": []}
+        self._host: dict[str, list[int]] = {"ts_ms": []}
         self._host_cols: dict[str, list[float]] = {}
         self._host_block: dict[str, Sequence[float]] = {}  # columns given whole (add_host_block)
         self._events: list[pb.Event] = []
@@ -388,8 +388,8 @@ def _iso(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms // 1000))
 
 
-def _check_columns(where: str, columns, n: int, allowed: frozenset[str]) -> None:
-    names = set()
+def _check_columns(where: str, columns: Iterable[pb.Column], n: int, allowed: frozenset[str]) -> None:
+    names: set[str] = set()
     for col in columns:
         if col.field not in allowed:
             raise BatchError(f"{where}: unknown field {col.field!r}")

@@ -207,18 +207,21 @@ class _Plan:
         return gpu.reshape(self.gpu_shape), host.reshape(self.host_shape)
 
 
+_Shape = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # rows, columns per block, values per column
+
+
 class _Plans:
     """Plans by batch shape; bounded, so a client inventing new shapes cannot grow memory without bound."""
 
     _MAX = 1024
 
     def __init__(self) -> None:
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[_Shape, _Plan] = {}
 
-    def get(self, shape: tuple) -> _Plan | None:
+    def get(self, shape: _Shape) -> _Plan | None:
         return self._plans.get(shape)
 
-    def learn(self, shape: tuple, plan: _Plan) -> None:
+    def learn(self, shape: _Shape, plan: _Plan) -> None:
         if len(self._plans) >= self._MAX:
             self._plans.clear()
         self._plans[shape] = plan

@@ -111,7 +111,8 @@ def _to_utc_ms(col: pd.Series, where: str) -> pd.Series:
 
 def ts_ms(series: pd.Series) -> np.ndarray:
     """Epoch milliseconds (int64) of a recording timestamp column."""
-    return pd.to_datetime(series, utc=True).dt.as_unit("ms").astype("int64").to_numpy()
+    ms: np.ndarray = pd.to_datetime(series, utc=True).dt.as_unit("ms").astype("int64").to_numpy()
+    return ms
 
 
 class RecordingWriter:
@@ -121,7 +122,7 @@ class RecordingWriter:
     range and node list into the manifest, so an agent that restarts keeps one recording.
     """
 
-    def __init__(self, path: str | os.PathLike, *, source: str, resolution_s: float | None = None,
+    def __init__(self, path: str | os.PathLike[str], *, source: str, resolution_s: float | None = None,
                  extra: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
@@ -176,7 +177,7 @@ class RecordingWriter:
 class Recording:
     """A recording opened for reading; tables come back as DataFrames in the documented schema."""
 
-    def __init__(self, path: Path, manifest: dict) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         self.path = path
         self.manifest = manifest
 
@@ -204,7 +205,7 @@ class Recording:
             yield pq.read_table(part, columns=list(columns) if columns else None).to_pandas()
 
 
-def _read_manifest(path: Path) -> dict:
+def _read_manifest(path: Path) -> dict[str, Any]:
     file = path / MANIFEST
     if not file.is_file():
         raise UserError(f"{path}: not a gpuwatch recording (no {MANIFEST})")
@@ -221,7 +222,7 @@ def _read_manifest(path: Path) -> dict:
     return manifest
 
 
-def open_recording(path: str | os.PathLike) -> Recording:
+def open_recording(path: str | os.PathLike[str]) -> Recording:
     """Open a recording directory; a clear UserError if it is not one or is from a newer gpuwatch."""
     p = Path(path)
     if p.is_file():

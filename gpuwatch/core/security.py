@@ -285,8 +285,8 @@ def add_listen_port(
     credentials = server_credentials(cert, key, client_ca) if tls else None  # type: ignore[arg-type]
     try:
         if credentials is not None:
-            return server.add_secure_port(address, credentials)
-        return server.add_insecure_port(address)
+            return int(server.add_secure_port(address, credentials))
+        return int(server.add_insecure_port(address))
     except RuntimeError:
         raise UserError(f"cannot listen on {address}: address in use or not available") from None
 
