@@ -6,6 +6,8 @@ A pure function of its inputs, so the offline `gpuwatch analyze`, the collector 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -64,8 +66,8 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
             replay.cancel()
 
 
-def _analysis(timelines: list[RankTimeline], window: dict, origin: float, matching: Matching,
-              replay: Pending[WhatIf | None] | None, *, per_step: bool, keep_segments: bool, mfu_of,
+def _analysis(timelines: list[RankTimeline], window: dict[str, Any], origin: float, matching: Matching,
+              replay: Pending[WhatIf | None] | None, *, per_step: bool, keep_segments: bool, mfu_of: _MfuOf,
               gpu_hour_price: float | None) -> Analysis:
     parts = [partition(tl, wait, origin, keep_segments=keep_segments)
              for tl, wait in zip(timelines, matching.waits)]
@@ -133,7 +135,7 @@ def _verdict(stragglers: list[Straggler], coverage: Coverage) -> str:
     return "found" if stragglers else "none"
 
 
-def _window_entry(window: dict, timelines: list[RankTimeline], parts: list[Partition]) -> Window:
+def _window_entry(window: dict[str, Any], timelines: list[RankTimeline], parts: list[Partition]) -> Window:
     steps = sorted({int(s) for tl in timelines for s in distinct(tl.step) if s >= 0})
     return Window(
         **window,
@@ -148,7 +150,7 @@ def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> TopKernels:
     """The kernels that take the most GPU time, and the most frequent ones (with how many ran under
     10 us: the small kernels behind `small_kernel_overhead`), over all ranks. Summed per timeline over
     its name ids, then merged by name (names are few; kernels are many)."""
-    merged: dict[str, list] = {}
+    merged: dict[str, list[Any]] = {}  # name -> [time, count, short count, kind]
     for tl in timelines:
         if not len(tl):
             continue
@@ -167,7 +169,7 @@ def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> TopKernels:
             row[1] += int(count[i])
             row[2] += int(short[i])
 
-    def rows(key) -> list[KernelStat]:
+    def rows(key: Callable[[tuple[str, list[Any]]], tuple[float, str]]) -> list[KernelStat]:
         ordered = sorted(merged.items(), key=key)[:limit]
         return [KernelStat(name=name, kind=KIND_NAMES[k], count=c, time_us=round(t, 3), mean_us=round(t / c, 3),
                            short_count=sh) for name, (t, c, sh, k) in ordered]
@@ -193,7 +195,7 @@ def _check_one_job(timelines: list[RankTimeline]) -> None:
         raise UserError(f"inputs come from different jobs: {sources}")
 
 
-def _us(ns) -> float:
+def _us(ns: float) -> float:
     return float(ns) / 1000.0
 
 
@@ -205,7 +207,10 @@ def _fractions(totals_ns: np.ndarray, window_ns: int) -> dict[str, float]:
     return {name: (float(v) / window_ns if window_ns else 0.0) for name, v in zip(CATEGORIES, totals_ns)}
 
 
-def _mfu_function(flops_per_step: float | None, peak_tflops: float | None):
+_MfuOf = Callable[[int, int], float | None]  # (steps, window ns) -> model FLOPs utilisation
+
+
+def _mfu_function(flops_per_step: float | None, peak_tflops: float | None) -> _MfuOf:
     if not flops_per_step or not peak_tflops:
         return lambda steps, window_ns: None
     return lambda steps, window_ns: flops_per_step * steps / (window_ns * 1e-9 * peak_tflops * 1e12)
@@ -215,7 +220,7 @@ def _known_steps(part: Partition) -> list[StepSlice]:
     return [s for s in part.steps if s.step is not None]
 
 
-def _rank_entry(tl: RankTimeline, part: Partition, matched: int, per_step: bool, mfu_of) -> RankBreakdown:
+def _rank_entry(tl: RankTimeline, part: Partition, matched: int, per_step: bool, mfu_of: _MfuOf) -> RankBreakdown:
     steps = _known_steps(part)
     busy_ns = int(part.totals_ns[COMPUTE_C] + part.totals_ns[MEMCPY_C])
     return RankBreakdown(

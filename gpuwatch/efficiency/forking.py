@@ -59,7 +59,8 @@ class Pending(Generic[_T]):
         ok, value = pickle.loads(data)
         if not ok:
             raise value
-        return value
+        result: _T = value  # what the child's call returned
+        return result
 
     def _here(self) -> _T:
         fn, args = self._call
@@ -75,7 +76,7 @@ class Pending(Generic[_T]):
             self._pid, self._pipe = 0, -1
 
 
-def _send(fd: int, fn: Callable, args: tuple) -> None:
+def _send(fd: int, fn: Callable[..., object], args: tuple[object, ...]) -> None:
     try:
         outcome = (True, fn(*args))
     except BaseException as exc:  # raised again in the parent, as the call would have raised it

@@ -73,7 +73,7 @@ def match_collectives(timelines: list[RankTimeline]) -> Matching:
     )
 
 
-def _collectives_of(i: int, tl: RankTimeline):
+def _collectives_of(i: int, tl: RankTimeline) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     idx = np.flatnonzero(tl.kind == COLLECTIVE)
     typed = tl.type_names()[idx] != "unknown"
     idx = idx[typed | ((tl.seq[idx] >= 0) & (tl.process_group[idx] >= 0))]

@@ -98,7 +98,8 @@ def to_ns_launch(launch_us: np.ndarray, origin_us: float) -> np.ndarray:
     return (np.asarray(launch_us, dtype=np.float64) - origin_us) * 1000.0
 
 
-def _layered_intervals(kind, start, end, wait):
+def _layered_intervals(kind: np.ndarray, start: np.ndarray, end: np.ndarray, wait: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Busy intervals with their priority layer; a collective splits into its wait and transfer parts."""
     layer_of_kind = np.array([0, 1, 2, 4], dtype=np.int8)  # compute, memcpy, collective(transfer), p2p
     layers = layer_of_kind[kind]
@@ -111,7 +112,8 @@ def _layered_intervals(kind, start, end, wait):
     return starts[nonempty], ends[nonempty], layers[nonempty]
 
 
-def _categorise(top, length, seg_start, act_start, act_launch):
+def _categorise(top: np.ndarray, length: np.ndarray, seg_start: np.ndarray, act_start: np.ndarray,
+                act_launch: np.ndarray) -> np.ndarray:
     """Category of each positive-length segment: the busy layer, or its idle gap's class."""
     category = top.astype(np.int64)  # busy layers 0..4 are categories 0..4 in the same order
     idle = top == _IDLE
@@ -133,7 +135,7 @@ def _categorise(top, length, seg_start, act_start, act_launch):
     return category
 
 
-def _step_cuts(step, start, w_start, w_end):
+def _step_cuts(step: np.ndarray, start: np.ndarray, w_start: int, w_end: int) -> tuple[np.ndarray, np.ndarray]:
     """Start of each known step (its first activity), sorted; the window is cut there."""
     known = step >= 0
     if not known.any():
@@ -147,7 +149,8 @@ def _step_cuts(step, start, w_start, w_end):
     return first[inside], ids[inside]
 
 
-def _step_slices(cuts, cut_steps, seg_start, length, category, w_start, w_end) -> list[StepSlice]:
+def _step_slices(cuts: np.ndarray, cut_steps: np.ndarray, seg_start: np.ndarray, length: np.ndarray,
+                 category: np.ndarray, w_start: int, w_end: int) -> list[StepSlice]:
     if not len(cuts):
         return []
     slice_of = np.searchsorted(cuts, seg_start, side="right")  # 0 = before the first step
@@ -161,7 +164,8 @@ def _step_slices(cuts, cut_steps, seg_start, length, category, w_start, w_end) -
     ]
 
 
-def _merged_segments(seg_start, length, category):
+def _merged_segments(seg_start: np.ndarray, length: np.ndarray, category: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs of equal category (for timelines drawn per category)."""
     if not len(seg_start):
         return seg_start, seg_start, category

@@ -3,6 +3,8 @@ category (the classified partition) and one track per GPU stream holding every a
 after its kernel, with its kind, collective metadata, launch, correlation, step and wait as args."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import orjson
 
@@ -17,14 +19,14 @@ def perfetto_trace(analysis: Analysis) -> bytes:
     """Chrome-trace JSON of what `analyze(..., keep_segments=True)` kept."""
     if analysis.partitions is None or analysis.timelines is None:
         raise ValueError("perfetto_trace needs analyze(..., keep_segments=True)")
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     for entry, part, tl in zip(analysis.ranks, analysis.partitions, analysis.timelines):
         events.extend(_category_events(entry.rank, part))
         events.extend(_activity_events(tl))
     return orjson.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 
-def _category_events(rank: int, part: Partition) -> list[dict]:
+def _category_events(rank: int, part: Partition) -> list[dict[str, Any]]:
     events = [{"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}]
     events += [
         {"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": name}}
@@ -41,7 +43,7 @@ def _category_events(rank: int, part: Partition) -> list[dict]:
     return events
 
 
-def _activity_events(tl: RankTimeline) -> list[dict]:
+def _activity_events(tl: RankTimeline) -> list[dict[str, Any]]:
     streams = np.unique(tl.stream)
     tid_of = {int(s): _STREAM_TID + i for i, s in enumerate(streams)}
     events = [{"ph": "M", "name": "thread_name", "pid": tl.rank, "tid": tid,

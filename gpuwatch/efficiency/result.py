@@ -186,7 +186,8 @@ class Analysis(msgspec.Struct):
 
     def to_json(self) -> dict[str, Any]:
         """The breakdown document (plain dicts and lists)."""
-        return _plain(self)
+        doc: dict[str, Any] = _plain(self)
+        return doc
 
     def json_text(self) -> str:
         """The breakdown document as JSON, indented by two spaces (as the command line prints JSON), by

@@ -69,7 +69,8 @@ def _group_median(inst: np.ndarray, value: np.ndarray, n: int) -> np.ndarray:
     sorted_values = value[order]
     lo = sorted_values[first + (counts - 1) // 2]
     hi = sorted_values[first + counts // 2]
-    return (lo + hi) / 2
+    medians: np.ndarray = (lo + hi) / 2
+    return medians
 
 
 def _binomial_tail(n: int, k: int, p: float) -> float:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from numpy.typing import DTypeLike
 
 # Activity kinds (spec "Kinds"): communication splits into collective and point-to-point.
 COMPUTE, MEMCPY, COLLECTIVE, P2P = 0, 1, 2, 3
@@ -54,7 +55,7 @@ class RankTimeline(msgspec.Struct):
     names: list[str] = msgspec.field(default_factory=list)
     group_ranks: dict[str, list[int]] = msgspec.field(default_factory=dict)
     events_sampled: bool | None = False
-    trace_meta: dict = msgspec.field(default_factory=dict)
+    trace_meta: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.start_us.shape[0])
@@ -76,12 +77,12 @@ class RankTimeline(msgspec.Struct):
         stream: np.ndarray | None = None,
         name: np.ndarray | None = None,
         correlation: np.ndarray | None = None,
-        **meta,
+        **meta: Any,
     ) -> RankTimeline:
         """Build a timeline from whatever columns are known, filling the others with "unknown"."""
         n = len(start_us)
 
-        def column(values, dtype, fill):
+        def column(values: np.ndarray | None, dtype: DTypeLike, fill: float) -> np.ndarray:
             if values is None:
                 return np.full(n, fill, dtype=dtype)
             return np.asarray(values, dtype=dtype)
@@ -134,17 +135,20 @@ class RankTimeline(msgspec.Struct):
     def type_names(self) -> np.ndarray:
         """Collective type name per activity ("" where none), for matching across ranks."""
         table = np.array(list(self.coll_types) + [""], dtype=object)
-        return table[self.coll_type]
+        names: np.ndarray = table[self.coll_type]
+        return names
 
     def kernel_names(self) -> np.ndarray:
         """Kernel (or op) name per activity ("" where unknown)."""
         table = np.array(list(self.names) + [""], dtype=object)
-        return table[self.name]
+        names: np.ndarray = table[self.name]
+        return names
 
     def group_names(self) -> np.ndarray:
         """Process group name per activity ("" where unknown)."""
         table = np.array(list(self.process_groups) + [""], dtype=object)
-        return table[self.process_group]
+        names: np.ndarray = table[self.process_group]
+        return names
 
 
 _META_FIELDS = ("rank", "coll_types", "process_groups", "world_size", "job_id", "source", "names", "group_ranks",

@@ -19,6 +19,7 @@ one rank's (or one op kind's) actual durations and all else ideal.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from typing import TypedDict
 
 import msgspec
@@ -160,7 +161,7 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
     )
 
 
-def _chains(deps: np.ndarray, pred: np.ndarray, local: np.ndarray, step: np.ndarray):
+def _chains(deps: np.ndarray, pred: np.ndarray, local: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(node of each op, first op of each node) of one rank: an op joins its stream predecessor's node
     when it waits for that op alone, neither is communication, they share a step, and nothing else
     waits for the predecessor."""
@@ -230,13 +231,14 @@ def _launch_delays(start: np.ndarray, end: np.ndarray, launch: np.ndarray, deps:
     return np.where(np.isnan(stall), 0.0, np.maximum(stall, 0.0))
 
 
-def _instances(timelines: list[RankTimeline], parts: list[_Part], matching: Matching, n: int):
+def _instances(timelines: list[RankTimeline], parts: list[_Part], matching: Matching, n: int
+               ) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
     """Cross-rank instance of each op (matched collectives, paired p2p), the ops of each, and each op's
     group size (ranks in its instance, or the size of its process group where the trace lists it)."""
     instance = np.full(n, _NO_INSTANCE, dtype=np.int64)
     group_size = np.ones(n, dtype=np.int64)
-    rows: list[tuple[int, tuple]] = []  # (global op, instance key) for collectives and p2p
-    keys: dict = {}
+    rows: list[tuple[int, tuple[object, ...]]] = []  # (global op, instance key) for collectives and p2p
+    keys: dict[tuple[object, ...], int] = {}
     for tl, p in zip(timelines, parts):
         inverse = np.empty(len(p["order"]), np.int64)
         inverse[p["order"]] = np.arange(len(p["order"]))
@@ -265,13 +267,13 @@ def _instances(timelines: list[RankTimeline], parts: list[_Part], matching: Matc
     return instance, members, group_size
 
 
-def _p2p_keys(tl: RankTimeline):
+def _p2p_keys(tl: RankTimeline) -> list[tuple[np.intp, tuple[object, ...]]]:
     """(activity index, pairing key) of each p2p op whose peer is known: the two ranks of its process
     group; paired by (group, seq) when the trace has seq, else by order between the two ranks."""
-    out = []
+    out: list[tuple[np.intp, tuple[object, ...]]] = []
     p2p = np.flatnonzero(tl.kind == P2P)
     p2p = p2p[np.argsort(tl.start_us[p2p], kind="stable")]
-    counts: dict = {}
+    counts: dict[tuple[int, ...], int] = {}
     for idx in p2p:
         g = int(tl.process_group[idx])
         if g == UNKNOWN:
@@ -296,8 +298,8 @@ def _op_keys(timelines: list[RankTimeline], parts: list[_Part], kind: np.ndarray
     """What counts as "the same op" for the ideal durations, as a dense integer per op: the kernel name
     (and kind) for compute and memory ops, (collective type, group size) for communication. Built from
     each timeline's small name tables, so no per-op string is made."""
-    ids: dict = {}
-    keys = []
+    ids: dict[tuple[object, ...], int] = {}
+    keys: list[np.ndarray] = []
     for tl, p in zip(timelines, parts):
         o = p["order"]
         kinds = tl.kind[o].astype(np.int64)
@@ -311,6 +313,7 @@ def _op_keys(timelines: list[RankTimeline], parts: list[_Part], kind: np.ndarray
         local = kinds * len(names) + name_id     # (kind, name) as one local code
         comm_code = type_id * sizes + size       # (type, group size) as one local code
         key = np.empty(len(o), np.int64)
+        label: Callable[[int], tuple[object, ...]]  # a local code's (kind, name) or (type, group size)
         for mask, code, label in ((~comm, local, lambda c, names=names: ("op", c // len(names), names[c % len(names)])),
                                   (comm, comm_code,
                                    lambda c, types=types, sizes=sizes: ("comm", types[c // sizes], c % sizes))):
@@ -352,12 +355,13 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
     n = len(graph.head)
     per_node = functools.partial(np.bincount, graph.node, minlength=n)
     actual, typical = per_node(weights=graph.transfer), per_node(weights=ideal)
-    inner = per_node(weights=graph.delay) - graph.delay[graph.head]
+    inner: np.ndarray = per_node(weights=graph.delay) - graph.delay[graph.head]
     node_rank = graph.rank_pos[graph.head]
 
     def durations(replay: int) -> np.ndarray:  # made as each group is walked: a 512-rank job has 518
         if replay == 0:
-            return actual + inner
+            with_delays: np.ndarray = actual + inner
+            return with_delays
         if replay < 3:
             return actual if replay == 1 else typical
         if replay < 3 + ranks:
@@ -395,19 +399,19 @@ def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) ->
     deps, base, instance, members = graph.deps, graph.base, graph.instance, graph.members
     started, ended = [False] * n, [False] * n
     arrived = [0] * len(members)
-    latest: list = [float("-inf")] * len(members)
+    latest: list[np.ndarray | float] = [float("-inf")] * len(members)
     closed = [False] * len(members)
     waiters: dict[int, list[int]] = {}
     stack: list[int] = []
     maximum, add = np.maximum, np.add
 
-    def finish(m: int, t) -> None:
+    def finish(m: int, t: np.ndarray | float) -> None:
         add(t, dur_of[m], end[m])
         ended[m] = True
         if m in waiters:
             stack.extend(waiters.pop(m))
 
-    def run(firsts) -> None:
+    def run(firsts: Iterable[int]) -> None:
         """Process `firsts` in order, each with everything it unblocks (a stack of ready ops)."""
         for first in firsts:
             stack.append(first)

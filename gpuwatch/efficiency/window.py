@@ -7,6 +7,8 @@ before the last `ProfilerStep` began (the last step and kernels without a launch
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from gpuwatch.efficiency.arrays import distinct
@@ -16,7 +18,7 @@ from gpuwatch.core.errors import UserError
 HTA = "hta"
 
 
-def select_steps(timelines: list[RankTimeline], spec: str | None) -> tuple[list[RankTimeline], dict]:
+def select_steps(timelines: list[RankTimeline], spec: str | None) -> tuple[list[RankTimeline], dict[str, Any]]:
     """The timelines restricted to `spec` (None: everything), and the description of the window."""
     if spec is None:
         return timelines, {"selection": "all", "rule": "every GPU activity, from the first to the last "

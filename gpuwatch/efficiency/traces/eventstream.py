@@ -363,7 +363,8 @@ def _droppable(data: np.ndarray, after_key: np.ndarray, once: np.ndarray, prefix
 def _rows_equal(rows: np.ndarray, at: int, text: bytes) -> np.ndarray:
     """Per row of a 2-D byte array: whether its bytes from `at` are `text` (compared as one opaque value
     per row, 3x faster than a byte-wise comparison reduced along the row)."""
-    return rows[:, at:at + len(text)].view(f"V{len(text)}")[:, 0] == np.void(text)
+    equal: np.ndarray = rows[:, at:at + len(text)].view(f"V{len(text)}")[:, 0] == np.void(text)
+    return equal
 
 
 def _words(*prefix_lists: tuple[bytes, ...]) -> int:
@@ -391,7 +392,8 @@ def _word_chunks(prefixes: tuple[bytes, ...]) -> list[list[tuple[np.uint64, np.u
     """Each prefix as 8-byte words (machine byte order) with the mask of the bytes it sets: a text starts
     with the prefix when, word by word, `text & mask == word`."""
     def word(chunk: bytes) -> np.uint64:
-        return np.frombuffer(chunk.ljust(8, b"\0"), np.uint64)[0]
+        value: np.uint64 = np.frombuffer(chunk.ljust(8, b"\0"), np.uint64)[0]
+        return value
 
     return [[(word(b"\xff" * len(prefix[i:i + 8])), word(prefix[i:i + 8])) for i in range(0, len(prefix), 8)]
             for prefix in prefixes]
@@ -409,7 +411,8 @@ def _one_of(words: np.ndarray, sorted_words: np.ndarray) -> np.ndarray:
     if not len(sorted_words):
         return np.zeros(len(words), bool)
     at = np.minimum(np.searchsorted(sorted_words, words), len(sorted_words) - 1)
-    return sorted_words[at] == words
+    found: np.ndarray = sorted_words[at] == words
+    return found
 
 
 def _bytes_at(data: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
@@ -417,7 +420,7 @@ def _bytes_at(data: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
     if len(data) < width:
         data = np.concatenate((data, np.zeros(width - len(data), np.uint8)))
     windows = np.lib.stride_tricks.as_strided(data, (len(data) - width + 1, width), (1, 1), writeable=False)
-    out = windows[np.minimum(at, len(windows) - 1)]
+    out: np.ndarray = windows[np.minimum(at, len(windows) - 1)]
     for row in np.flatnonzero(at >= len(windows)):  # the few offsets within `width` of the end
         tail = data[at[row]:]
         out[row] = 0
@@ -440,7 +443,7 @@ class TraceEventStream:
     def __init__(self, path: str, *, block_bytes: int | None = None,
                  progress: Callable[[int], None] | None = None, only: EventFilter | None = None,
                  watch: tuple[bytes, ...] = (), content: TraceContent | None = None,
-                 decoder: msgspec.json.Decoder | None = None) -> None:
+                 decoder: msgspec.json.Decoder[Any] | None = None) -> None:
         self.path = path  # the file read, else the name of `content` in messages
         self.content = content
         self.decoder = decoder or _PLAIN
@@ -454,7 +457,7 @@ class TraceEventStream:
         self.block_bytes = block_bytes or BLOCK_BYTES
         self.progress = progress
         self.only = only
-        self.meta: dict = {}
+        self.meta: dict[str, Any] = {}
         self.bytes_read = 0
         self._separator = b"},{"
         self._layout: Layout | None = None
@@ -528,7 +531,7 @@ class TraceEventStream:
                                     "a profiler trace: give the profiler's Kineto trace of the same run")
                 raise UserError(f"{self.path}: not a Chrome/Kineto trace (no traceEvents array found)")
 
-    def _cut(self, pending: bytes) -> tuple[list[dict], bytes]:
+    def _cut(self, pending: bytes) -> tuple[list[Any], bytes]:
         """Parse the longest run of whole events at the front of `pending`; return it and the rest."""
         end = len(pending)
         for _ in range(_CUT_TRIES):
@@ -546,7 +549,7 @@ class TraceEventStream:
             return events, rest[1:]
         return [], pending
 
-    def _parse(self, block: bytes | memoryview) -> list[dict] | None:
+    def _parse(self, block: bytes | memoryview) -> list[Any] | None:
         """The events of a run of whole events (with a filter: the wanted ones); None if it is not one."""
         starts_an_object = bytes(block[:64]).lstrip()[:1] == b"{"
         selection = (self.only.select(block, self._separator, self._layout, self._categories)
@@ -578,7 +581,7 @@ class TraceEventStream:
         search = self.watch.search
         self.seen = any(start < end and search(block, start, end) is not None for start, end in ranges)
 
-    def _finish(self, pending: bytes) -> tuple[list[dict], bytes]:
+    def _finish(self, pending: bytes) -> tuple[list[Any], bytes]:
         """At end of file: the rest of the events up to the array's `]`, and what follows it."""
         stripped = pending.lstrip()
         if stripped.startswith(b"]"):
@@ -593,13 +596,14 @@ class TraceEventStream:
         )
 
 
-def _decoded(decoder: msgspec.json.Decoder, text: bytes) -> list:
+def _decoded(decoder: msgspec.json.Decoder[Any], text: bytes) -> list[Any]:
     """`decoder.decode(text)` with the cycle collector paused: parsed JSON is a tree of new objects without
     cycles, so the collections its allocations would trigger (every few hundred) find nothing."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return decoder.decode(text)
+        events: list[Any] = decoder.decode(text)
+        return events
     finally:
         if enabled:
             gc.enable()
@@ -610,12 +614,12 @@ def read_ahead(items: Iterator[_T], depth: int = 2) -> Generator[_T, None, None]
     (reading, decompressing: ISA-L releases the GIL) overlaps the caller's work on the previous ones. An
     exception in the producer is raised in the caller; closing the generator stops the producer. (A deque and
     two semaphores, not a `queue.Queue`: the queue module and heapq cost 1 ms to import, for this alone.)"""
-    handed: collections.deque = collections.deque()
+    handed: collections.deque[tuple[Any, BaseException | None]] = collections.deque()
     waiting = threading.Semaphore(0)  # entries in `handed`
     room = threading.Semaphore(depth)  # places for more
     stop = threading.Event()
 
-    def hand(entry: tuple) -> None:
+    def hand(entry: tuple[Any, BaseException | None]) -> None:
         handed.append(entry)
         waiting.release()
 
@@ -666,7 +670,7 @@ def _opened(path: str, content: TraceContent | None) -> Iterator[BinaryIO | igzi
         yield stack.enter_context(igzip.IGzipFile(fileobj=f, mode="rb")) if magic == b"\x1f\x8b" else f
 
 
-def _parse_head(path: str, head: bytes) -> dict:
+def _parse_head(path: str, head: bytes) -> dict[str, Any]:
     text = head.rstrip().rstrip(b",")
     try:
         return _PLAIN.decode(text + b"}") if text.strip() != b"{" else {}
@@ -674,7 +678,7 @@ def _parse_head(path: str, head: bytes) -> dict:
         raise UserError(f"{path}: invalid JSON before the traceEvents array") from None
 
 
-def _parse_tail(path: str, tail: bytes) -> dict:
+def _parse_tail(path: str, tail: bytes) -> dict[str, Any]:
     text = tail.strip()
     if text in (b"", b"}"):
         return {}

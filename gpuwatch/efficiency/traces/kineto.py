@@ -101,16 +101,16 @@ _DTYPE_BYTES = {
 _RANK_IN_NAME = r"(?i)rank[-_]?(\d+)"  # compiled when first used (re caches it): a trace names its rank
 
 
-class _Interner(dict):
+class _Interner(dict[Any, int]):
     """String (or key) -> dense int id, in order of first appearance."""
 
-    def id(self, key) -> int:
+    def id(self, key: Any) -> int:
         found = self.get(key)
         if found is None:
             found = self[key] = len(self)
         return found
 
-    def names(self) -> list:
+    def names(self) -> list[Any]:
         return list(self)
 
 
@@ -145,7 +145,7 @@ class _CommMeta:
             "nbytes": np.frombuffer(self.nbytes, dtype=np.int64).copy(),
         }
 
-    def spread(self, at: array, size: int) -> dict[str, np.ndarray]:
+    def spread(self, at: array[int], size: int) -> dict[str, np.ndarray]:
         """The columns for `size` rows, where row `at[i]` holds entry i and every other row is UNKNOWN."""
         rows = np.frombuffer(at, dtype=np.int64)
         columns = {}
@@ -292,7 +292,7 @@ def _mtia_kind(name: str) -> int | None:
     return MEMCPY if name.startswith("dma") else COMPUTE
 
 
-def _described(meta: dict) -> dict:
+def _described(meta: dict[str, Any]) -> dict[str, Any]:
     """The descriptive top-level keys of a trace, device properties reduced to the device names."""
     out = {k: meta[k] for k in _META_KEYS if k in meta and k != "deviceProperties"}
     devices = meta.get("deviceProperties")
@@ -304,7 +304,7 @@ def _described(meta: dict) -> dict:
     return out
 
 
-def _sampled(path: str, meta: dict, tl: RankTimeline, flow_arrows: bool) -> bool | None:
+def _sampled(path: str, meta: dict[str, Any], tl: RankTimeline, flow_arrows: bool) -> bool | None:
     """Whether the trace holds only a sample of its events. True when its path or metadata says so, or
     when its GPU work has launch records but the trace has none of the launch flow arrows the profiler
     always writes with them (a trace filtered after profiling); None (unknown) when some GPU activities
@@ -316,7 +316,7 @@ def _sampled(path: str, meta: dict, tl: RankTimeline, flow_arrows: bool) -> bool
     return None if orphans.any() else False
 
 
-def _rank_list(members) -> list[int]:
+def _rank_list(members: Any) -> list[int]:
     """`Process Group Ranks` as a list of ints (the profiler writes a list or its string form)."""
     if isinstance(members, str):
         members = [m for m in re.split(r"[^0-9]+", members) if m]
@@ -326,9 +326,10 @@ def _rank_list(members) -> list[int]:
         return []
 
 
-def _rank_of(path: str, info: dict, default_rank: int | None) -> int:
+def _rank_of(path: str, info: dict[str, Any], default_rank: int | None) -> int:
     if isinstance(info.get("rank"), int):
-        return info["rank"]
+        rank: int = info["rank"]
+        return rank
     match = re.search(_RANK_IN_NAME, path.rsplit("/", 1)[-1])
     if match:
         return int(match.group(1))

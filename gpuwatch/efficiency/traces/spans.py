@@ -132,7 +132,8 @@ def _step_at(t: np.ndarray, step_start: np.ndarray, step_end: np.ndarray, step_i
     return np.where(ok, ids[np.maximum(idx, 0)], UNKNOWN)
 
 
-def _subtract(a_start, a_end, b_start, b_end) -> tuple[np.ndarray, np.ndarray]:
+def _subtract(a_start: np.ndarray, a_end: np.ndarray, b_start: np.ndarray, b_end: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
     """Intervals A minus the union of intervals B; pieces stay cut at every A boundary (so at step ends)."""
     points = np.concatenate([a_start, a_end, b_start, b_end])
     a_delta = np.concatenate([np.ones(len(a_start)), -np.ones(len(a_end)), np.zeros(2 * len(b_start))])
