@@ -101,6 +101,21 @@ def test_nvml_latency_is_measured_through_the_agents_sampler():
     assert all(getattr(pynvml, name) is fn for name, fn in originals.items())  # pynvml restored
 
 
+def test_each_field_is_timed_alone_beside_its_tiers_batch():
+    """Which field makes the fast tier's batched call slow: every field read alone, per GPU, per tick."""
+    with SimulatedFleet(2):
+        result = nvml_latency.measure_field_latency(ticks=3)
+    assert result["gpus"] == 2 and set(result["batched"]) == {"fast", "slow"}
+    assert result["batched"]["fast"]["count"] == 6
+    fields = result["fields"]
+    assert {"gpu_energy_joules_total", "gpu_nvlink_tx_bytes_total", "gpu_ecc_dbe_volatile_total"} <= set(fields)
+    assert all(f["count"] == 6 and f["median_us"] > 0 for f in fields.values())
+    assert fields["gpu_energy_joules_total"]["tier"] == "fast" and fields["gpu_energy_joules_total"]["nvml_return"] == 0
+    assert fields["gpu_retired_pages_dbe"]["nvml_return"] != 0  # the simulated H100 has no retired-pages fields
+    text = "\n".join(report._latency({"ticks": 1, "gpus": 2, "tiers": {}, "fields": result}))
+    assert "gpu_energy_joules_total" in text and "each field read alone" in text
+
+
 # ---------------------------------------------------------------------------- XID thread, --check, MIG
 def test_xid_watcher_on_a_healthy_gpu_waits_without_spinning():
     with SimulatedFleet(2):

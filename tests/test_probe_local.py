@@ -8,12 +8,14 @@ import stat
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
 from gpuwatch.agent.probe_socket import ProbeListener
 from gpuwatch.probe.endpoint import default_endpoint
-from gpuwatch.probe.flight_recorder import FlightRecorderHarvester, entry_to_row, flight_recorder_enabled
+from gpuwatch.probe.flight_recorder import (FlightRecorderHarvester, FlightRecorders, entry_to_row, find_dump_functions,
+                                            flight_recorder_enabled)
 from gpuwatch.probe.identity import identity_from_environment
 from gpuwatch.probe.sender import DatagramSender
 from gpuwatch.probe.wire import SpanRow, decode_datagram, encode_datagrams
@@ -182,6 +184,62 @@ def test_flight_recorder_harvester_of_a_restarted_probe_skips_the_earlier_probes
     entries.append(later)
     assert [r.seq for r in harvester.harvest(lambda _: 0)] == [13]
     assert [r.seq for r in FlightRecorderHarvester(dump).harvest(lambda _: 0)] == [12, 13]  # no baseline: all
+
+
+def test_a_retired_entry_is_finished_whatever_its_state_says():
+    """The watchdog retires an entry after freeing its events; its state can stay 'scheduled' or 'started'."""
+    retired = dict(FR_ENTRY, state="scheduled", retired=True, time_discovered_started_ns=0,
+                   time_discovered_completed_ns=0)
+    assert entry_to_row(retired, 3).dur_us == 1500.0  # duration_ms (TORCH_NCCL_ENABLE_TIMING=1)
+    gloo_like = dict(retired, duration_ms=None)
+    assert entry_to_row(gloo_like, 3) is None  # finished, but nothing says how long it took
+    harvester = FlightRecorderHarvester(lambda *_: json.dumps({"entries": [gloo_like]}))
+    assert harvester.harvest(lambda _: 0) == [] and harvester.untimed == 1
+    assert harvester.harvest(lambda _: 0) == [] and harvester.untimed == 1  # counted once
+
+
+def test_every_recorder_is_read_and_an_op_seen_twice_is_sent_once():
+    """NCCL's recorder and the generic one are separate dumps on a CUDA build; some builds show one op in both."""
+    nccl = [FR_ENTRY, dict(FR_ENTRY, record_id=8, collective_seq_id=13)]
+    generic = [dict(FR_ENTRY, record_id=0, pg_id=1, process_group=["1", "gloo_pg"], profiling_name="gloo:barrier"),
+               dict(FR_ENTRY, record_id=1, collective_seq_id=13)]  # the same op as nccl's record 8
+    recorders = FlightRecorders([FlightRecorderHarvester(lambda *_: json.dumps({"entries": nccl})),
+                                 FlightRecorderHarvester(lambda *_: json.dumps({"entries": generic}))])
+    rows = recorders.harvest(lambda _: 0)
+    assert sorted((r.process_group, r.name, r.seq) for r in rows) == [("0", "all_reduce", 12), ("0", "all_reduce", 13),
+                                                              ("1", "barrier", 12)]
+    assert recorders.harvest(lambda _: 0) == []
+    assert find_dump_functions(types.SimpleNamespace(_dump_fr_trace_json=len, _dump_nccl_trace_json=min)) == [len, min]
+
+
+_REAL_FLIGHT_RECORDER_JOB = """
+import json, os, sys
+import torch, torch.distributed as dist
+from gpuwatch.probe.flight_recorder import FlightRecorders, entry_finished, find_dump_functions
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
+dumps = find_dump_functions(torch._C._distributed_c10d)
+recorders = FlightRecorders.starting_now(dumps)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+for _ in range(4):
+    model(torch.randn(2, 8)).sum().backward()
+entries = [e for dump in dumps for e in json.loads(dump(True, False))["entries"]]
+rows = recorders.harvest(lambda _: 0)
+print(json.dumps({"finished": sum(map(entry_finished, entries)), "states": sorted({e["state"] for e in entries}),
+                  "rows": len(rows), "untimed": recorders.untimed, "entries": len(entries)}))
+dist.destroy_process_group()
+"""
+
+
+def test_the_real_flight_recorder_of_a_gloo_job_is_read(tmp_path):
+    """torch's own recorder, world size 1: its entries are retired but stay 'scheduled', with no timing on gloo."""
+    pytest.importorskip("torch")
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "2000"}
+    run = subprocess.run([sys.executable, "-c", _REAL_FLIGHT_RECORDER_JOB, str(tmp_path / "store")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["entries"] >= 4 and seen["finished"] >= 4, seen  # one all-reduce a step at least
+    assert seen["rows"] + seen["untimed"] >= 4, seen  # every finished entry after the start is accounted for
 
 
 def test_profiler_window_ships_compact_span_rows(tmp_path):

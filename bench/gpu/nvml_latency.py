@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pynvml
 
-from gpuwatch.agent.nvml import GPM_MIN_SPACING_S, NvmlSampler
+from gpuwatch.agent.nvml import FAST_FIELD_VALUES, GPM_MIN_SPACING_S, SLOW_FIELD_VALUES, NvmlSampler
 from stats import percentiles_us
 
 TIERS = ("fast", "gpm", "slow")
@@ -112,3 +112,43 @@ def measure_latency(ticks: int, spacing_s: float = GPM_MIN_SPACING_S * 1.2) -> d
             "per_function": {name: percentiles_us(samples) for name, samples in sorted(sampler.calls[tier].items())},
         }
     return result
+
+
+def measure_field_latency(ticks: int) -> dict:
+    """Each field of the fast and slow tiers read alone, ``ticks`` times per GPU: which field makes the batched
+    ``nvmlDeviceGetFieldValues`` call slow, so it can be split off or moved to a slower tier.
+
+    Returns per field (the gpuwatch name): its tier, the NVML return code of the first read, and the latency
+    of one single-field call (count, median, p99 in µs, pooled over GPUs); and the batched call per tier."""
+    specs = [("fast", spec) for spec in FAST_FIELD_VALUES] + [("slow", spec) for spec in SLOW_FIELD_VALUES]
+    alone: dict[str, list[int]] = defaultdict(list)
+    batched: dict[str, list[int]] = defaultdict(list)
+    codes: dict[str, int] = {}
+    pynvml.nvmlInit()
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        for _ in range(ticks):
+            for handle in handles:
+                for tier, group in (("fast", FAST_FIELD_VALUES), ("slow", SLOW_FIELD_VALUES)):
+                    ids = [fid if scope is None else (fid, scope) for fid, scope, _, _ in group]
+                    start = time.perf_counter_ns()
+                    with contextlib.suppress(pynvml.NVMLError):
+                        pynvml.nvmlDeviceGetFieldValues(handle, ids)
+                    batched[tier].append(time.perf_counter_ns() - start)
+                for _tier, (fid, scope, name, _scale) in specs:
+                    start = time.perf_counter_ns()
+                    try:
+                        code = int(pynvml.nvmlDeviceGetFieldValues(
+                            handle, [fid if scope is None else (fid, scope)])[0].nvmlReturn)
+                    except pynvml.NVMLError as error:  # the whole call refused (a driver may answer so)
+                        code = int(error.value)
+                    alone[name].append(time.perf_counter_ns() - start)
+                    codes.setdefault(name, code)
+    finally:
+        pynvml.nvmlShutdown()
+    return {
+        "ticks": ticks, "gpus": len(handles),
+        "batched": {tier: percentiles_us(samples) for tier, samples in batched.items()},
+        "fields": {name: {"tier": tier, "nvml_return": codes.get(name), **percentiles_us(alone[name])}
+                   for tier, (_fid, _scope, name, _scale) in specs},
+    }

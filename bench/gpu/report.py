@@ -123,6 +123,16 @@ def _latency(r: dict) -> list[str]:
     if per_function:
         lines += ["Per NVML function:", "",
                   *_table(["tier", "function", "calls", "median µs", "p99 µs"], per_function), ""]
+    fields = r.get("fields")
+    if fields:
+        batched = [[tier, str(s["count"]), _num(s["median_us"], 1), _num(s["p99_us"], 1)]
+                   for tier, s in fields["batched"].items()]
+        alone = [[name, f["tier"], str(f["nvml_return"]), str(f["count"]), _num(f["median_us"], 1),
+                  _num(f["p99_us"], 1)] for name, f in sorted(fields["fields"].items(),
+                                                             key=lambda kv: -(kv[1]["median_us"] or 0))]
+        lines += ["nvmlDeviceGetFieldValues: each tier's batch, then each field read alone (slowest first):", "",
+                  *_table(["tier", "calls", "median µs", "p99 µs"], batched), "",
+                  *_table(["field", "tier", "NVML return", "calls", "median µs", "p99 µs"], alone), ""]
     return lines
 
 

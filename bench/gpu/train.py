@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gpuwatch.probe
-from gpuwatch.probe.flight_recorder import find_dump_function, flight_recorder_enabled
+from gpuwatch.probe.flight_recorder import find_dump_functions, flight_recorder_enabled
 from machine import nccl_version
 from stats import resolved
 
@@ -148,7 +148,7 @@ def _sum_stats(stats: list[dict]) -> dict:
 def environment(device: str) -> dict:
     """What this process runs on and which GPU timing path the probe will take (same rule as the probe)."""
     fr_on = flight_recorder_enabled(os.environ)
-    fr_dump = dist.is_available() and find_dump_function(torch._C._distributed_c10d) is not None
+    fr_dump = dist.is_available() and bool(find_dump_functions(torch._C._distributed_c10d))
     info = {"torch": torch.__version__, "device": device, "backend": dist.get_backend(),
             "world_size": dist.get_world_size(), "rank": dist.get_rank(),
             "flight_recorder_env": fr_on, "flight_recorder_dump_available": fr_dump,

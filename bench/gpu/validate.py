@@ -84,6 +84,7 @@ def step_machine(plan: Plan, allowed_s: float) -> dict:
 def step_nvml_latency(plan: Plan, allowed_s: float) -> dict:
     with plan.nvml():
         result = nvml_latency.measure_latency(ticks=20 if plan.quick else 100)
+        result["fields"] = nvml_latency.measure_field_latency(ticks=5 if plan.quick else 30)
     counts = {tier: result["tiers"][tier]["per_call"]["count"] for tier in nvml_latency.TIERS}
     result["checks"] = [{"name": f"{tier} tier made NVML calls", "ok": count > 0, "detail": f"{count} calls"}
                         for tier, count in counts.items()]

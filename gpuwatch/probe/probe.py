@@ -69,12 +69,12 @@ class Probe:
         except ImportError:
             return
         from gpuwatch.probe.collectives import CollectiveRecorder
-        from gpuwatch.probe.flight_recorder import find_dump_function, flight_recorder_enabled, FlightRecorderHarvester
+        from gpuwatch.probe.flight_recorder import FlightRecorders, find_dump_functions, flight_recorder_enabled
 
         if flight_recorder_enabled(os.environ) and dist.is_available():
-            dump = find_dump_function(torch._C._distributed_c10d)
-            if dump is not None:
-                self._flight_recorder = FlightRecorderHarvester.starting_now(dump)
+            dumps = find_dump_functions(torch._C._distributed_c10d)
+            if dumps:
+                self._flight_recorder = FlightRecorders.starting_now(dumps)
         if self._flight_recorder is None and torch.cuda.is_available() and torch.cuda.is_initialized():
             from gpuwatch.probe.cuda_timing import CudaEventTimer
             self._cuda_timer = CudaEventTimer(torch)
@@ -177,6 +177,7 @@ class Probe:
             "dropped": self._buffer.overflowed + self._send_failed,
             "pending": len(self._buffer),
             "errors": self._errors + recorder_errors,
+            "untimed_collectives": self._flight_recorder.untimed if self._flight_recorder is not None else 0,
         }
 
     def close(self) -> None:
