@@ -3,9 +3,16 @@ spool disk that survive a restart, one disk-full warning per episode, token file
 plaintext entry in a collector list, an agent whose every batch was refused, a recording agent killed
 mid-run, and recordings with parts missing or empty."""
 import logging
+import os
+import subprocess
+import sys
+
+import pytest
 
 from gpuwatch.agent.spool import Spool, SpoolFull
 from gpuwatch.core.batches import BatchBuilder
+from gpuwatch.core.errors import UserError
+from gpuwatch.core.security import read_token
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import T0_MS, fill_disk, small_filesystem
 
@@ -61,3 +68,38 @@ def test_a_full_disk_warns_once_per_episode_not_once_per_batch(tmp_path, caplog)
             assert _spool_one(spool, payload=20_000) is not None
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 2 and "room again" in lines[1], lines
+
+
+# ---- point 10: a token file others may read is refused, as ssh refuses such a key ----------------------------
+def _gpuwatch(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuwatch", *argv], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_token_file_others_may_read_is_refused_by_agent_and_collector(tmp_path, mode):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(mode)
+    agent = _gpuwatch("agent", "--collector", "127.0.0.1:1", "--token-file", str(token), "--simulate", "1",
+                      "--ticks", "1", "--spool", str(tmp_path / "spool"))
+    collector = _gpuwatch("collector", "--db", str(tmp_path / "c.duckdb"), "--listen", "127.0.0.1:0",
+                          "--token-file", str(token))
+    for result in (agent, collector):
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        assert f"token file {token}: permissions {mode:04o} are too open" in result.stderr
+        assert f"chmod 600 {token}" in result.stderr
+    assert not (tmp_path / "c.duckdb").exists()
+
+
+def test_a_private_token_file_and_a_root_owned_group_secret_are_accepted(tmp_path, monkeypatch):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    assert read_token(token) == "s3cret"
+    token.chmod(0o440)  # a Kubernetes secret mounted with fsGroup: owned by root, readable by our group
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(token).st_uid + 1)
+    assert read_token(token) == "s3cret"
+    token.chmod(0o444)  # but never one anybody may read
+    with pytest.raises(UserError, match="permissions 0444 are too open"):
+        read_token(token)

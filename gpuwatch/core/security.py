@@ -50,11 +50,27 @@ def _read_pem(path: PathLike, what: str) -> bytes:
 
 
 def read_token(path: PathLike) -> str:
-    """The bearer token in a file (surrounding whitespace stripped); one line, no spaces."""
+    """The bearer token in a file (surrounding whitespace stripped); one line, no spaces; refused, as ssh
+    refuses a private key, when others may read it (see :func:`check_private`)."""
     token = _read(path, "token file").decode("utf-8", "replace").strip()
+    check_private(path, "token file")
     if any(c.isspace() for c in token):
         raise UserError(f"token file {path}: the token must be one word without spaces or line breaks")
     return token
+
+
+def check_private(path: PathLike, what: str) -> None:
+    """UserError when a secret file is readable by others: world-readable whoever owns it, or open to its
+    group or others while owned by this user (ssh's rule for keys; a file owned by root and shared with
+    this user's group, as Kubernetes mounts a secret with fsGroup, is accepted)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise UserError(f"{what} {path}: cannot read: {exc.strerror}") from None
+    mode = st.st_mode & 0o777
+    if mode & 0o004 or (st.st_uid == os.geteuid() and mode & 0o077):
+        raise UserError(f"{what} {path}: permissions {mode:04o} are too open (others can read the secret); "
+                        f"run chmod 600 {path}")
 
 
 def _pair(cert: PathLike | None, key: PathLike | None, role: str) -> tuple[bytes, bytes] | None:
