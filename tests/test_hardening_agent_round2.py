@@ -4,15 +4,19 @@ plaintext entry in a collector list, an agent whose every batch was refused, a r
 mid-run, and recordings with parts missing or empty."""
 import logging
 import os
+import socket
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from gpuwatch.agent.spool import Spool, SpoolFull
+from gpuwatch.agent.uplink import Uplink, make_channel
 from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.security import read_token
+from gpuwatch.core.settings import ClientSecurity
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import T0_MS, fill_disk, small_filesystem
 
@@ -103,3 +107,44 @@ def test_a_private_token_file_and_a_root_owned_group_secret_are_accepted(tmp_pat
     token.chmod(0o444)  # but never one anybody may read
     with pytest.raises(UserError, match="permissions 0444 are too open"):
         read_token(token)
+
+
+# ---- point 11: every collector of a list is checked at start; nothing ends the uplink thread ----------------
+def test_a_plaintext_token_to_any_listed_collector_is_refused_at_start(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    with pytest.raises(UserError, match=r"refusing to send a bearer token to localhost\.:7700 without TLS"):
+        Uplink(Spool(tmp_path / "spool"), "127.0.0.1:7700,localhost.:7700",
+               channel_security=ClientSecurity(token_file=str(token)))
+    agent = _gpuwatch("agent", "--collector", "127.0.0.1:7700,localhost.:7700", "--token-file", str(token),
+                      "--simulate", "1", "--ticks", "1", "--spool", str(tmp_path / "spool"))
+    assert agent.returncode == 2 and agent.stderr.count("\n") == 1, agent.stderr
+    assert "localhost.:7700" in agent.stderr and "Traceback" not in agent.stderr
+
+
+def test_an_error_at_a_fail_over_does_not_end_the_uplink_thread(tmp_path, sink):
+    server, address = sink
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    opened = []
+
+    def channel(target: str) -> grpc.Channel:
+        opened.append(target)
+        if target == "broken:1":
+            raise RuntimeError("cannot build this channel")
+        return make_channel(target, reconnect_max_s=0.2)
+
+    spool = Spool(tmp_path / "spool")
+    uplink = Uplink(spool, f"127.0.0.1:{dead.getsockname()[1]},broken:1,{address}", backoff_initial_s=0.01,
+                    backoff_max_s=0.05, channel_factory=channel)
+    uplink.start()
+    try:
+        for _ in range(3):
+            _spool_one(spool)
+        uplink.notify()
+        assert uplink.wait_drained(60)
+    finally:
+        uplink.stop()
+        dead.close()
+    assert "broken:1" in opened and server.store.sequences(spool.agent_id) == [1, 2, 3]

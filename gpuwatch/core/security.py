@@ -235,12 +235,22 @@ def open_channel(
         return grpc.secure_channel(target, creds, options=list(options))
     if cert is not None or key is not None:
         raise UserError("a client certificate needs TLS: give the CA certificate (tls_ca) too")
+    if token:
+        _check_token_exposure(target, insecure)
     channel = grpc.insecure_channel(target, options=list(options))
-    if not token:
-        return channel
+    return grpc.intercept_channel(channel, _BearerMetadata(token)) if token else channel
+
+
+def _check_token_exposure(target: str, insecure: bool) -> None:
     check_exposure(target, protected=False, insecure=insecure, what="to send a bearer token to",
                    needs="TLS (tls_ca)")
-    return grpc.intercept_channel(channel, _BearerMetadata(token))
+
+
+def check_client_target(target: str, client: ClientSecurity) -> None:
+    """What :func:`client_channel` would refuse for ``target``, checked without opening it: a client given
+    several targets checks all of them at start, not each when it first fails over to it."""
+    if client.token_file and client.tls_ca is None:
+        _check_token_exposure(target, client.insecure)
 
 
 def client_channel(target: str, client: ClientSecurity, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
