@@ -11,12 +11,16 @@ import sys
 import grpc
 import pytest
 
+from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.agent.spool import Spool, SpoolFull
 from gpuwatch.agent.uplink import Uplink, make_channel
+from gpuwatch.apps.agent_cli import simulated_agent
 from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.security import read_token
 from gpuwatch.core.settings import ClientSecurity
+from gpuwatch.simulator.collector_sink import IngestSink
+from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.v1 import telemetry_pb2 as pb
 from helpers import T0_MS, fill_disk, small_filesystem
 
@@ -148,3 +152,24 @@ def test_an_error_at_a_fail_over_does_not_end_the_uplink_thread(tmp_path, sink):
         uplink.stop()
         dead.close()
     assert "broken:1" in opened and server.store.sequences(spool.agent_id) == [1, 2, 3]
+
+
+# ---- point 14: --ticks exits non-zero when the collector refused what the agent made ------------------------
+@pytest.mark.parametrize("refuse_all", [True, False])
+def test_an_agent_whose_batches_were_refused_says_so_and_fails(tmp_path, refuse_all):
+    sink = IngestSink(refuse=lambda b: "no batch is welcome" if refuse_all or b.sequence == 2 else None)
+    port = sink.start()
+    cfg = AgentConfig(collector=f"127.0.0.1:{port}", node="n1", interval=0.02, batch_interval=0.1,
+                      spool=tmp_path / "spool", drain_timeout=60)
+    try:
+        with SimulatedNode(2, node="n1") as sim, pytest.raises(UserError) as refused:
+            simulated_agent(cfg, sim).run(ticks=10)
+    finally:
+        sink.stop()
+    stored = sink.store.sequences()
+    assert (stored == []) if refuse_all else (stored and 2 not in stored)
+    rejected = Spool(tmp_path / "spool").rejected()
+    assert rejected == ([1, 2, 3] if refuse_all else [2])
+    message = str(refused.value)
+    assert f"refused {len(rejected)} batches" in message and "no batch is welcome" in message
+    assert str(tmp_path / "spool" / "rejected") in message

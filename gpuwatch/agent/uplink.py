@@ -59,6 +59,7 @@ class UplinkStats:
     acked: int = 0
     duplicates: int = 0
     rejected: int = 0
+    last_rejected: str = ""  # why the collector refused the latest batch moved to rejected/
     reconnects: int = 0
     last_error: str = ""
     fenced: str = ""  # the collector's ALREADY_EXISTS message while another agent holds this agent id
@@ -271,6 +272,7 @@ class Uplink:
                 path = self.spool.quarantine(seq, reason)
                 log.error("%s; moved to %s", reason, path)
                 self.stats.rejected += 1
+                self.stats.last_rejected = reason
                 refused = True
                 continue
             self.spool.ack(ack.sequence)
