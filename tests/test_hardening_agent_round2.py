@@ -2,13 +2,18 @@
 spool disk that survive a restart, one disk-full warning per episode, token files readable by others, a
 plaintext entry in a collector list, an agent whose every batch was refused, a recording agent killed
 mid-run, and recordings with parts missing or empty."""
+import hashlib
 import logging
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
+import pandas as pd
 import pytest
 
 from gpuwatch.agent.daemon import AgentConfig
@@ -17,12 +22,13 @@ from gpuwatch.agent.uplink import Uplink, make_channel
 from gpuwatch.apps.agent_cli import simulated_agent
 from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.recording import RecordingWriter, open_recording
 from gpuwatch.core.security import read_token
 from gpuwatch.core.settings import ClientSecurity
 from gpuwatch.simulator.collector_sink import IngestSink
 from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import T0_MS, fill_disk, small_filesystem
+from helpers import T0_MS, fill_disk, poll, small_filesystem
 
 
 def _batch(spool: Spool, seq: int, payload: int = 0) -> bytes:
@@ -173,3 +179,69 @@ def test_an_agent_whose_batches_were_refused_says_so_and_fails(tmp_path, refuse_
     message = str(refused.value)
     assert f"refused {len(rejected)} batches" in message and "no batch is welcome" in message
     assert str(tmp_path / "spool" / "rejected") in message
+
+
+# ---- point 17: an agent killed while recording leaves a recording replay reads and its restart continues ----
+def _checksums(rec: Path) -> dict[str, str]:
+    return {str(p.relative_to(rec)): hashlib.sha256(p.read_bytes()).hexdigest() for p in rec.glob("*/part-*")}
+
+
+def test_a_recording_agent_killed_leaves_a_readable_recording_that_its_restart_continues(tmp_path, caplog):
+    rec = tmp_path / "R"
+    argv = ["agent", "--simulate", "2", "--node", "n1", "--interval", "0.02", "--batch-interval", "0.02",
+            "--record", str(rec), "--log-level", "warning"]
+    agent = subprocess.Popen([sys.executable, "-m", "gpuwatch", *argv], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:  # 12 batches of one tick per part: two parts are 48 GPU samples at least
+        poll(lambda: len(list((rec / "gpu_samples").glob("part-*.parquet"))) >= 2, 120, "two recorded parts")
+    finally:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+    before = _checksums(rec)
+    parts = len(list((rec / "gpu_samples").glob("part-*.parquet")))
+    killed = open_recording(rec)
+    assert killed.manifest["tables"]["gpu_samples"] == parts and killed.manifest["nodes"] == ["n1"]
+    rows = len(killed.table("gpu_samples"))
+    assert rows >= 48
+
+    (rec / "manifest.json").unlink()  # as a writer killed before its first manifest leaves it
+    caplog.set_level(logging.WARNING, logger="gpuwatch.core.recording")
+    unlisted = open_recording(rec)
+    assert any("no manifest.json" in r.getMessage() for r in caplog.records)
+    assert len(unlisted.table("gpu_samples")) == rows and unlisted.manifest["nodes"] == ["n1"]
+
+    again = _gpuwatch(*argv, "--ticks", "24")
+    assert again.returncode == 0, again.stderr
+    after = _checksums(rec)
+    assert {k: after[k] for k in before} == before  # no part of the killed run was written over
+    continued = open_recording(rec)
+    assert continued.manifest["tables"]["gpu_samples"] == len(list((rec / "gpu_samples").glob("part-*"))) > parts
+    assert len(continued.table("gpu_samples")) == rows + 2 * 24
+
+
+# ---- point 19: a recording lacking parts, or with an empty part, is a one-line error ----------------------
+def _recording(path: Path) -> None:
+    with RecordingWriter(path, source="test", resolution_s=1.0) as writer:
+        for i in range(4):
+            writer.append("gpu_samples", pd.DataFrame({"node": ["n1"], "gpu_index": [0], "ts": [T0_MS + 1000 * i]}))
+            writer.append("events", pd.DataFrame({"node": ["n1"], "gpu_index": [0], "ts": [T0_MS + 1000 * i],
+                                                  "kind": ["agent_start"], "code": [0]}))
+
+
+def test_replay_of_a_recording_lacking_its_gpu_samples_says_what_is_missing(tmp_path):
+    _recording(tmp_path / "R")
+    shutil.rmtree(tmp_path / "R" / "gpu_samples")
+    result = _gpuwatch("replay", str(tmp_path / "R"), "--offline", "--quiet")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "gpu_samples/ lacks 4 of its 4 part files" in result.stderr
+
+
+@pytest.mark.parametrize("damage, what", [(b"", "is empty (0 bytes)"),
+                                          (b"not parquet at all", "is not a readable Parquet file")])
+def test_replay_of_a_recording_with_an_empty_or_damaged_part_is_one_line(tmp_path, damage, what):
+    _recording(tmp_path / "R")
+    (tmp_path / "R" / "gpu_samples" / "part-00002.parquet").write_bytes(damage)
+    result = _gpuwatch("replay", str(tmp_path / "R"), "--offline", "--quiet")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"part {Path('gpu_samples') / 'part-00002.parquet'} {what}" in result.stderr
+    assert "Traceback" not in result.stderr
