@@ -245,3 +245,20 @@ def test_replay_of_a_recording_with_an_empty_or_damaged_part_is_one_line(tmp_pat
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"part {Path('gpu_samples') / 'part-00002.parquet'} {what}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_parts_written_after_the_last_manifest_are_read_and_never_written_over(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="gpuwatch.core.recording")
+    writer = RecordingWriter(tmp_path / "R", source="test")
+    writer.append("gpu_samples", pd.DataFrame({"node": ["n1"], "gpu_index": [0], "ts": [T0_MS]}))
+    writer.write_manifest()
+    late = writer.append("gpu_samples", pd.DataFrame({"node": ["n2"], "gpu_index": [0], "ts": [T0_MS + 5000]}))
+    checksum = hashlib.sha256(late.read_bytes()).hexdigest()  # the writer is killed here: no manifest update
+    rec = open_recording(tmp_path / "R")
+    assert rec.manifest["nodes"] == ["n1", "n2"] and rec.manifest["end_ms"] == T0_MS + 5000
+    assert len(rec.table("gpu_samples")) == 2 and "1 part files are not in manifest.json" in caplog.text
+    with RecordingWriter(tmp_path / "R", source="test") as again:
+        assert again.append("gpu_samples", pd.DataFrame({"node": ["n1"], "gpu_index": [0], "ts": [T0_MS]})).name \
+            == "part-00002.parquet"
+    assert hashlib.sha256(late.read_bytes()).hexdigest() == checksum
+    assert open_recording(tmp_path / "R").manifest["tables"]["gpu_samples"] == 3

@@ -138,7 +138,10 @@ class RecordingWriter:
         self._manifest = _read_manifest(self.path) if existing else _new_manifest(source, resolution_s)
         for leftover in self.path.glob("*/.part-*.tmp"):  # a part being written when a writer was killed
             leftover.unlink(missing_ok=True)
-        self._manifest = _count_in_unlisted_parts(self.path, self._manifest)
+        self._manifest, unlisted = _count_in_unlisted_parts(self.path, self._manifest)
+        if unlisted:
+            log.warning("recording %s: %d part files were not in %s (its last writer was stopped); continuing "
+                        "after them", self.path, unlisted, MANIFEST)
         if extra:
             self._manifest.setdefault("extra", {}).update(extra)
         self._nodes = set(self._manifest["nodes"])
@@ -202,9 +205,9 @@ def _part_numbers(path: Path, table: str) -> list[int]:
     return sorted(int(m.group(1)) for p in (path / table).glob("part-*.parquet") if (m := _PART.fullmatch(p.name)))
 
 
-def _count_in_unlisted_parts(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def _count_in_unlisted_parts(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The manifest with the parts its writer wrote after it last wrote the manifest (it was killed): their
-    numbers, nodes and time range. Logs what it counted in."""
+    numbers, nodes and time range; and how many such parts there were."""
     manifest = {**manifest, "tables": dict(manifest.get("tables") or {})}
     nodes = set(manifest.get("nodes") or [])
     found = 0
@@ -218,11 +221,8 @@ def _count_in_unlisted_parts(path: Path, manifest: dict[str, Any]) -> dict[str, 
         if unlisted:
             manifest["tables"][table] = unlisted[-1] + 1
             found += len(unlisted)
-    if found:
-        manifest["nodes"] = sorted(nodes)
-        log.warning("recording %s: %d part files are not in %s (its writer stopped before updating it); "
-                    "they are read too", path, found, MANIFEST)
-    return manifest
+    manifest["nodes"] = sorted(nodes)
+    return manifest, found
 
 
 def _read_parts(path: Path, parts: list[Path], **kwargs: Any) -> pa.Table:
@@ -311,13 +311,14 @@ def open_recording(path: str | os.PathLike) -> Recording:
         raise UserError(f"{p} is a file, not a recording directory")
     if not p.is_dir():
         raise UserError(f"{p}: not a gpuwatch recording (no such directory)")
-    if (p / MANIFEST).exists() or not any(_part_numbers(p, t) for t in TABLES):
-        manifest = _read_manifest(p)
-    else:
-        log.warning("recording %s: no %s (its writer was stopped before writing it); reading its part files",
-                    p, MANIFEST)
-        manifest = _new_manifest(None, None)
-    manifest = _count_in_unlisted_parts(p, manifest)
+    listed = (p / MANIFEST).exists() or not any(_part_numbers(p, t) for t in TABLES)
+    manifest, unlisted = _count_in_unlisted_parts(p, _read_manifest(p) if listed else _new_manifest(None, None))
+    if not listed:
+        log.warning("recording %s: no %s (its writer was stopped before writing it); reading its %d part files",
+                    p, MANIFEST, unlisted)
+    elif unlisted:
+        log.warning("recording %s: %d part files are not in %s (its writer was stopped before adding them); "
+                    "reading them too", p, unlisted, MANIFEST)
     _check_listed_parts(p, manifest)
     return Recording(p, manifest)
 
