@@ -213,10 +213,10 @@ class Agent:
             if ticks is not None:
                 raise UserError(message)
             log.warning("%s", message)
-        refused = self.uplink.stats.rejected if self.uplink else 0
-        if refused:
-            message = (f"collector {cfg.collector} refused {refused} batches, never to be stored "
-                       f"({self.uplink.stats.last_rejected}); they are kept with the reasons in "
+        if self.uplink is not None and self.uplink.stats.rejected:
+            stats = self.uplink.stats
+            message = (f"collector {cfg.collector} refused {stats.rejected} batches, never to be stored "
+                       f"({stats.last_rejected}); they are kept with the reasons in "
                        f"{cfg.spool_dir / 'rejected'}")
             if ticks is not None:  # --ticks promises everything acknowledged: an exit status must not say so
                 raise UserError(message)
