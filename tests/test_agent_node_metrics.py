@@ -95,6 +95,7 @@ def test_agent_serves_the_collectors_per_gpu_series_and_counts_xids(running_agen
 
 def test_the_endpoint_asks_for_its_token(tmp_path):
     (tmp_path / "token").write_text("s3cret\n")
+    (tmp_path / "token").chmod(0o600)
     cfg = AgentConfig(collector=None, record=tmp_path / "rec", node="n8", interval=0.05,
                       metrics_listen="127.0.0.1:0", metrics_token_file=str(tmp_path / "token"))
     with running_simulated_agent(cfg, 1) as (agent, _):

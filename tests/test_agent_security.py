@@ -66,6 +66,7 @@ def test_agent_sends_over_mutual_tls_with_a_token(tmp_path, pki, mtls_sink):  # 
     sink, address = mtls_sink
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
     summary = _run(tmp_path, address, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"],
                    token_file=str(token))
     assert summary.pending == 0
@@ -76,6 +77,7 @@ def test_wrong_token_or_rogue_certificate_is_refused_and_data_kept(tmp_path, pki
     _, address = mtls_sink
     token = tmp_path / "token"
     token.write_text("not-the-token")
+    token.chmod(0o600)
     with pytest.raises(UserError, match="UNAUTHENTICATED.*kept in the spool"):
         _run(tmp_path, address, 2.0, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"],
              token_file=str(token))

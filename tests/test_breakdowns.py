@@ -168,6 +168,7 @@ def test_cli_submit_and_breakdown(collector, tmp_path, capsys):
 def test_cli_with_a_token_collector(tmp_path, capsys, monkeypatch):
     token_file = tmp_path / "token"
     token_file.write_text("breakdown-token\n")
+    token_file.chmod(0o600)
     server = serve("127.0.0.1:0", str(tmp_path / "t.duckdb"), token="breakdown-token")
     try:
         flags = ["--collector", server.address, "--json"]

@@ -21,6 +21,7 @@ from helpers import ROWS_PER_BATCH, TOKEN, make_batch
 def token_file(tmp_path):
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
     return str(path)
 
 
@@ -96,6 +97,7 @@ def test_plaintext_beyond_loopback_is_refused_unless_insecure(tmp_path):
 def test_a_stream_without_the_token_is_refused_and_the_collector_keeps_serving(collector, pki, tmp_path):
     agent = {"ca": pki["ca"], "cert": pki["client"], "key": pki["client_key"]}
     (tmp_path / "wrong-token").write_text("not-the-token")
+    (tmp_path / "wrong-token").chmod(0o600)
     for token_file in (None, str(tmp_path / "wrong-token")):
         ch = client.channel(collector.address,
                             security=ClientSecurity(pki["ca"], pki["client"], pki["client_key"], token_file))

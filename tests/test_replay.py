@@ -206,6 +206,7 @@ def test_a_refused_batch_ends_the_replay_with_an_error_and_keeps_what_was_acked(
 def test_replay_into_a_token_collector(agent_recording, tmp_path, capsys):
     token_file = tmp_path / "token"
     token_file.write_text("replay-token\n")
+    token_file.chmod(0o600)
     server = serve("127.0.0.1:0", str(tmp_path / "t.duckdb"), token="replay-token")
     try:
         argv = ["replay", str(agent_recording), "--collector", server.address, "--quiet", "--json"]

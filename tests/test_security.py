@@ -147,6 +147,7 @@ def test_port_in_use_is_a_clear_error():
 def test_read_token(tmp_path):
     good = tmp_path / "token"
     good.write_text(f"  {TOKEN}\n")
+    good.chmod(0o600)
     assert security.read_token(good) == TOKEN
     empty = tmp_path / "empty"
     empty.write_text("\n")
@@ -154,6 +155,7 @@ def test_read_token(tmp_path):
         security.read_token(empty)
     spaced = tmp_path / "spaced"
     spaced.write_text("two words")
+    spaced.chmod(0o600)
     with pytest.raises(UserError, match="one word"):
         security.read_token(spaced)
 

@@ -220,6 +220,14 @@ class Agent:
             if ticks is not None:
                 raise UserError(message)
             log.warning("%s", message)
+        if self.uplink is not None and self.uplink.stats.rejected:
+            stats = self.uplink.stats
+            message = (f"collector {cfg.collector} refused {stats.rejected} batches, never to be stored "
+                       f"({stats.last_rejected}); they are kept with the reasons in "
+                       f"{cfg.spool_dir / 'rejected'}")
+            if ticks is not None:  # --ticks promises everything acknowledged: an exit status must not say so
+                raise UserError(message)
+            log.warning("%s", message)
         return RunSummary(done, batches, pending)
 
     def _drain(self, ticks: int | None) -> bool:

@@ -2,8 +2,9 @@
 
 A recording is what replay, training and `import` read, so a node can capture its own telemetry with or
 without a collector. Batches are buffered and written ``batches_per_part`` at a time (one Parquet part file
-per table), so a recording of a day at 1 Hz is a few thousand files, not hundreds of thousands; ``close``
-writes the rest and the manifest.
+per table), so a recording of a day at 1 Hz is a few thousand files, not hundreds of thousands. The manifest
+is rewritten after each flush and by ``close``, so an agent killed mid-run leaves a recording that replay
+reads (minus the batches still buffered) and that its next start continues after the last part.
 """
 from __future__ import annotations
 
@@ -42,14 +43,14 @@ class BatchRecorder:
             self.flush()
 
     def flush(self) -> None:
-        """Write what is buffered: one part file per table."""
+        """Write what is buffered (one part file per table), then the manifest."""
         for table, frames in self._buffered.items():
             if frames:
                 self.writer.append(table, pd.concat(frames, ignore_index=True))
         self._buffered.clear()
         self._held = 0
+        self.writer.write_manifest()
 
     def close(self) -> None:
-        """Write the rest and the manifest (readers see a complete recording only after this)."""
+        """Write the rest and the manifest."""
         self.flush()
-        self.writer.close()

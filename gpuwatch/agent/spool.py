@@ -2,15 +2,20 @@
 
 Layout of the spool directory (0700; files 0600: telemetry names jobs and hosts):
   state.json            agent_id, next sequence number, running totals of dropped batches (durable)
+  state.reserve         the same state in two fixed-size slots allocated while the disk had room, rewritten in
+                        place (no new block needed) when state.json cannot be replaced for a full disk
   batches/<seq>.pb      one record per file: ``GWS1``, payload length and CRC32C (big-endian u32 each), then
                         the serialized TelemetryBatch, named by its zero-padded sequence
   rejected/<seq>.pb     batches the collector refused and records that failed their checksum, each with a
                         ``.reason.txt`` (kept for a human; never retried)
 
 The sequence number is persisted before a batch file is written, so sequences are never reused across
-restarts. When the batches exceed ``max_bytes``, or the disk is full, the oldest batches not yet sent are
-dropped (a batch sent and not yet acknowledged may already be stored: counting it as lost would be wrong, and
-if the disk has no room for anything else the new batch is dropped instead). The running totals are
+restarts, even on a full disk: state.reserve takes the state when state.json cannot be written, and the
+newer of the two (by a generation count) is read at start, so drops counted and sequences used while the
+disk was full survive a restart before space returns. When the batches exceed ``max_bytes``, or the disk
+is full, the oldest batches not yet sent are dropped (a batch sent and not yet acknowledged may already be
+stored: counting it as lost would be wrong, and if the disk has no room for anything else the new batch is
+dropped instead); a disk-full episode is logged once when it starts and once when it ends. The running totals are
 persisted and :meth:`Spool.take_dropped` hands them to the agent, which sends them in its next batch
 (totals, not increments, so a report lost with a dropped batch is made good by the next one). A lost
 or moved-away ``state.json`` is rebuilt from the batches still spooled (their agent id and sequences), so
@@ -28,7 +33,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import google_crc32c
 from google.protobuf.message import DecodeError
@@ -42,7 +46,8 @@ _SUFFIX = ".pb"
 _MAGIC = b"GWS1"
 _HEADER = struct.Struct(">4sII")  # magic, payload length, CRC32C of the payload
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-T = TypeVar("T")
+_SLOT_MAGIC = b"GWSS"
+_SLOT_BYTES = 2048  # one slot of state.reserve: header and the state's JSON, zero-padded
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class Spool:
         self._batches = self.dir / "batches"
         self._rejected = self.dir / "rejected"
         self._state_path = self.dir / "state.json"
+        self._reserve_path = self.dir / "state.reserve"
         self._lock = threading.RLock()  # re-entered when a full disk interrupts a state write
         self._disk_full = False  # warn once per episode, not once per batch
         try:
@@ -106,6 +112,7 @@ class Spool:
         for tmp in self._batches.glob("*.tmp"):  # a write interrupted by a crash: never acknowledged, never sent
             tmp.unlink(missing_ok=True)
         state = self._load_state()
+        self._generation = int(state.get("generation", 0))
         self.agent_id: str = state.get("agent_id") or self._agent_id_from_batches() or uuid.uuid4().hex
         newest = max([*self._sizes, *self.rejected()], default=0)
         self._next_sequence = max(int(state.get("next_sequence", 1)), newest + 1)
@@ -115,6 +122,7 @@ class Spool:
         self._dropped = Dropped(unreported.batches, unreported.bytes, max(total.total_batches, unreported.batches),
                                 max(total.total_bytes, unreported.bytes))
         self.identity_conflict: str = state.get("identity_conflict", "")
+        self._allocate_reserve()
         try:
             self._make_room(self._save_state)
         except SpoolFull:  # a full disk at start: batches are dropped (and counted) until it has room again
@@ -141,7 +149,7 @@ class Spool:
         this one is dropped and counted instead, and SpoolFull is raised. Sampling goes on either way."""
         record = encode_record(data)
         try:
-            self._make_room(lambda: self._write_record(sequence, record), sequence)
+            had_room = self._make_room(lambda: self._write_record(sequence, record), sequence)
         except SpoolFull:
             with self._lock:
                 self._count_dropped(1, len(data))
@@ -150,7 +158,7 @@ class Spool:
         with self._lock:
             self._sizes[sequence] = len(data)
             self._enforce_bound(keep=sequence)
-        if self._disk_full:
+        if self._disk_full and had_room:  # written without dropping anything: the episode is over
             self._disk_full = False
             log.warning("spool %s: the disk has room again; spooling normally", self.dir)
 
@@ -165,12 +173,16 @@ class Spool:
             raise
         _fsync_dir(self._batches)
 
-    def _make_room(self, write: Callable[[], T], keep: int | None = None) -> T:
-        """Run ``write``; while it fails for a full disk, drop the oldest spooled batch and try again."""
+    def _make_room(self, write: Callable[[], object], keep: int | None = None) -> bool:
+        """Run ``write``; while it fails for a full disk, drop the oldest spooled batch and try again.
+        True when it succeeded at once (the disk had room), False when batches were dropped for it."""
+        first = True
         while True:
             try:
-                return write()
+                write()
+                return first
             except OSError as exc:
+                first = False
                 if exc.errno not in _DISK_FULL:
                     raise
                 with self._lock:
@@ -331,13 +343,63 @@ class Spool:
         return self._batches / f"{sequence:020d}{_SUFFIX}"
 
     def _load_state(self) -> dict:
+        """The newest of state.json and the reserve's slots (the reserve is newer after a full disk)."""
         try:
-            return json.loads(self._state_path.read_text())
+            saved = json.loads(self._state_path.read_text())
         except FileNotFoundError:
-            return {}
+            saved = {}
         except (OSError, ValueError) as exc:
             raise UserError(f"spool state {self._state_path}: unreadable ({exc}); move it away to start afresh "
                             "(the agent id is taken from the batches still spooled, else a new one is made)") from exc
+        return max([saved, *self._reserved_states()], key=lambda state: int(state.get("generation", 0)))
+
+    def _reserved_states(self) -> list[dict]:
+        """The intact slots of state.reserve (a slot torn by a crash fails its checksum; the other one holds)."""
+        try:
+            data = self._reserve_path.read_bytes()
+        except FileNotFoundError:
+            return []
+        states = []
+        for offset in range(0, len(data) - _HEADER.size + 1, _SLOT_BYTES):
+            magic, length, crc = _HEADER.unpack_from(data, offset)
+            payload = data[offset + _HEADER.size:offset + _HEADER.size + length]
+            if magic != _SLOT_MAGIC or len(payload) != length or google_crc32c.value(payload) != crc:
+                continue
+            try:
+                state = json.loads(payload)
+            except ValueError:
+                continue
+            if isinstance(state, dict):
+                states.append(state)
+        return states
+
+    def _allocate_reserve(self) -> None:
+        """Create state.reserve's two slots while the disk has room, so a full disk can still take the state."""
+        if self._reserve_path.exists():
+            return
+        tmp = self._reserve_path.with_suffix(".tmp")
+        try:
+            write_durably(tmp, bytes(2 * _SLOT_BYTES))
+            os.replace(tmp, self._reserve_path)
+            _fsync_dir(self.dir)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno not in _DISK_FULL:
+                raise
+            log.warning("spool %s: no room for %s; until there is, a restart on a full disk may forget drops",
+                        self.dir, self._reserve_path.name)
+
+    def _save_reserved(self, payload: bytes) -> None:
+        """Rewrite one slot of state.reserve in place (the older one: a torn write leaves the newer intact)."""
+        if len(payload) > _SLOT_BYTES - _HEADER.size:
+            raise ValueError(f"spool state of {len(payload)} bytes does not fit a reserve slot")
+        slot = _HEADER.pack(_SLOT_MAGIC, len(payload), google_crc32c.value(payload)) + payload
+        fd = os.open(self._reserve_path, os.O_WRONLY)  # no O_CREAT: only blocks allocated with room are used
+        try:
+            os.pwrite(fd, slot.ljust(_SLOT_BYTES, b"\0"), (self._generation % 2) * _SLOT_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _agent_id_from_batches(self) -> str | None:
         """The agent id of the newest readable spooled batch: a lost state.json must not orphan its batches."""
@@ -353,18 +415,23 @@ class Spool:
         return None
 
     def _save_state(self) -> None:
+        """Replace state.json; on a full disk write state.reserve in place instead (OSError if neither can)."""
         d = self._dropped
-        state = {"agent_id": self.agent_id, "next_sequence": self._next_sequence,
+        self._generation += 1
+        state = {"agent_id": self.agent_id, "next_sequence": self._next_sequence, "generation": self._generation,
                  "dropped_batches": d.batches, "dropped_bytes": d.bytes,
-                 "dropped_batches_total": d.total_batches, "dropped_bytes_total": d.total_bytes,
-                 **({"identity_conflict": self.identity_conflict} if self.identity_conflict else {})}
+                 "dropped_batches_total": d.total_batches, "dropped_bytes_total": d.total_bytes}
+        conflict = {"identity_conflict": self.identity_conflict} if self.identity_conflict else {}
         tmp = self._state_path.with_suffix(".tmp")
         try:
-            write_durably(tmp, json.dumps(state).encode())
+            write_durably(tmp, json.dumps({**state, **conflict}).encode())
             os.replace(tmp, self._state_path)
-        except OSError:
+        except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise
+            if exc.errno not in _DISK_FULL or not self._reserve_path.exists():
+                raise
+            self._save_reserved(json.dumps(state).encode())  # no identity conflict: the collector tells it again
+            return
         _fsync_dir(self.dir)
 
     def _try_save_state(self) -> None:

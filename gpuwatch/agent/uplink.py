@@ -60,6 +60,7 @@ class UplinkStats:
     acked: int = 0
     duplicates: int = 0
     rejected: int = 0
+    last_rejected: str = ""  # why the collector refused the latest batch moved to rejected/
     reconnects: int = 0
     last_error: str = ""
     fenced: str = ""  # the collector's ALREADY_EXISTS message while another agent holds this agent id
@@ -89,6 +90,8 @@ class Uplink:
     ) -> None:
         self.spool = spool
         self.addresses = collector_addresses(address)
+        for each in self.addresses:  # a bad entry stops the agent now, not the uplink at its first fail-over
+            security.check_client_target(each, channel_security)
         self.window = window
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -117,15 +120,21 @@ class Uplink:
             _PUSH, request_serializer=_raw, response_deserializer=pb.BatchAck.FromString)
 
     def _fail_over(self) -> None:
-        """Move on to the next collector of the list (after a failed stream); the unacknowledged batches are
-        resent there, and the collectors' shared store keeps each once."""
+        """Move on to the next collector of the list (after a failed stream) whose channel opens; the
+        unacknowledged batches are resent there, and the collectors' shared store keeps each once."""
         if len(self.addresses) < 2:
             return
         failed = self.address
         self._channel.close()
-        self._current = (self._current + 1) % len(self.addresses)
-        self._open(self.address)
-        log.warning("collector %s unavailable; failing over to %s", failed, self.address)
+        for _ in self.addresses:
+            self._current = (self._current + 1) % len(self.addresses)
+            try:
+                self._open(self.address)
+            except Exception as exc:  # e.g. a certificate file removed since the start
+                log.error("collector %s: cannot open a channel (%s); trying the next one", self.address, exc)
+                continue
+            log.warning("collector %s unavailable; failing over to %s", failed, self.address)
+            return
 
     # --- public ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -155,32 +164,46 @@ class Uplink:
 
     # --- the sender thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        """The sender loop; nothing ends it but :meth:`stop` (an unexpected error is logged and retried after
+        the backoff, so the agent never samples on with an uplink that has quietly died)."""
         while not self._stopping.is_set():
-            stream = _Stream()
             try:
-                self._stream(stream)
-                error = "collector ended the stream"
-            except grpc.RpcError as exc:
-                if self._stopping.is_set():
-                    break
-                error = f"{exc.code().name}: {exc.details()}"
-                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
-                    self._fenced(exc.details())
-                    self._stopping.wait(self.backoff_max_s)
-                    continue
-                if exc.code() in _REFUSED and stream.in_flight:
-                    try:
-                        if self._isolate_refused(stream.in_flight):
-                            continue
-                    except grpc.RpcError as push_exc:
-                        error = f"{push_exc.code().name}: {push_exc.details()}"
-            finally:
-                with self._cond:
-                    stream.closed = True
-                    self._cond.notify_all()
-            if not self._stopping.is_set():
-                self._back_off(error)
-                self._fail_over()
+                self._attempt_stream()
+            except Exception as exc:
+                # the traceback once per outage, as _back_off warns once per outage
+                log.error("uplink to %s: unexpected error %s: %s; retrying", self.address, type(exc).__name__, exc,
+                          exc_info=self._attempt == 0)
+                if not self._stopping.is_set():
+                    self._back_off(f"{type(exc).__name__}: {exc}")
+                    self._fail_over()
+
+    def _attempt_stream(self) -> None:
+        """One stream to the current collector; after a failure, the backoff and the next collector."""
+        stream = _Stream()
+        try:
+            self._stream(stream)
+            error = "collector ended the stream"
+        except grpc.RpcError as exc:
+            if self._stopping.is_set():
+                return
+            error = f"{exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                self._fenced(exc.details())
+                self._stopping.wait(self.backoff_max_s)
+                return
+            if exc.code() in _REFUSED and stream.in_flight:
+                try:
+                    if self._isolate_refused(stream.in_flight):
+                        return
+                except grpc.RpcError as push_exc:
+                    error = f"{push_exc.code().name}: {push_exc.details()}"
+        finally:
+            with self._cond:
+                stream.closed = True
+                self._cond.notify_all()
+        if not self._stopping.is_set():
+            self._back_off(error)
+            self._fail_over()
 
     def _stream(self, stream: _Stream) -> None:
         self._call = self._stream_call(self._requests(stream), metadata=self._metadata)
@@ -250,6 +273,7 @@ class Uplink:
                 path = self.spool.quarantine(seq, reason)
                 log.error("%s; moved to %s", reason, path)
                 self.stats.rejected += 1
+                self.stats.last_rejected = reason
                 refused = True
                 continue
             self.spool.ack(ack.sequence)

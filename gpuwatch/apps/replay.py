@@ -29,7 +29,6 @@ from typing import Any
 import grpc
 import msgspec
 import pandas as pd
-import pyarrow.parquet as pq
 
 from gpuwatch.apps.commandline import (add_client_security_arguments, client_security, format_cell, format_table,
                                        result_command, time_flag)
@@ -144,7 +143,7 @@ def replay(rec: Recording, channel: grpc.Channel, *, speed: float | None = None,
             sent_samples.append(result.count(tb.batch))
             yield tb.batch
 
-    with Progress("replay", total=gpu_sample_rows(rec), unit="samples", quiet=quiet) as progress:
+    with Progress("replay", total=rec.rows("gpu_samples"), unit="samples", quiet=quiet) as progress:
         try:
             for ack in client.stream_batches(channel, send(), window=window):
                 result.batches += 1
@@ -178,7 +177,7 @@ def replay_into_store(rec: Recording, store: Any, *, speed: float | None = None,
     built: list[tuple[Any, int]] = []  # decoded batches not yet handed to the writer, with their GPU samples
     submitted: deque[tuple[Any, int, Any]] = deque()  # (batch, GPU samples, commit future) not yet counted
     started = time.monotonic()
-    with Progress("replay", total=gpu_sample_rows(rec), unit="samples", quiet=quiet) as progress:
+    with Progress("replay", total=rec.rows("gpu_samples"), unit="samples", quiet=quiet) as progress:
         def settle(keep: int) -> None:
             """Count committed batches in order, waiting while more than ``keep`` are not committed."""
             while submitted and (len(submitted) > keep or submitted[0][2].done()):
@@ -237,11 +236,6 @@ def _paced(timed: Iterator[TimedBatch], speed: float | None, started: float) -> 
 def _refused(result: ReplayResult, details: str, code: str) -> UserError:
     return UserError(f"the collector refused the replay after {result.batches} acknowledged batches: {details} "
                      f"({code}); run the replay again to resume")
-
-
-def gpu_sample_rows(rec: Recording) -> int:
-    """GPU sample rows in the recording, from the Parquet footers (the progress total, read without the data)."""
-    return sum(pq.ParquetFile(part).metadata.num_rows for part in rec.parts("gpu_samples"))
 
 
 # --------------------------------------------------------------------------------- offline results

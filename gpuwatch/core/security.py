@@ -50,11 +50,27 @@ def _read_pem(path: PathLike, what: str) -> bytes:
 
 
 def read_token(path: PathLike) -> str:
-    """The bearer token in a file (surrounding whitespace stripped); one line, no spaces."""
+    """The bearer token in a file (surrounding whitespace stripped); one line, no spaces; refused, as ssh
+    refuses a private key, when others may read it (see :func:`check_private`)."""
     token = _read(path, "token file").decode("utf-8", "replace").strip()
+    check_private(path, "token file")
     if any(c.isspace() for c in token):
         raise UserError(f"token file {path}: the token must be one word without spaces or line breaks")
     return token
+
+
+def check_private(path: PathLike, what: str) -> None:
+    """UserError when a secret file is readable by others: world-readable whoever owns it, or open to its
+    group or others while owned by this user (ssh's rule for keys; a file owned by root and shared with
+    this user's group, as Kubernetes mounts a secret with fsGroup, is accepted)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise UserError(f"{what} {path}: cannot read: {exc.strerror}") from None
+    mode = st.st_mode & 0o777
+    if mode & 0o004 or (st.st_uid == os.geteuid() and mode & 0o077):
+        raise UserError(f"{what} {path}: permissions {mode:04o} are too open (others can read the secret); "
+                        f"run chmod 600 {path}")
 
 
 def _pair(cert: PathLike | None, key: PathLike | None, role: str) -> tuple[bytes, bytes] | None:
@@ -220,12 +236,22 @@ def open_channel(
         return grpc.secure_channel(target, creds, options=list(options))
     if cert is not None or key is not None:
         raise UserError("a client certificate needs TLS: give the CA certificate (tls_ca) too")
+    if token:
+        _check_token_exposure(target, insecure)
     channel = grpc.insecure_channel(target, options=list(options))
-    if not token:
-        return channel
+    return grpc.intercept_channel(channel, _BearerMetadata(token)) if token else channel
+
+
+def _check_token_exposure(target: str, insecure: bool) -> None:
     check_exposure(target, protected=False, insecure=insecure, what="to send a bearer token to",
                    needs="TLS (tls_ca)")
-    return grpc.intercept_channel(channel, _BearerMetadata(token))
+
+
+def check_client_target(target: str, client: ClientSecurity) -> None:
+    """What :func:`client_channel` would refuse for ``target``, checked without opening it: a client given
+    several targets checks all of them at start, not each when it first fails over to it."""
+    if client.token_file and client.tls_ca is None:
+        _check_token_exposure(target, client.insecure)
 
 
 def client_channel(target: str, client: ClientSecurity, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
