@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"agent tick in real seconds, default {DemoPlan.interval_s}")
     parser.add_argument("--speed", type=float, default=None,
                         help=f"simulated seconds per real second (default: {SIM_TICK_S:.0f} simulated s per tick, "
-                             f"{SIM_TICK_S / DemoPlan.interval_s:.0f}x at the default interval)")
+                             f"{SIM_TICK_S / DemoPlan.interval_s:.0f}x at a {DemoPlan.interval_s} s --interval)")
     parser.add_argument("--fault", default=DEFAULT_FAULT,
                         help=f"how GPU {FAULT_GPU} of the last node degrades and fails: ecc, remap, pcie, nvlink, "
                              "thermal, sudden, or none (default ecc)")
@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     from gpuwatch.simulator.degrade import KINDS
     from gpuwatch.core.errors import UserError
 
-    if args.nodes < 1 or args.gpus < 1 or args.duration <= 0 or args.interval <= 0 or (args.speed or 1) <= 0:
+    if (args.nodes < 1 or args.gpus < 1 or args.duration <= 0 or args.interval <= 0
+            or (args.speed is not None and not args.speed > 0)):
         raise UserError("--nodes, --gpus, --duration, --interval and --speed must be positive")
     if args.fault != "none" and args.fault not in KINDS:
         raise UserError(f"--fault {args.fault}: must be one of {', '.join(KINDS)} or none")

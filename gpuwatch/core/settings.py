@@ -413,7 +413,9 @@ def add_arguments(parser: argparse.ArgumentParser, schema: Sequence[Option], *, 
     if config_file:
         parser.add_argument("--config", metavar="PATH", help=f"TOML config file (env {CONFIG_ENV})")
     for option in schema:
-        shown = f"{option.help} (default: {option.default}; env {option.env_var})"
+        # a None default is said by the option's own help, where it means something ("the hostname")
+        shown = (f"{option.help} (env {option.env_var})" if option.default is None
+                 else f"{option.help} (default: {option.default}; env {option.env_var})")
         if option.type is bool:
             parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None, help=shown)
         else:
