@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from gpuwatch.collector.assembly import start_collector
+from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from gpuwatch.simulator.failing_fleet import HOUR_MS
@@ -43,6 +44,13 @@ def _value(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def _after_two(counter, what: str) -> None:
+    """Waits until ``counter`` (rounds of a background loop) has moved on by two from now: the first may have
+    begun before this call, the second began after it."""
+    start = counter()
+    poll(lambda: counter() >= start + 2, 60, what, every=0.05)
+
+
 def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(collector):
     now = int(time.time() * 1000)
     for seq in (1, 2):
@@ -53,6 +61,12 @@ def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(
         collector.store.write(batch)
     write_spans(collector.store, data_parallel_job("slow-job", now * 1000.0, slow_rank=2), 1)
     (metrics,) = [s for s in collector.services if isinstance(s, MetricsService)]
+    (scorer,) = [s for s in collector.services if isinstance(s, Scorer)]
+    # Every write above is committed. A scoring round running meanwhile scored part of the history (online
+    # scoring scores what is stored so far); the second round from here began after the last commit, and the
+    # second render from then on shows it.
+    _after_two(lambda: scorer.rounds, "two scoring rounds after the history was stored")
+    _after_two(lambda: metrics.server.rendered.renders, "two renders after those rounds")
 
     def ready():
         text = _scrape(metrics.server.url)
