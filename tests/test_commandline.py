@@ -171,3 +171,20 @@ def test_demo_speed_zero_is_refused_at_once_naming_the_flag(capsys):
     assert cli.main(["demo", "--speed", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gpuwatch demo: error:") and "--speed" in err and "sim-job-step" not in err
+
+
+def test_readme_says_what_the_demo_and_progress_do():
+    """README promised progress on stderr (drawn only on a terminal) and a 245-minute lead time (the screen
+    capture shows 40, runs vary)."""
+    import io
+    import re
+    from pathlib import Path
+
+    from gpuwatch.core.progress import Progress
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (progress,) = [s for s in readme.split(". ") if "show progress on stderr" in s]
+    assert not Progress("x", stream=io.StringIO()).enabled and "terminal" in progress
+    demo = readme[:readme.index("## What it is")]
+    assert "varies from run to run" in demo
+    assert not re.search(r"about \d+ minutes", demo)
