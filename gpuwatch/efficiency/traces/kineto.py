@@ -257,7 +257,7 @@ class _Collected:
         return known
 
 
-def _what_is_wrong(events: list[_Event], exc: Exception) -> str:
+def _what_is_wrong(events: list[Any], exc: Exception) -> str:
     """The first mistyped field among `events`, in JSON's words (on the error path only: the hot loop checks
     nothing); else the exception's own message."""
     for event in events:
