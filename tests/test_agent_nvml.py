@@ -286,3 +286,16 @@ def test_pcie_degradation_ends_with_the_gpu_lost(rig):
 def test_bad_fault_spec_says_what_is_wrong(spec, problem):
     with pytest.raises(ValueError, match=problem):
         parse_fault_spec(spec)
+
+
+@pytest.mark.parametrize("kind, xid", [("ecc", 48), ("remap", 64), ("pcie", 79)])
+def test_a_scripted_fault_reports_its_xid_once(kind, xid):
+    """One fault, one fault XID: tick by tick across the fault, as Degradation drives a live GPU."""
+    from gpuwatch.simulator.failing_fleet import plan_effects
+
+    spec = parse_fault_spec(f"gpu=0,kind={kind},after=10m,fail=1h,xid={xid}" if kind != "pcie"
+                            else f"gpu=0,kind={kind},after=10m,fail=1h")
+    plan = Degradation.from_spec(spec, "n1", clock_start_s=0.0).plan
+    codes = [code for t in range(plan.fault_ms - 10_000, plan.fault_ms + 60_000, 1000)
+             for _, kind_, code, _ in plan_effects(plan, [t], 1.0).events if kind_ == "xid"]
+    assert codes.count(xid) == 1, codes

@@ -19,11 +19,13 @@ GPUS = 2
 COLLECTOR_KILLS = 4
 
 
-def _agent(address: str, node: str, spool, log, ticks: int = TICKS) -> subprocess.Popen:
+def _agent(address: str, node: str, spool, log, ticks: int | None = None) -> subprocess.Popen:
+    """An agent process; without ``ticks`` it samples until SIGTERM, then sends what it spooled and exits."""
     return subprocess.Popen(
         [sys.executable, "-m", "gpuwatch", "agent", "--collector", address, "--simulate", str(GPUS), "--node", node,
-         "--interval", "0.05", "--batch-interval", "0.1", "--spool", str(spool), "--ticks", str(ticks),
-         "--drain-timeout", "300", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=log)
+         "--interval", "0.05", "--batch-interval", "0.1", "--spool", str(spool),
+         *(["--ticks", str(ticks)] if ticks else []), "--drain-timeout", "300", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=log)
 
 
 def _samples(address: str) -> dict[str, int]:
@@ -54,15 +56,15 @@ def test_nothing_is_lost_or_stored_twice_through_kills_and_a_full_disk(tmp_path)
             # (one still starting on a loaded machine would find it full at start, with no batch to drop)
             poll(lambda: all(_samples(collector.address).get(n, 0) > 0 for n in ("steady", "full", "killed")), 120,
                  "every agent to store samples")
-            kills = 0
-            while kills < COLLECTOR_KILLS and (steady.poll() is None or full.poll() is None):
+            # "steady" and "full" sample until they are stopped after the last kill, so every kill falls while
+            # they run, however slowly this machine starts collectors
+            for kills in range(1, COLLECTOR_KILLS + 1):
                 before = _samples(collector.address)
                 poll(lambda before=before: any(_samples(collector.address).get(n, 0) > before.get(n, 0)
-                                               for n in ("steady", "full"))
-                     or (steady.poll() is not None and full.poll() is not None), 120,
-                     f"progress before collector kill {kills + 1}")
+                                               for n in ("steady", "full")), 120, f"progress before collector kill {kills}")
+                for name, agent in (("steady", steady), ("full", full)):
+                    assert agent.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
                 collector.kill()
-                kills += 1
                 if kills == 1:  # while the collector is away the "full" agent's spool disk fills up
                     filler = fill_disk(disk)
                     poll(lambda: "disk is full" in (tmp_path / "full.log").read_text(), 120, "the agent to see it")
@@ -73,7 +75,8 @@ def test_nothing_is_lost_or_stored_twice_through_kills_and_a_full_disk(tmp_path)
                     restarted = _agent(collector.address, "killed", tmp_path / "spool-killed", logs["restarted"],
                                        ticks=TICKS // 4)
                 collector.start()
-            assert kills >= 3, "the agents finished before the collector was killed three times"
+            for agent in (steady, full):
+                agent.send_signal(signal.SIGTERM)
             for name, agent in (("steady", steady), ("full", full), ("restarted", restarted)):
                 assert agent.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         finally:
@@ -84,12 +87,16 @@ def test_nothing_is_lost_or_stored_twice_through_kills_and_a_full_disk(tmp_path)
                 log.close()
             collector.stop()
         full_state = json.loads((disk / "spool" / "state.json").read_text())
+    steady_state = json.loads((tmp_path / "spool-steady" / "state.json").read_text())
 
     (duplicates,) = CollectorProcess(db).rows(
         "SELECT count(*) FROM (SELECT node, gpu_index, ts FROM gpu_samples GROUP BY ALL HAVING count(*) > 1)")
     assert duplicates == (0,)
     stored = dict(CollectorProcess(db).rows("SELECT node, count(*) FROM gpu_samples GROUP BY node"))
-    assert stored["steady"] == TICKS * GPUS  # through the collector kills: every tick, once
+    # through the collector kills: every batch the steady agent numbered, once, each with every GPU of each tick
+    assert _sequences(db, steady_state["agent_id"]) == list(range(1, steady_state["next_sequence"]))
+    (ticks,) = CollectorProcess(db).rows("SELECT count(DISTINCT ts) FROM gpu_samples WHERE node = 'steady'")
+    assert stored["steady"] == ticks[0] * GPUS and ticks[0] > 0
 
     # the full disk: every sequence the agent numbered is stored or counted as dropped, and reported
     dropped = full_state["dropped_batches_total"]

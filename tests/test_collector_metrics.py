@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from gpuwatch.collector.assembly import start_collector
+from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from gpuwatch.simulator.failing_fleet import HOUR_MS
@@ -43,6 +44,13 @@ def _value(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def _after_two(counter, what: str) -> None:
+    """Waits until ``counter`` (rounds of a background loop) has moved on by two from now: the first may have
+    begun before this call, the second began after it."""
+    start = counter()
+    poll(lambda: counter() >= start + 2, 60, what, every=0.05)
+
+
 def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(collector):
     now = int(time.time() * 1000)
     for seq in (1, 2):
@@ -53,6 +61,12 @@ def test_scrape_shows_gpus_xids_risk_jobs_ingest_and_agents_and_passes_promtool(
         collector.store.write(batch)
     write_spans(collector.store, data_parallel_job("slow-job", now * 1000.0, slow_rank=2), 1)
     (metrics,) = [s for s in collector.services if isinstance(s, MetricsService)]
+    (scorer,) = [s for s in collector.services if isinstance(s, Scorer)]
+    # Every write above is committed. A scoring round running meanwhile scored part of the history (online
+    # scoring scores what is stored so far); the second round from here began after the last commit, and the
+    # second render from then on shows it.
+    _after_two(lambda: scorer.rounds, "two scoring rounds after the history was stored")
+    _after_two(lambda: metrics.server.rendered.renders, "two renders after those rounds")
 
     def ready():
         text = _scrape(metrics.server.url)
@@ -93,3 +107,20 @@ def test_scrapes_get_the_last_render_until_the_next_one(collector):
     assert _value(before, "gpuwatch_ingest_batches_total") == 0
     rendered.render()
     assert _value(_scrape(metrics.server.url), "gpuwatch_ingest_batches_total") == 1
+
+def test_a_failed_gpu_shows_risk_one_not_the_score_of_its_idle_hours(collector):
+    """After its fatal XID a GPU idles and the model scores it ~0: exported as such it would be the fleet's
+    healthiest in Grafana's "highest risk" panel. A failed GPU's risk is 1 while it is failed."""
+    now = int(time.time() * 1000)
+    gpu, events = degrading_node(now - 28 * HOUR_MS, hours=28, fault_after_h=26)  # down from 2 h ago to now
+    for batch in sim_batches(gpu, events):
+        collector.store.write(batch)
+    (metrics,) = [s for s in collector.services if isinstance(s, MetricsService)]
+    (scorer,) = [s for s in collector.services if isinstance(s, Scorer)]
+    _after_two(lambda: scorer.rounds, "two scoring rounds after the history was stored")
+    assert scorer.latest()[("node-0000", 1)]["failed"]
+    _after_two(lambda: metrics.server.rendered.renders, "two renders after those rounds")
+    text = _scrape(metrics.server.url)
+    assert _value(text, "gpuwatch_gpu_failure_risk_ratio", node="node-0000", gpu="1") == 1.0
+    assert _value(text, "gpuwatch_gpu_health_state", node="node-0000", gpu="1", state="fail") == 1
+    assert _value(text, "gpuwatch_gpu_failure_risk_ratio", node="node-0000", gpu="0") < 0.1

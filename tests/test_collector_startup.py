@@ -2,6 +2,9 @@
 batches that arrive before the store is open are stored once, never acknowledged early."""
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -151,3 +154,23 @@ def test_a_model_that_fails_to_load_leaves_health_scoring_running(tmp_path):
         assert scorer.model is None and scorer.hub.engine is None
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--listen", "{busy}"], "--listen {busy}: cannot listen there (Address already in use)"),
+    (["--listen", "127.0.0.1:0", "--metrics-listen", "{busy}"],
+     "--metrics-listen {busy}: cannot listen there (Address already in use)"),
+    (["--listen", "127.0.0.1:0", "--memory-limit", "lots"],
+     "memory_limit (from flag --memory-limit): 'lots' is not a size such as 1GB or 512MB"),
+])
+def test_bad_start_up_settings_are_one_line_before_the_store_is_opened(tmp_path, flags, message):
+    """Our line alone (not gRPC's C-core line first), naming the flag, not the store; no store file left."""
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        busy = f"127.0.0.1:{holder.getsockname()[1]}"
+        db = tmp_path / "never.duckdb"
+        result = subprocess.run(
+            [sys.executable, "-m", "gpuwatch", "collector", "--db", str(db), *[f.format(busy=busy) for f in flags]],
+            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"gpuwatch collector: error: {message.format(busy=busy)}"]
+    assert not list(tmp_path.iterdir())

@@ -142,3 +142,49 @@ def test_a_library_call_leaves_the_import_system_as_it_was(capsys):
     with pytest.raises(SystemExit):
         cli.main(["analyze", "--help"])
     assert sys.meta_path == finders
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["events", "--limit", "-4"], "--limit -4 is out of range: expected 0 to 4294967295"),
+    (["series", "--node", "n", "--field", "gpu_power_watts", "--gpu", "-2"],
+     "--gpu -2 is out of range: expected 0 to 2147483647"),
+    (["latest", "--gpu", "99999999999"], "--gpu 99999999999 is out of range: expected 0 to 2147483647"),
+    (["latest", "--gpu", "-1"], "--gpu -1 is out of range: expected 0 to 2147483647"),  # -1 is "all" on the wire
+    (["series", "--node", "n", "--field", "gpu_power_watts", "--gpu", "two"], "--gpu 'two' is not an integer"),
+])
+def test_out_of_range_numbers_are_one_line_naming_the_flag(argv, message, capsys):
+    # the collector address answers nothing: the flag must be refused before any request is made
+    assert cli.main([*argv, "--collector", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == f"gpuwatch {argv[0]}: error: {message}\n"
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_help_says_each_default_once_helps_every_option_and_names_durations(name):
+    for action in _parser(cli.command(name))._actions:
+        where = f"gpuwatch {name} {'/'.join(action.option_strings) or action.dest}"
+        assert action.help and action.help != argparse.SUPPRESS, f"{where}: no help"
+        assert action.help.count("default") <= 1 and "default: None" not in action.help, f"{where}: {action.help}"
+        assert action.metavar != "SINCE_MS", where
+
+
+def test_demo_speed_zero_is_refused_at_once_naming_the_flag(capsys):
+    assert cli.main(["demo", "--speed", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpuwatch demo: error:") and "--speed" in err and "sim-job-step" not in err
+
+
+def test_readme_says_what_the_demo_and_progress_do():
+    """README promised progress on stderr (drawn only on a terminal) and a 245-minute lead time (the screen
+    capture shows 40, runs vary)."""
+    import io
+    import re
+    from pathlib import Path
+
+    from gpuwatch.core.progress import Progress
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (progress,) = [s for s in readme.split(". ") if "show progress on stderr" in s]
+    assert not Progress("x", stream=io.StringIO()).enabled and "terminal" in progress
+    demo = readme[:readme.index("## What it is")]
+    assert "varies from run to run" in demo
+    assert not re.search(r"about \d+ minutes", demo)

@@ -12,7 +12,12 @@ import promql_parser
 import pytest
 import yaml
 
+from gpuwatch.agent.node_metrics import NodeMetrics
+from gpuwatch.agent.spool import Spool
+from gpuwatch.collector.snapshot import build_snapshot
+from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.core.prometheus import EXPORTED_METRICS
+from helpers import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent / "dashboards"
 DASHBOARD_FILES = sorted((ROOT / "grafana").glob("*.json"))
@@ -118,6 +123,38 @@ def test_expression_parses_and_uses_exported_metrics(where, expr):
     assert metrics, f"{where}: no metric in {expr!r}"
     unknown = sorted(m for m in metrics if not _known(m))
     assert not unknown, f"{where}: metrics not exported: {unknown}"
+
+
+def _agent_families(snapshot: dict) -> set[str]:
+    return {f"gpuwatch_agent_{key}" for agent in snapshot["agents"] for key in agent} & set(EXPORTED_METRICS)
+
+
+@pytest.fixture(scope="module")
+def agent_only_metrics(tmp_path_factory) -> set[str]:
+    """Metrics only the agents' node-local /metrics export: the agents' series an agent fills from its spool
+    less those the collector fills from its store (everything else an agent exports the collector does too)."""
+    tmp = tmp_path_factory.mktemp("sources")
+    store = DuckDBStore(str(tmp / "s.duckdb"))
+    try:
+        store.write(make_batch(1))
+        collector = _agent_families(build_snapshot(store))
+    finally:
+        store.close()
+    agent = _agent_families(NodeMetrics("n1", [], Spool(tmp / "spool")).snapshot())
+    assert collector and agent
+    return agent - collector
+
+
+def test_dashboard_panels_read_what_the_collector_exports_or_say_they_need_the_agents(agent_only_metrics):
+    """A panel on a series the collector never exports is empty where Prometheus scrapes only the collector."""
+    generator = _load_generator()
+    for name, dash in _dashboards().items():
+        for panel in _panels(dash):
+            used = set().union(*(_metrics_in(t["expr"]) for t in panel["targets"]))
+            if used & agent_only_metrics:
+                assert generator.AGENT_METRICS_NOTE in panel["description"], (
+                    f"{name} panel {panel['title']!r} reads {sorted(used & agent_only_metrics)}, which only the "
+                    "agents' /metrics export, and does not say so")
 
 
 def test_rates_use_grafana_rate_interval():

@@ -173,3 +173,27 @@ def test_bad_demo_flags_are_one_line(tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert out.returncode != 0 and problem in out.stderr and "Traceback" not in out.stderr
     assert not Path(tmp_path / "d").exists()
+
+
+def test_piped_the_view_prints_a_frame_on_change_and_hourly_in_simulated_time_and_the_last_one(capsys):
+    """A frame per scoring round (several a second) floods a pipe: 985 lines in 18 s before."""
+    from gpuwatch.apps.demo import PLAIN_EVERY_SIM_S, TerminalView
+
+    def frame(i: int, alerts: list) -> DemoView:
+        gpus = [GpuCell(0, utilization=0.5 + i / 1000, risk=i / 1000)]
+        return DemoView(elapsed_s=0.2 * i, duration_s=60.0, sim_speed=600.0, data_ms=None, threshold=None,
+                        nodes=[NodeRow("n1", i, gpus)], jobs=[], alerts=alerts)
+
+    view = TerminalView()  # pytest's captured stdout is not a terminal: the plain view
+    alert = [{"alertname": "GPUFailureRisk", "node": "n1", "gpu_index": 0}]
+    rounds = 300  # 60 s at 0.2 s per round: 10 simulated hours
+    for i in range(rounds):
+        view(frame(i, alert if 100 <= i < 200 else []))
+    view.close()
+    out = capsys.readouterr().out
+    frames = out.split("gpuwatch demo: simulated fleet")[1:]
+    hours = rounds * 0.2 * 600.0 / PLAIN_EVERY_SIM_S
+    # the first, one per simulated hour, the alert's start and end, the last
+    assert 3 + hours <= len(frames) <= 4 + hours, len(frames)
+    assert "GPUFailureRisk" in out
+    assert f" {rounds - 1} " in frames[-1]  # the last view, though nothing changed since the hour's frame

@@ -14,8 +14,9 @@ from helpers import KINETO_DATA
 
 DATA = KINETO_DATA
 SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
-CATEGORIES = {"compute", "memcpy", "comm_transfer", "comm_wait", "bubble", "small_kernel_overhead", "host_stall",
-              "idle_other"}
+SPEC_ORDER = ("compute", "memcpy", "comm_transfer", "comm_wait", "bubble", "small_kernel_overhead", "host_stall",
+              "idle_other")
+CATEGORIES = set(SPEC_ORDER)
 
 
 def test_json_document_keys(capsys, tmp_path):
@@ -116,15 +117,25 @@ def test_mfu_needs_both_flops_and_peak(capsys):
         assert "MFU needs both --flops-per-step and --peak-tflops" in err and len(err.strip().splitlines()) == 1
 
 
-def test_table_puts_the_biggest_loss_first(capsys):
+def test_table_columns_are_whole_names_in_one_order_and_the_biggest_losses_are_named(capsys):
+    """Every trace's table has the same columns in the spec's order (reports compare column by column), names
+    uncut; the line after the table names the biggest losses."""
     assert main(["analyze", SAMPLED, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
+    for trace in (SAMPLED, os.path.join(DATA, "control_rank3_of8")):
+        assert main(["analyze", trace]) == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        assert header.split("|")[1].split() == [c for c in SPEC_ORDER if c != "compute"]
+        assert header.split("|")[0].split()[-1] == "compute"  # compute apart from the losses
     assert main(["analyze", SAMPLED]) == 0
     header, job_row, *rest = capsys.readouterr().out.splitlines()
-    lost = [c for c in CATEGORIES if c != "compute"]
-    by_size = sorted(lost, key=lambda c: -doc["job"]["breakdown_us"][c])
-    assert header.split("|")[1].split() == [c[:13] for c in by_size]
-    assert header.split("|")[0].split()[-1] == "compute"  # compute apart from the losses
+    cells = [float(c.rstrip("%")) for c in job_row.split("|")[1].split()]
+    lost = [c for c in SPEC_ORDER if c != "compute"]
+    assert cells == [round(100 * doc["job"]["breakdown_fraction"][c], 2) for c in lost]
+    by_size = [c for c in sorted(lost, key=lambda c: -doc["job"]["breakdown_us"][c])
+               if doc["job"]["breakdown_us"][c] > 0][:3]
+    (named,) = [line for line in rest if line.startswith("biggest losses: ")]
+    assert [part.split()[0] for part in named.removeprefix("biggest losses: ").split(", ")] == by_size
     rank_rows = [line for line in rest if line.strip().startswith("rank ") and "|" in line]
     lost_ms = [float(line.split()[3]) for line in rank_rows]
     assert len(lost_ms) == len(doc["ranks"]) and lost_ms == sorted(lost_ms, reverse=True)
@@ -151,3 +162,37 @@ def test_the_gpuwatch_process_writes_what_a_library_call_writes(capsys, tmp_path
                              capture_output=True, text=True, cwd=tmp_path)
         assert ran.returncode == 0, ran.stderr
         assert ran.stdout == in_process and json.loads(ran.stdout)["ranks"]
+
+
+
+_KERNEL = {"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 2, "pid": 0, "tid": 7,
+           "args": {"device": 0, "stream": 7}}
+
+
+def test_analyze_words_for_arrays_nulls_reversed_steps_and_a_longer_ideal(capsys, tmp_path):
+    # the bare JSON Array Format may end without its `]` (Trace Event Format): not "truncated"
+    bare = tmp_path / "rank0.json"
+    bare.write_text("[\n" + ",\n".join(json.dumps(e) for e in (_KERNEL, {**_KERNEL, "ts": 5})) + ",\n")
+    assert main(["analyze", str(bare)]) == 0
+    assert "truncated" not in capsys.readouterr().err
+    cut = tmp_path / "cut_rank0.json"
+    cut.write_text(json.dumps([_KERNEL])[:-20])
+    assert main(["analyze", str(cut)]) == 2
+    assert "the array of events does not end" in capsys.readouterr().err
+    # a null field is named in JSON's words, never Python's None
+    for key in ("ts", "dur", "name"):
+        trace = tmp_path / f"null_{key}_rank0.json"
+        trace.write_text(json.dumps({"traceEvents": [{**_KERNEL, key: None}]}))
+        assert main(["analyze", str(trace)]) == 2
+        err = capsys.readouterr().err
+        assert f"'{key}' is missing or null" in err and "None" not in err and len(err.splitlines()) == 1
+    # a reversed step range is empty, said as such
+    assert main(["analyze", SAMPLED, "--steps", "552:551"]) == 2
+    err = capsys.readouterr().err
+    assert "the range is empty" in err and "no GPU activity" not in err
+    # an ideal longer than the step is explained, not shown bare beside a 1.000x
+    assert main(["analyze", os.path.join(DATA, "control_rank3_of8"), "--json"]) == 0
+    what_if = json.loads(capsys.readouterr().out)["what_if"]
+    assert what_if["slowdown_unclamped"] < 1 and what_if["slowdown"] == 1
+    assert main(["analyze", os.path.join(DATA, "control_rank3_of8")]) == 0
+    assert "the ideal is longer than the step without launch delays" in capsys.readouterr().out

@@ -84,22 +84,27 @@ def _progress(path: str, nbytes: int) -> None:
 
 
 def format_table(doc: Analysis) -> str:
-    """Human-readable breakdown, biggest loss first: the job, then ranks by lost time; after the window, the lost
-    time and compute, the lost categories ordered by the job's time in each (what to fix first is leftmost)."""
+    """Human-readable breakdown: the job, then ranks by lost time, biggest loss first; after the window, the lost
+    time and compute, the lost categories in the spec's order, every trace alike (so reports compare column by
+    column), each column as wide as its name; the line after the table names the biggest losses."""
     job = doc.job
-    lost = sorted((c for c in CATEGORIES if c != "compute"), key=lambda c: -job.breakdown_us[c])
+    lost = [c for c in CATEGORIES if c != "compute"]
+    widths = {c: max(len(c), 8) for c in lost}
     header = (f"{'':>8} {'window ms':>10} {'lost ms':>10} {'compute':>9} | "
-              + " ".join(f"{c[:13]:>13}" for c in lost))
+              + " ".join(f"{c:>{widths[c]}}" for c in lost))
     lines = [header]
 
     def row(label: str, entry: JobBreakdown | RankBreakdown) -> str:
-        cells = " ".join(f"{100 * entry.breakdown_fraction[c]:>12.2f}%" for c in lost)
+        cells = " ".join(f"{100 * entry.breakdown_fraction[c]:>{widths[c] - 1}.2f}%" for c in lost)
         return (f"{label:>8} {entry.window_us / 1000:>10.1f} {entry.lost_us / 1000:>10.1f} "
                 f"{100 * entry.breakdown_fraction['compute']:>8.2f}% | {cells}")
 
     lines.append(row("job", job))
     lines += [row(f"rank {r.rank}", r) for r in sorted(doc.ranks, key=lambda r: (-r.lost_us, r.rank))]
     lines.append("")
+    biggest = [c for c in sorted(lost, key=lambda c: -job.breakdown_us[c]) if job.breakdown_us[c] > 0][:3]
+    if biggest:
+        lines.append("biggest losses: " + ", ".join(f"{c} {100 * job.breakdown_fraction[c]:.1f} %" for c in biggest))
     lines.append(f"lost: {job.lost_us / 1e6:.3f} GPU-s = {job.lost_gpu_hours:.5f} GPU-hours"
                  + ("" if job.lost_cost is None else f", cost {job.lost_cost:.2f}"))
     if job.overlap_ratio is not None:

@@ -10,12 +10,14 @@ import argparse
 import logging
 import resource
 import signal
+import socket
 import threading
 
 from gpuwatch.apps.commandline import Command
 from gpuwatch.core import settings as config
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.store import redacted
+from gpuwatch.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +33,31 @@ def raise_open_file_limit() -> int:
     return hard
 
 
+def refuse_busy_addresses(listens: dict[str, str | None]) -> None:
+    """Each ``flag -> HOST:PORT`` that cannot be listened on now is a UserError naming it, before the store is
+    opened: found after, a new store file was left behind, and gRPC's own log line came before ours. A probe
+    socket is bound and closed (SO_REUSEADDR, as the servers bind: a port left in TIME_WAIT is free)."""
+    for flag, listen in listens.items():
+        if not listen:
+            continue
+        host, port = config.split_address(listen)
+        if port == 0:
+            continue
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"{flag} {listen}: cannot listen there ({exc.strerror or exc})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config.load_config(config.COLLECTOR_OPTIONS, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if raise_open_file_limit() < 4 * 1024:
         log.warning("open-file limit %d: the collector can hold fewer agents than that; raise it (ulimit -n)",
                     resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    refuse_busy_addresses({"--listen": cfg.listen, "--metrics-listen": cfg.metrics_listen})
     server = start_collector(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -143,6 +143,23 @@ def positive_float(text: str) -> float:
     return value
 
 
+def int_in(flag: str, low: int, high: int) -> Callable[[str], int]:
+    """argparse type: an integer from ``low`` to ``high``, the range its request field holds and means something
+    in (a GPU index is never negative: -1 on the wire means "every GPU"); anything else is a UserError naming
+    the flag (one line, status 2, as for :func:`time_flag`)."""
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise UserError(f"{flag} {text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise UserError(f"{flag} {text} is out of range: expected {low} to {high}")
+        return value
+
+    return integer
+
+
 def parse_time_ms(text: str, now_ms: int | None = None) -> int:
     """A point in time as epoch ms from "15m"/"2h"/"7d" (ago), an ISO 8601 time (UTC if no zone) or epoch ms;
     ValueError otherwise."""

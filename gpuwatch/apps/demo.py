@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"agent tick in real seconds, default {DemoPlan.interval_s}")
     parser.add_argument("--speed", type=float, default=None,
                         help=f"simulated seconds per real second (default: {SIM_TICK_S:.0f} simulated s per tick, "
-                             f"{SIM_TICK_S / DemoPlan.interval_s:.0f}x at the default interval)")
+                             f"{SIM_TICK_S / DemoPlan.interval_s:.0f}x at a {DemoPlan.interval_s} s --interval)")
     parser.add_argument("--fault", default=DEFAULT_FAULT,
                         help=f"how GPU {FAULT_GPU} of the last node degrades and fails: ecc, remap, pcie, nvlink, "
                              "thermal, sudden, or none (default ecc)")
@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     from gpuwatch.simulator.degrade import KINDS
     from gpuwatch.core.errors import UserError
 
-    if args.nodes < 1 or args.gpus < 1 or args.duration <= 0 or args.interval <= 0 or (args.speed or 1) <= 0:
+    if (args.nodes < 1 or args.gpus < 1 or args.duration <= 0 or args.interval <= 0
+            or (args.speed is not None and not args.speed > 0)):
         raise UserError("--nodes, --gpus, --duration, --interval and --speed must be positive")
     if args.fault != "none" and args.fault not in KINDS:
         raise UserError(f"--fault {args.fault}: must be one of {', '.join(KINDS)} or none")
@@ -535,14 +536,34 @@ def render_rich(view: DemoView):
                  Panel(alerts, title="alerts", title_align="left", border_style="red" if view.alerts else "green"))
 
 
+#: Piped (a log, `| tee`), a frame is printed when the alerts or failed GPUs change, and otherwise once per this
+#: much simulated time: a frame per scoring round would be several a second.
+PLAIN_EVERY_SIM_S = 3600.0
+
+
+def plain_frame_due(view: DemoView, last: tuple[Any, float] | None) -> tuple[Any, float] | None:
+    """The (what matters, simulated seconds) to remember when ``view`` is to be printed after the frame printed
+    at ``last`` (None: nothing printed yet); None when it is not."""
+    alerts = sorted((a.get("alertname", ""), a.get("node", ""), str(a.get("gpu_index", "")), a.get("status", ""))
+                    for a in view.alerts)
+    failed = sorted((n.node, g.index) for n in view.nodes for g in n.gpus if g.failed)
+    state, sim_s = (alerts, failed), view.elapsed_s * view.sim_speed
+    if last is None or state != last[0] or sim_s - last[1] >= PLAIN_EVERY_SIM_S:
+        return state, sim_s
+    return None
+
+
 class TerminalView:
-    """Shows each view: a rich live screen on a terminal, plain text screens otherwise (pipes, logs)."""
+    """Shows each view: a rich live screen on a terminal, plain text screens otherwise (pipes, logs), those only
+    when something changed or an hour of simulated time went by (:func:`plain_frame_due`); the last one always."""
 
     def __init__(self) -> None:
         from rich.console import Console
 
         self.console = Console()
         self._live = None
+        self._printed: tuple[Any, float] | None = None
+        self._held: DemoView | None = None  # the newest view not printed
         if self.console.is_terminal:
             from rich.live import Live
 
@@ -552,12 +573,18 @@ class TerminalView:
     def __call__(self, view: DemoView) -> None:
         if self._live is not None:
             self._live.update(render_rich(view), refresh=True)
-        else:
+            return
+        due = plain_frame_due(view, self._printed)
+        self._held = None if due else view
+        if due:
+            self._printed = due
             print(render_text(view), flush=True)
 
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
+        elif self._held is not None:
+            print(render_text(self._held), flush=True)
 
 
 def summary_text(result: DemoResult) -> str:

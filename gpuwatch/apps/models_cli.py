@@ -57,10 +57,10 @@ def _advise_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _simulate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--nodes", type=int, default=4, help="nodes in the fleet (default 4)")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
-    p.add_argument("--days", type=float, default=2.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--days", type=float, default=2.0, help="simulated days to record (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same fleet (default 0)")
     p.add_argument("--resolution", type=duration, default=60.0, help="sample interval (default 60s)")
     p.add_argument("--fault-rate-multiplier", type=float, default=1.0,
                    help="scale the published base rate so small fleets contain enough faults")

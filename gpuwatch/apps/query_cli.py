@@ -14,13 +14,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpuwatch.apps.commandline import (Command, add_connection_arguments, add_json_flag, collector_errors,
-                                       connection, format_table, print_json, time_flag)
+                                       connection, format_table, int_in, print_json, time_flag)
 from gpuwatch.collector.client import connect
 from gpuwatch.core.times import iso_utc
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import query_pb2_grpc
 
 _RPC_TIMEOUT_S = 30.0
+_GPU_INDEX = int_in("--gpu", 0, 2**31 - 1)  # int32 on the wire, where -1 means every GPU
+_LIMIT = int_in("--limit", 0, 2**32 - 1)  # uint32 on the wire; 0: no limit
 
 
 # ----------------------------------------------------------------------------- fetch (library API)
@@ -112,28 +114,28 @@ def query_command(fetch: Callable[..., list[dict[str, Any]]],
 
 
 def _since_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--since", dest="since_ms", type=time_flag("--since"),
+    parser.add_argument("--since", dest="since_ms", type=time_flag("--since"), metavar="WHEN",
                         help="15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
 
 
 def _node_gpu_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", help="only this node")
-    parser.add_argument("--gpu", type=int, help="only this GPU index")
+    parser.add_argument("--gpu", type=_GPU_INDEX, help="only this GPU index")
 
 
 def _series_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--node", required=True)
-    parser.add_argument("--gpu", type=int, required=True, help="GPU index")
+    parser.add_argument("--node", required=True, help="the GPU's node, as `gpuwatch nodes` names it")
+    parser.add_argument("--gpu", type=_GPU_INDEX, required=True, help="GPU index")
     parser.add_argument("--field", required=True, help="field name from gpuwatch.core.fields, e.g. gpu_power_watts")
     _since_argument(parser)
-    parser.add_argument("--limit", type=int, help="at most this many of the newest points")
+    parser.add_argument("--limit", type=_LIMIT, help="at most this many of the newest points (0: all)")
 
 
 def _events_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--node")
+    parser.add_argument("--node", help="only this node")
     parser.add_argument("--kind", help="e.g. xid, gpu_lost, agent_start")
     _since_argument(parser)
-    parser.add_argument("--limit", type=int, default=100, help="newest N events (default 100; 0: all)")
+    parser.add_argument("--limit", type=_LIMIT, default=100, help="newest N events (default 100; 0: all)")
 
 
 NODES = query_command(fetch_nodes, table_columns=("node", "gpus", "samples", "last_seen", "agent_id"),

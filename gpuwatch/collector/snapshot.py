@@ -37,7 +37,9 @@ def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor
                "values": {name: row[name] for name in fields.GPU_FIELD_NAMES if row.get(name) is not None},
                "xid_counts": xids.get(key, {}), "job_id": info.get("job_id") or "",
                "rank": -1 if info.get("rank") is None else info["rank"]}
-        if score.get("risk") is not None:
+        if score.get("failed"):  # it has failed: the model's score of its last hours (idle, ~0) is not its risk
+            gpu["failure_risk"] = 1.0
+        elif score.get("risk") is not None:
             gpu["failure_risk"] = score["risk"]
         if score.get("health"):
             gpu["health"] = score["health"]

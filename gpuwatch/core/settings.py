@@ -89,6 +89,22 @@ def addresses(value: str) -> None:
         split_address(part)
 
 
+def size_bytes(text: str) -> int:
+    """'1GB', '512MiB', '2G' or a byte count as bytes (DuckDB's spelling of a memory limit); ValueError else."""
+    upper = text.strip().upper().replace("IB", "B")
+    for suffix, scale in (("TB", 2**40), ("GB", 2**30), ("MB", 2**20), ("KB", 2**10), ("T", 2**40), ("G", 2**30),
+                          ("M", 2**20), ("K", 2**10), ("B", 1)):
+        if upper.endswith(suffix) and upper[:-len(suffix)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[:-len(suffix)]) * scale)
+    if upper.isdigit():
+        return int(upper)
+    raise ValueError(f"{text!r} is not a size such as 1GB or 512MB")
+
+
+def memory_size(value: str) -> None:
+    size_bytes(value)
+
+
 def positive(value: float) -> None:
     if value <= 0:
         raise ValueError(f"must be greater than 0, got {value}")
@@ -209,7 +225,7 @@ class CollectorSettings:
                                 "default --db")
     clickhouse_cluster: str | None = setting(None, "ClickHouse cluster NAME: tables are ReplicatedMergeTree ON "
                                              "CLUSTER NAME behind Distributed tables (docs/scale.md)")
-    memory_limit: str = setting(DEFAULT_MEMORY_LIMIT, "the store engine's memory limit (e.g. 1GB)")
+    memory_limit: str = setting(DEFAULT_MEMORY_LIMIT, "the store engine's memory limit (e.g. 1GB)", memory_size)
     span_retention: float = setting(DEFAULT_SPAN_RETENTION_S, "seconds of raw probe spans kept per job (its own "
                                     "clock; per-step aggregates and step marks are kept for --retention-days; 0 "
                                     "keeps all)", non_negative)
@@ -414,7 +430,9 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, sch
     if config_file:
         parser.add_argument("--config", metavar="PATH", help=f"TOML config file (env {CONFIG_ENV})")
     for option in schema:
-        shown = f"{option.help} (default: {option.default}; env {option.env_var})"
+        # a None default is said by the option's own help, where it means something ("the hostname")
+        shown = (f"{option.help} (env {option.env_var})" if option.default is None
+                 else f"{option.help} (default: {option.default}; env {option.env_var})")
         if option.type is bool:
             parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None, help=shown)
         else:

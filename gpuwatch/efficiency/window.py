@@ -47,11 +47,12 @@ _OPEN = np.iinfo(np.int64).max
 def _parse(spec: str) -> tuple[int, int]:
     low, sep, high = spec.partition(":")
     try:
-        if not sep:
-            return int(low), int(low)
-        return (int(low) if low else -1), (int(high) if high else _OPEN)
+        bounds = (int(low), int(low)) if not sep else ((int(low) if low else -1), (int(high) if high else _OPEN))
     except ValueError:
         raise UserError(f"--steps {spec}: expected A:B (step ids, either end may be empty), N, or {HTA}") from None
+    if bounds[0] > bounds[1]:
+        raise UserError(f"--steps {spec}: the range is empty ({low} comes after {high}); give A:B with A <= B")
+    return bounds
 
 
 def _before_last_step(tl: RankTimeline) -> RankTimeline:

@@ -42,6 +42,10 @@ def what_if_lines(w: WhatIf | None) -> list[str]:
         f"vs measured {w.actual_step_us / 1000:.2f} ms "
         f"(error {100 * w.replay_error:.1f} %); measured / no-launch-delay {w.actual_over_no_launch_delay:.3f}",
         *caution,
+        *([] if w.slowdown_unclamped >= 1 else [
+            f"  the ideal is longer than the step without launch delays ({w.slowdown_unclamped:.3f}x): the ops on "
+            "its critical path ran faster than their kind's typical duration, so evening durations out would not "
+            "speed it up; the slowdown is shown as 1.000x"]),
         "  by rank: " + ", ".join(f"rank {r.rank} {r.slowdown:.3f}x" for r in ranks),
         "  by op kind: " + ", ".join(f"{k.kind} {k.slowdown:.3f}x" for k in kinds),
     ]

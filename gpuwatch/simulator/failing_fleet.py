@@ -225,11 +225,12 @@ _XID_TEXT = {48: "DBE (Double Bit Error) ECC Error", 64: "Row remapping failure"
 
 
 def _fault_events(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> list:
-    """The fault's XID (repeated a few seconds later, as drivers do) and the GPU-lost event, if in range."""
+    """The fault's XID, once (one fault, one report: a second XID 48 would read as a second uncorrectable error),
+    and the GPU-lost event or the context-killed XID that follows, if in range."""
     lo = int(ts_ms[0]) - int(dt_s * 1000) if len(ts_ms) else 0
     hi = int(ts_ms[-1]) if len(ts_ms) else -1
     text = _XID_TEXT.get(plan.final_xid, "")
-    out = [(plan.fault_ms, "xid", plan.final_xid, text), (plan.fault_ms + 4_000, "xid", plan.final_xid, text)]
+    out = [(plan.fault_ms, "xid", plan.final_xid, text)]
     if MECHANISMS[plan.mechanism].gpu_lost or plan.final_xid == 79:
         out.append((plan.fault_ms + 1_000, "gpu_lost", 0, "GPU is lost"))
     else:

@@ -34,7 +34,7 @@ import pyarrow as pa
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
 from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S
-from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
+from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, size_bytes
 from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
 from gpuwatch.core.columnar import ColumnarBatch
@@ -754,15 +754,10 @@ def _redacted(url: str) -> str:
 
 
 def _bytes(limit: str) -> int:
-    """'1GB', '512MiB', '2G' or a byte count as bytes (DuckDB's spelling of a memory limit)."""
-    text = limit.strip().upper().replace("IB", "B")
-    for suffix, scale in (("TB", 2**40), ("GB", 2**30), ("MB", 2**20), ("KB", 2**10), ("T", 2**40), ("G", 2**30),
-                          ("M", 2**20), ("K", 2**10), ("B", 1)):
-        if text.endswith(suffix) and text[:-len(suffix)].strip().replace(".", "", 1).isdigit():
-            return int(float(text[:-len(suffix)]) * scale)
-    if text.isdigit():
-        return int(text)
-    raise UserError(f"memory limit {limit!r}: expected a size such as 1GB or 512MB")
+    try:
+        return size_bytes(limit)
+    except ValueError as exc:
+        raise UserError(f"memory limit {exc}") from None
 
 
 def _plain_strings(table: pa.Table) -> pa.Table:

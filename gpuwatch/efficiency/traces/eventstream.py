@@ -462,6 +462,7 @@ class TraceEventStream:
         self._separator = b"},{"
         self._layout: Layout | None = None
         self._categories: CategoryTable | None = None
+        self._bare = False  # the file is the bare JSON Array Format, not an object with traceEvents
 
     def __iter__(self) -> Iterator[list[Any]]:
         try:
@@ -516,6 +517,7 @@ class TraceEventStream:
             data += block
             stripped = data.lstrip()
             if stripped.startswith(b"["):  # the bare "JSON Array Format" of Chrome traces
+                self._bare = True
                 return memoryview(stripped)[1:]
             match = _ARRAY_KEY.search(data)
             if match:
@@ -590,9 +592,14 @@ class TraceEventStream:
             events = self._parse(pending[: match.start() + 1])
             if events is not None:
                 return events, pending[match.end():]
+        if self._bare:  # the Trace Event Format lets this form end without its `]` (a writer that was stopped)
+            rest = pending.rstrip().rstrip(b",")
+            events = self._parse(rest) if rest.strip() else []
+            if events is not None:
+                return events, b""
+        array = "the array of events" if self._bare else "the traceEvents array"
         raise UserError(
-            f"{self.path}: truncated or invalid JSON: the traceEvents array does not end "
-            f"(read {self.bytes_read} bytes)"
+            f"{self.path}: truncated or invalid JSON: {array} does not end (read {self.bytes_read} bytes)"
         )
 
 

@@ -257,6 +257,21 @@ class _Collected:
         return known
 
 
+def _what_is_wrong(events: list[Any], exc: Exception) -> str:
+    """The first mistyped field among `events`, in JSON's words (on the error path only: the hot loop checks
+    nothing); else the exception's own message."""
+    for event in events:
+        for key, kind in (("ts", "a number"), ("dur", "a number"), ("name", "a string")):
+            value = getattr(event, key)
+            if isinstance(value, str) if kind == "a string" else (
+                    isinstance(value, (int, float)) and not isinstance(value, bool)):
+                continue
+            got = "missing or null" if value is None else f"{msgspec.json.encode(value).decode()[:40]}, not {kind}"
+            cat, name = (msgspec.json.encode(v).decode()[:60] for v in (event.cat, event.name))
+            return f"{key!r} is {got}, in an event of category {cat} named {name}"
+    return f"missing or mistyped field: {exc}"
+
+
 def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
                 default_rank: int | None = None, content: TraceContent | None = None) -> RankTimeline:
     """One rank's timeline from a Kineto trace file (plain or .gz), or from its `content` named `path`.
@@ -271,8 +286,7 @@ def load_kineto(path: str, *, progress: Callable[[int], None] | None = None,
             got.add(events)
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             # Checked here, not per event in the hot loop: a broken exporter's event, named in one line.
-            raise UserError(f"{path}: malformed trace event (missing or mistyped field: "
-                            f"{type(exc).__name__} {exc})") from None
+            raise UserError(f"{path}: malformed trace event ({_what_is_wrong(events, exc)})") from None
     if not got.gpu_ts:
         raise UserError(f"{path}: no GPU activity in the trace (no kernel, memcpy or memset events of any "
                         f"Kineto spelling: {', '.join(sorted(_GPU_CATS))})")
