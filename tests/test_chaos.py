@@ -61,7 +61,8 @@ def test_nothing_is_lost_or_stored_twice_through_kills_and_a_full_disk(tmp_path)
             for kills in range(1, COLLECTOR_KILLS + 1):
                 before = _samples(collector.address)
                 poll(lambda before=before: any(_samples(collector.address).get(n, 0) > before.get(n, 0)
-                                               for n in ("steady", "full")), 120, f"progress before collector kill {kills}")
+                                               for n in ("steady", "full")),
+                     120, f"progress before collector kill {kills}")
                 for name, agent in (("steady", steady), ("full", full)):
                     assert agent.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
                 collector.kill()
