@@ -155,7 +155,7 @@ def _units(episodes: pd.DataFrame, exposure: pd.DataFrame, by_gpu: bool) -> tupl
     """(episodes with their unit, units with exposure days and last exposed ms): a unit is a GPU or a node."""
     key = ["node", "gpu_index"] if by_gpu else ["node"]
     units = exposure.assign(days=(exposure["last_ms"] - exposure["first_ms"]) / DAY_MS).groupby(key, sort=True).agg(
-        days=("days", "sum"), last_ms=("last_ms", "max")).reset_index()
+        days=("days", "sum"), gpus=("days", "size"), last_ms=("last_ms", "max")).reset_index()
     units["unit"] = list(zip(*(units[k] for k in key)))
     eps = episodes.assign(unit=list(zip(*(episodes[k] for k in key)))) if len(episodes) else episodes.assign(unit=[])
     return eps, units
@@ -163,15 +163,16 @@ def _units(episodes: pd.DataFrame, exposure: pd.DataFrame, by_gpu: bool) -> tupl
 
 def repeat_hazard(episodes: pd.DataFrame, exposure: pd.DataFrame, by_gpu: bool) -> dict[str, Any]:
     """P(the unit faults again within 7/30 days of returning from a fault) against the base probability of a
-    fault in any 7/30-day window, 1 - exp(-rate x window), at the fleet's rate per unit.
+    fault in any 7/30-day window, 1 - exp(-rate x GPUs of the unit x window) at the fleet's rate per GPU-day,
+    averaged over units.
 
     A return is the repair end where known, else the fault's start. Only returns followed by a full window
     of exposure count (no censoring bias); the next fault must start after the return.
     """
     eps, units = _units(episodes, exposure, by_gpu)
     out: dict[str, Any] = {"unit": "gpu" if by_gpu else "node"}
-    unit_days = float(units["days"].sum())
-    per_unit_day = len(eps) / unit_days if unit_days > 0 else 0.0
+    gpu_days = float(units["days"].sum())
+    per_gpu_day = len(eps) / gpu_days if gpu_days > 0 else 0.0
     last = dict(zip(units["unit"], units["last_ms"]))
     starts = {u: np.sort(g["start_ms"].to_numpy(float)) for u, g in eps.groupby("unit", sort=False)} if len(eps) else {}
     for window in REPEAT_WINDOWS_D:
@@ -183,7 +184,7 @@ def repeat_hazard(episodes: pd.DataFrame, exposure: pd.DataFrame, by_gpu: bool) 
             n += 1
             s = starts[row.unit]
             hits += bool(((s > back) & (s <= back + window * DAY_MS)).any())
-        base = 1 - np.exp(-per_unit_day * window)
+        base = float(np.mean(1 - np.exp(-per_gpu_day * units["gpus"].to_numpy() * window))) if len(units) else 0.0
         p = hits / n if n else None
         suffix = "" if window == REPEAT_WINDOWS_D[0] else f"_{window}d"
         out[f"within_{window}d"] = _round(p) if p is not None else None
@@ -192,7 +193,7 @@ def repeat_hazard(episodes: pd.DataFrame, exposure: pd.DataFrame, by_gpu: bool) 
         out[f"ratio_{window}d"] = _round(p / base) if p is not None and base > 0 else None
     # overdispersion: units with two or more faults, seen against what Poisson at each unit's exposure expects
     counts = eps.groupby("unit").size() if len(eps) else pd.Series(dtype=int)
-    mu = units["days"].to_numpy() * per_unit_day
+    mu = units["days"].to_numpy() * per_gpu_day
     out["units_with_2_or_more"] = int((counts >= 2).sum())
     out["expected_with_2_or_more"] = _round(float(stats.poisson.sf(1, mu).sum()), 3)
     return out
