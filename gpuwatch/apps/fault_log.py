@@ -88,7 +88,7 @@ def import_fault_log(files: Sequence[str | os.PathLike], out: str | os.PathLike,
     last = _parse_time_flag("--end", end) if end else (first + int(days * 86_400_000) if days is not None
                                                        else last_seen)
     if last <= first:
-        raise UserError(f"the period is empty: it ends ({_iso(last)}) before it starts ({_iso(first)})")
+        raise UserError(f"the period is empty ({_iso(first)} .. {_iso(last)}): give its end with --end or --days")
     if int(log["start_ms"].min()) < first or int(log["start_ms"].max()) > last:
         raise UserError(f"faults from {_iso(int(log['start_ms'].min()))} to {_iso(int(log['start_ms'].max()))} "
                         f"fall outside the period {_iso(first)} .. {_iso(last)} (--start/--end/--days)")
