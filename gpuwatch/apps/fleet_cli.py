@@ -55,11 +55,13 @@ def _chunks(data: str) -> Iterator[Any]:
         for i in range(0, len(nodes), NODES_PER_READ):
             group = nodes[i:i + NODES_PER_READ]
             where = [("node", "in", group)]
-            yield len(group), rec.table("gpu_samples", _SAMPLE_COLUMNS, where), rec.table("events", _EVENT_COLUMNS, where)
+            yield (len(group), rec.table("gpu_samples", _SAMPLE_COLUMNS, where),
+                   rec.table("events", _EVENT_COLUMNS, where))
         return
     store = _open_store(data)
     try:
-        events = pd.DataFrame(store.events(), columns=["node", "gpu_index", "ts_ms", "kind", "code", "message", "attrs"])
+        events = pd.DataFrame(store.events(),
+                              columns=["node", "gpu_index", "ts_ms", "kind", "code", "message", "attrs"])
         events["ts"] = pd.to_datetime(events.pop("ts_ms"), unit="ms", utc=True)
         nodes = sorted({g["node"] for g in store.gpus()} | set(events["node"]))
         yield len(nodes)
@@ -139,7 +141,8 @@ def as_text(r: dict[str, Any]) -> str:
     lines += ["", f"lemons ({len(r['lemons'])}):" if r["lemons"] else "lemons: none"]
     for lemon in r["lemons"]:
         where = lemon["node"] + (f" GPU {lemon['gpu_index']}" if lemon["gpu_index"] is not None else "")
-        lines.append(f"  {where}: {lemon['episodes']} {lemon['causes']} faults where {_num(lemon['expected'])} expected, "
+        lines.append(f"  {where}: {lemon['episodes']} {lemon['causes']} faults where {_num(lemon['expected'])} "
+                     "expected, "
                      f"p {lemon['p_value']:.2g} (Holm); {', '.join(f'{k} {v}' for k, v in lemon['kinds'].items())}")
     return "\n".join(lines) + "\n"
 

@@ -171,7 +171,7 @@ def advice_table(n_gpus: int, checkpoint_s: float, *, failure_rate: float | None
     """What `gpuwatch advise` reports: the rate and where it came from, Young/Daly intervals and waste, and the
     interval and waste a predictor of each recall allows (0, 0.5, 0.8, 0.9, ``recalls`` and the model's)."""
     if failure_rate is not None:
-        rate = {"faults_per_gpu_hour": failure_rate, "source": "given", "counts": "as given"}
+        rate: dict[str, Any] = {"faults_per_gpu_hour": failure_rate, "source": "given", "counts": "as given"}
     elif data is not None:
         rate = _observed_rate(data)
     else:

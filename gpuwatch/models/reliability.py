@@ -92,7 +92,8 @@ def logged_episodes(events: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=EPISODE_COLUMNS)
     attrs = [json.loads(a) if isinstance(a, str) and a else (a or {}) for a in rows["attrs"]]
     end = [a.get("end_ms") for a in attrs]
-    return pd.DataFrame({"node": rows["node"].astype(str).to_numpy(), "gpu_index": rows["gpu_index"].astype(int).to_numpy(),
+    return pd.DataFrame({"node": rows["node"].astype(str).to_numpy(),
+                         "gpu_index": rows["gpu_index"].astype(int).to_numpy(),
                          "start_ms": ts_ms(rows["ts"]), "end_ms": np.array([np.nan if e in (None, "") else float(e)
                                                                             for e in end]),
                          "kind": [str(a.get("kind", "unknown")) for a in attrs],
@@ -103,7 +104,8 @@ def telemetry_episodes(faults: pd.DataFrame) -> pd.DataFrame:
     """Episodes of models/faults.py's ``fault_events`` (all the GPU's own): the repair end is not known."""
     if not len(faults):
         return pd.DataFrame(columns=EPISODE_COLUMNS)
-    return pd.DataFrame({"node": faults["node"].astype(str).to_numpy(), "gpu_index": faults["gpu_index"].astype(int).to_numpy(),
+    return pd.DataFrame({"node": faults["node"].astype(str).to_numpy(),
+                         "gpu_index": faults["gpu_index"].astype(int).to_numpy(),
                          "start_ms": faults["start_ms"].astype(float).to_numpy(), "end_ms": np.nan,
                          "kind": faults["kind"].astype(str).to_numpy(), "gpu": True})
 
