@@ -22,7 +22,7 @@ from gpuwatch.core.recording import MANIFEST, open_recording
 from gpuwatch.models import reliability
 from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, fault_events
 
-NODES_PER_READ = 256
+NODES_PER_READ = 64
 _SAMPLE_COLUMNS = ["node", "gpu_index", "ts", *FAULT_COUNTERS, *FAULT_FLAGS]
 _EVENT_COLUMNS = ["node", "gpu_index", "ts", "kind", "code", "message", "attrs"]
 

@@ -196,6 +196,9 @@ def repeat_hazard(episodes: pd.DataFrame, exposure: pd.DataFrame, by_gpu: bool) 
     # overdispersion: units with two or more faults, seen against what Poisson at each unit's exposure expects
     counts = eps.groupby("unit").size() if len(eps) else pd.Series(dtype=int)
     mu = units["days"].to_numpy() * per_gpu_day
+    top = max(1, int(round(len(units) * 0.01)))
+    out["top_1pct_share"] = _round(float(counts.sort_values(ascending=False).iloc[:top].sum() / len(eps))) \
+        if len(eps) else None
     out["units_with_2_or_more"] = int((counts >= 2).sum())
     out["expected_with_2_or_more"] = _round(float(stats.poisson.sf(1, mu).sum()), 3)
     return out

@@ -76,7 +76,7 @@ class FleetConfig:
     lead_time_scale: float = 1.0
     precursor_strength: float = 1.0
     lookalikes_per_gpu_day: float = 0.0
-    frailty_sigma: float = 1.0
+    frailty_sigma: float = 0.8
     repeat_probability: float = 0.08
     repeat_decay_days: float = 7.0
     repair_median_h: float = 16.8
@@ -282,7 +282,9 @@ def plan_faults(cfg: FleetConfig, node: int, rng: np.random.Generator) -> list[F
     for g in range(cfg.gpus_per_node):
         frailty = rng.lognormal(-sigma ** 2 / 2, sigma) if sigma > 0 else 1.0  # mean 1
         rate = cfg.fault_rate_per_gpu_hour * cfg.fault_rate_multiplier * frailty
-        n_fault = rng.poisson(rate * hours)
+        # each fault brings repeat_probability more on average, so spontaneous faults come at (1 - that) of the
+        # rate and the total, repeats included, is the configured rate
+        n_fault = rng.poisson(rate * hours * max(1.0 - cfg.repeat_probability, 0.0))
         # near misses follow the published rate: the multiplier only gives small fleets enough faults to learn
         # from, it must not also multiply the GPUs that degrade and recover (false alarms by construction)
         n_miss = rng.poisson(rate / max(cfg.fault_rate_multiplier, 1.0) * hours * cfg.near_miss_fraction)
