@@ -46,8 +46,8 @@ _END = ("end", "end_time", "end_ts", "repaired", "repaired_at", "repair_time", "
         "fault_end_time")
 _EVENT_TYPE = ("event_type", "event", "phase")
 _XID = ("xid", "xid_code")
-_TEXT = ("desc", "description", "kind", "fault", "fault_kind", "fault_desc", "reason", "cause", "error",
-         "symptom", "message", "type")
+_TEXT = ("desc", "description", "kind", "fault", "fault_kind", "fault_type", "fault_desc", "failure",
+         "failure_type", "error_type", "reason", "cause", "error", "symptom", "message", "type")
 _CLASS = ("class", "fault_class", "category", "component", "subsystem")
 _LEVEL = ("level", "severity")
 _ENDS = {"fault_end", "end", "repaired", "recovered", "resolved", "stop", "closed"}
