@@ -106,14 +106,6 @@ def advise(n_gpus: int, checkpoint_s: float, *, faults_per_gpu_hour: float = LLA
     )
 
 
-def observed_fault_rate(path: str) -> tuple[float, int, float]:
-    """(faults per GPU-hour, fault episodes, GPU-hours) in a recording or store: episodes as models/faults.py
-    counts them, over each GPU's span from first to last sample."""
-    counts = observed_faults(path)
-    hours = counts["gpu_hours"]
-    return (counts["gpu"] / hours if hours else 0.0), counts["gpu"], hours
-
-
 def observed_faults(path: str) -> dict[str, Any]:
     """GPU fault episodes, all episodes (with an imported fault log's other causes) and GPU-hours of exposure
     (each GPU's first to last sample) in a recording or DuckDB store."""
