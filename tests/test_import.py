@@ -154,3 +154,19 @@ def test_cli_json(tmp_path):
                           str(tmp_path / "R"), "--json"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["gpu_samples"] == 6 and run.stderr == ""  # no progress when not a terminal
+
+
+def test_many_small_nodes_become_a_few_node_sorted_parts_each_node_readable(tmp_path):
+    """One part per node made an import of 18,687 single-GPU nodes take minutes (bench/import_wide.py)."""
+    rows = pd.DataFrame({"node": [f"c{i % 600:04d}" for i in range(1800)], "gpu_index": 0,
+                         "ts": [T0_S + 60 * (i // 600) for i in range(1800)],
+                         "gpu_power_watts": [float(i) for i in range(1800)],
+                         "DCGM_FI_DEV_XID_ERRORS": [48 if i == 1205 else 0 for i in range(1800)]})
+    rows.to_csv(tmp_path / "wide.csv", index=False)
+    result = import_files([tmp_path / "wide.csv"], tmp_path / "rec", fmt="wide", quiet=True)
+    assert (result["gpu_samples"], result["nodes"], result["events"]) == (1800, 600, 1)
+    rec = open_recording(tmp_path / "rec")
+    assert len(rec.parts("gpu_samples")) == 1 and len(rec.parts("events")) == 1
+    one = rec.table("gpu_samples", ["node", "ts", "gpu_power_watts"], [("node", "in", ["c0005"])])
+    assert list(one["gpu_power_watts"]) == [5.0, 605.0, 1205.0] and one["ts"].is_monotonic_increasing
+    assert rec.table("events", ["node", "code"]).to_dict("records") == [{"node": "c0005", "code": 48}]

@@ -59,6 +59,9 @@ def test_advise_cli_json_against_the_reference_numbers(capsys):
     assert main(["advise", "--gpus", "16384", "--checkpoint-cost", "5m", "--recall", "0.95", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["rate"]["source"] == "published Llama 3 rate" and out["mtbf_s"] / 3600 == pytest.approx(3.09, abs=0.01)
+    # a checkpoint protects against every interruption, and the advice says so and how much a predictor can see
+    assert out["rate"]["counts"] == "all interruptions" and "GPU faults" in out["rate"]["why"]
+    assert out["rate"]["gpu_fault_share"] == pytest.approx(0.31, abs=0.01)
     assert out["young_interval_s"] / MIN == pytest.approx(43, rel=0.02)
     assert out["daly_interval_s"] / MIN == pytest.approx(40, abs=0.5)
     assert out["waste"] == pytest.approx(0.23, abs=0.006)
@@ -74,12 +77,13 @@ def test_advise_rate_from_data_and_bad_input(tmp_path, capsys):
     from gpuwatch.apps.cli import main
     from gpuwatch.simulator.failing_fleet import FleetConfig, simulate_fleet
 
-    simulate_fleet(FleetConfig(nodes=2, gpus_per_node=4, days=2, resolution_s=600, fault_rate_multiplier=2000,
-                               seed=5), tmp_path / "rec", quiet=True)
+    simulate_fleet(FleetConfig(nodes=2, gpus_per_node=4, days=2, resolution_s=600, fault_rate_multiplier=6000,
+                               repair_median_h=4.0, repair_sigma=0.5, seed=5), tmp_path / "rec", quiet=True)
     assert main(["advise", "--gpus", "1024", "--data", str(tmp_path / "rec"), "--json"]) == 0
     rate = json.loads(capsys.readouterr().out)["rate"]
     assert rate["fault_episodes"] > 0 and 0.9 * 8 * 48 < rate["gpu_hours"] <= 8 * 48  # failed GPUs stop reporting
     assert rate["faults_per_gpu_hour"] == pytest.approx(rate["fault_episodes"] / rate["gpu_hours"], rel=0.01)
+    assert rate["counts"] == "GPU faults" and "upper bound" in rate["why"]  # telemetry sees GPU faults only
     assert main(["advise", "--gpus", "0"]) == 2
     assert capsys.readouterr().err.strip() == "gpuwatch advise: error: --gpus must be positive, got 0"
     (tmp_path / "x.json").write_text("{}")

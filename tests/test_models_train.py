@@ -20,7 +20,8 @@ from gpuwatch.models.train import FIT_HORIZON_S, fit_labels, train_model
 from gpuwatch.core.recording import SCHEMAS
 from helpers import run_on_terminal
 
-SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=400)
+# ~30 faults at the real GPU rate
+SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=1400)
 
 
 @pytest.fixture(scope="module")

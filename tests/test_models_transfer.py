@@ -16,7 +16,8 @@ from gpuwatch.models.features import features
 from gpuwatch.core.recording import RecordingWriter, open_recording
 from helpers import MIN, T0, event_rows, minute_samples
 
-SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=400)
+# ~30 faults at the real GPU rate
+SMALL = dict(nodes=4, gpus_per_node=8, days=6, resolution_s=300, fault_rate_multiplier=1400)
 #: Fields a DCGM-exporter site commonly does not export (the independent fleet had 16 such feature columns).
 NOT_RECORDED = ["gpu_ecc_sbe_volatile_total", "gpu_ecc_sbe_aggregate_total", "gpu_nvlink_crc_data_errors_total",
                 "gpu_nvlink_recovery_errors_total", "gpu_memory_temperature_celsius",

@@ -43,6 +43,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "replay a recording or store through failure scoring and alerts, budget-calibrated"),
     "advise": ("gpuwatch.apps.models_cli:ADVISE",
                "checkpoint interval from the failure rate, and what a failure predictor changes"),
+    "fleet": ("gpuwatch.apps.fleet_cli:FLEET",
+              "fleet reliability: fault rates, repair times, repeats and lemon GPUs and nodes"),
     "replay": ("gpuwatch.apps.replay:REPLAY", "run a recording through the pipeline"),
     "import": ("gpuwatch.apps.replay:IMPORT", "turn CSV/Parquet telemetry into a recording"),
     "export": ("gpuwatch.apps.replay:EXPORT", "write a collector store (stopped, or a copy) out as a recording"),

@@ -35,6 +35,7 @@ from gpuwatch.core.recording import check_new_recording, new_recording
 FORMATS = ("auto", "wide", "long")
 SOURCE = "gpuwatch import"
 CHUNK_ROWS = 250_000
+PART_ROWS = 1_000_000
 MIB = 2**20
 
 #: DCGM field (dcgm-exporter metric name) -> (gpuwatch field, factor from DCGM's unit to gpuwatch's).
@@ -339,6 +340,24 @@ def _write(out: Path, samples: pd.DataFrame, events: pd.DataFrame, gpus: pd.Data
                         "sizes": [Path(f).stat().st_size for f in files], "formats": report.formats}}
     with new_recording(out, source=SOURCE, extra=extra) as writer:
         writer.append("gpus", gpus)
-        for node, rows in samples.groupby("node", sort=True):
+        for rows in _node_parts(samples):
             writer.append("gpu_samples", rows)
-            writer.append("events", events[events["node"] == node])
+        for rows in _node_parts(events):
+            writer.append("events", rows)
+
+
+def _node_parts(frame: pd.DataFrame) -> Iterator[pd.DataFrame]:
+    """``frame`` sorted by node in parts of about ``PART_ROWS`` rows, a node never split across parts: readers
+    that want a few nodes skip the rest by the parts' node statistics, and a fleet of many small nodes is a
+    few files, not one per node (one per node made 18,687 files, and 2.5 min, of a 79,833-row import)."""
+    if frame.empty:
+        return
+    frame = frame.sort_values(["node", "gpu_index", "ts"], kind="stable").reset_index(drop=True)
+    node = frame["node"].to_numpy()
+    first_of_node = np.flatnonzero(np.r_[True, node[1:] != node[:-1]])
+    start = 0
+    for cut in first_of_node[1:]:
+        if cut - start >= PART_ROWS:
+            yield frame.iloc[start:cut]
+            start = cut
+    yield frame.iloc[start:]

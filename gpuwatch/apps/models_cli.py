@@ -172,7 +172,8 @@ def _advise(args: argparse.Namespace) -> dict:
 def format_advice(result: dict) -> str:
     """The advice as text: rate and its source, the two intervals, then interval/waste per recall."""
     rate = result["rate"]
-    lines = [f"failure rate: {rate['faults_per_gpu_hour']:.3g} per GPU-hour ({rate['source']})",
+    lines = [f"failure rate: {rate['faults_per_gpu_hour']:.3g} per GPU-hour of {rate['counts']} ({rate['source']})",
+             *([f"  why: {rate['why']}"] if rate.get("why") else []),
              f"job: {result['gpus']} GPUs, MTBF {result['mtbf_s'] / 3600:.2f} h, "
              f"checkpoint cost {result['checkpoint_s'] / 60:g} min",
              f"Young interval: {result['young_interval_s'] / 60:.1f} min, waste {result['waste']:.1%}",

@@ -397,10 +397,25 @@ def _run_replay(args: argparse.Namespace) -> dict[str, Any]:
 def _import_arguments(p: argparse.ArgumentParser) -> None:
     from gpuwatch.apps.importer import FORMATS
 
-    p.add_argument("files", nargs="+", metavar="FILE", help="CSV or Parquet telemetry files")
+    from gpuwatch.apps.fault_log import TIME_UNITS
+
+    p.add_argument("files", nargs="+", metavar="FILE", help="CSV or Parquet telemetry files, or fault logs")
     p.add_argument("--out", required=True, help="recording directory to write (new or empty)")
-    p.add_argument("--format", choices=FORMATS, default="auto",
-                   help="wide: one column per field; long: metric/value rows (dcgm-exporter via Prometheus)")
+    p.add_argument("--format", choices=(*FORMATS, "faults"), default="auto",
+                   help="wide: one column per field; long: metric/value rows (dcgm-exporter via Prometheus); "
+                   "faults: a fault log (node, GPU, time, kind or XID, end; CSV, Parquet, JSON, JSON lines)")
+    faults = p.add_argument_group("fault logs (--format faults): the fleet the log covers")
+    faults.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    faults.add_argument("--nodes", type=int,
+                        help="nodes in the fleet, with those that never failed (default: the nodes in the log)")
+    faults.add_argument("--start", help="start of the period, and time 0 of relative times (ISO 8601 date or "
+                        "time; default: the first fault, or 2000-01-01 for relative times)")
+    end = faults.add_mutually_exclusive_group()
+    end.add_argument("--end", help="end of the period (default: the last time in the log)")
+    end.add_argument("--days", type=float, help="length of the period in days from --start")
+    faults.add_argument("--time-unit", choices=TIME_UNITS, default="auto",
+                        help="numeric times are offsets from --start in this unit (auto: days when too small "
+                        "for epoch times, else epoch seconds or ms)")
     p.add_argument("--node-column", help="column naming the node (default: node, Hostname, hostname, instance)")
     p.add_argument("--gpu-column", help="column with the GPU index (default: gpu_index, gpu)")
     p.add_argument("--time-column", help="column with the time (default: ts, timestamp, time)")
@@ -409,6 +424,13 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
 def _run_import(args: argparse.Namespace) -> dict[str, Any]:
     from gpuwatch.apps.importer import Columns, import_files
 
+    if args.format == "faults":
+        from gpuwatch.apps.fault_log import import_fault_log
+
+        return import_fault_log(args.files, args.out, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+                                start=args.start, end=args.end, days=args.days, time_unit=args.time_unit,
+                                node_column=args.node_column, gpu_column=args.gpu_column,
+                                time_column=args.time_column)
     columns = Columns(node=args.node_column, gpu=args.gpu_column, time=args.time_column)
     return import_files(args.files, args.out, fmt=args.format, columns=columns, quiet=args.quiet)
 
