@@ -17,6 +17,7 @@ FIELD_UNSUPPORTED = "field_unsupported"  # attrs["field"] = NVML call or field i
 SPOOL_DROPPED = "spool_dropped"  # code = batches dropped, attrs["bytes"]
 ECC_DBE = "ecc_dbe"
 ECC_SBE = "ecc_sbe"
+GPU_OWNER = "gpu_owner"  # the GPU's owner changed: attrs namespace, pod, container, job_id, rank, uuid, mig
 NVML_EVENT = "nvml_event"  # any other NVML event type, attrs["event_type"]
 
 #: What each kind means to a person reading a count of them (the demo's summary, `gpuwatch events`).

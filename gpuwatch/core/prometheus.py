@@ -71,6 +71,9 @@ class GpuSnapshot(TypedDict, total=False):
     health: str                     # one of HEALTH_STATES
     job_id: str                     # job owning the GPU now ("" or absent: none)
     rank: int
+    namespace: str                  # the Kubernetes pod holding the GPU now ("" or absent: none)
+    pod: str
+    container: str
 
 
 class HostSnapshot(TypedDict):

@@ -1,0 +1,104 @@
+"""GPU owners from the kubelet's pod-resources API (a stand-in kubelet serving the real proto on a unix socket)
+together with the jobs found in process environments."""
+import pytest
+
+from gpuwatch.agent.jobs import JobInfo
+from gpuwatch.agent.kubelet import PodOwner, PodResourcesClient
+from gpuwatch.agent.owners import GpuOwner, OwnerTracker
+from gpuwatch.core import events as ev
+from kubelet_standin import StandInKubelet, pod
+
+UUIDS = {0: "GPU-aaaa", 1: "GPU-bbbb", 2: "GPU-cccc"}
+GPU = "nvidia.com/gpu"
+
+
+@pytest.fixture
+def kubelet():
+    with StandInKubelet() as k:
+        yield k
+
+
+def _owners(tracker, jobs=None):
+    events = tracker.refresh(jobs or {})
+    assert all(e.kind == ev.GPU_OWNER for e in events)
+    return {e.gpu_index: (e.attrs["namespace"], e.attrs["pod"], e.attrs["container"]) for e in events}
+
+
+def test_pods_come_and_go_and_a_gpu_moves_between_pods(kubelet):
+    kubelet.set_pods(pod("ml", "train-0", ("trainer", GPU, ["GPU-aaaa", "GPU-bbbb"])),
+                     pod("kube-system", "dns", ("coredns", "cpu", [])))
+    tracker = OwnerTracker(UUIDS, PodResourcesClient(kubelet.socket))
+    # the first refresh reports every GPU, owned or not, so whatever an earlier run left open is closed
+    assert _owners(tracker, {0: JobInfo("job-7", 0, 0)}) == {
+        0: ("ml", "train-0", "trainer"), 1: ("ml", "train-0", "trainer"), 2: ("", "", "")}
+    assert tracker.owner(0) == GpuOwner("ml", "train-0", "trainer", "job-7", 0)
+    assert tracker.refresh({0: JobInfo("job-7", 0, 0)}) == []  # nothing changed: nothing sent
+
+    kubelet.set_pods(pod("ml", "train-0", ("trainer", GPU, ["GPU-aaaa"])),
+                     pod("research", "notebook", ("jupyter", GPU, ["GPU-bbbb"])))
+    assert _owners(tracker, {0: JobInfo("job-7", 0, 0)}) == {1: ("research", "notebook", "jupyter")}
+
+    kubelet.set_pods()  # every pod ended
+    assert _owners(tracker) == {0: ("", "", ""), 1: ("", "", "")}
+    assert tracker.kubelet_error is None
+
+
+def test_mig_instances_time_slicing_replicas_and_index_ids(kubelet):
+    kubelet.set_pods(pod("ml", "small", ("w", "nvidia.com/mig-1g.10gb", ["MIG-1111"])),
+                     pod("ml", "shared", ("w", GPU, ["GPU-bbbb::0", "GPU-bbbb::3"])),
+                     pod("ml", "by-index", ("w", GPU, ["2"])))
+    tracker = OwnerTracker(UUIDS, PodResourcesClient(kubelet.socket), mig_parents={"MIG-1111": 0, "MIG-2222": 0})
+    events = {e.gpu_index: e.attrs for e in tracker.refresh({})}
+    assert (events[0]["pod"], events[0]["mig"], events[0]["uuid"]) == ("small", "MIG-1111", "GPU-aaaa")
+    assert events[1]["pod"] == "shared" and events[2]["pod"] == "by-index"
+
+
+def test_socket_vanishing_falls_back_to_process_environments_and_recovers(kubelet):
+    kubelet.set_pods(pod("ml", "train-0", ("trainer", GPU, ["GPU-aaaa"])))
+    tracker = OwnerTracker(UUIDS, PodResourcesClient(kubelet.socket))
+    jobs = {0: JobInfo("4242", 3, 1)}
+    tracker.refresh(jobs)
+    assert tracker.owner(0).pod == "train-0"
+
+    kubelet.stop()  # the kubelet restarts: its socket is gone for a while
+    assert _owners(tracker, jobs) == {0: ("", "", "")}
+    assert tracker.owner(0) == GpuOwner(job_id="4242", rank=3)  # the environment still names the job
+    assert "does not exist" in (tracker.kubelet_error or "")
+
+    kubelet.start()
+    assert _owners(tracker, jobs) == {0: ("ml", "train-0", "trainer")}
+    assert tracker.kubelet_error is None
+
+
+def test_get_names_one_pods_devices(kubelet):
+    kubelet.set_pods(pod("ml", "train-0", ("trainer", GPU, ["GPU-aaaa"]), ("side", "example.com/fpga", ["f0"])))
+    client = PodResourcesClient(kubelet.socket)
+    assert client.pod_devices("ml", "train-0") == {"GPU-aaaa": PodOwner("ml", "train-0", "trainer")}
+    assert client.pod_devices("ml", "gone") == {}
+    client.close()
+
+
+def test_without_a_kubelet_owners_come_from_the_environment_alone():
+    tracker = OwnerTracker(UUIDS)
+    tracker.refresh({1: JobInfo("77", 1, 1)})
+    assert tracker.owner(1) == GpuOwner(job_id="77", rank=1) and tracker.kubelet_error is None
+
+
+def test_the_agent_sends_owner_changes_as_events_beside_its_samples(tmp_path, sink, kubelet):
+    from gpuwatch.agent.daemon import AgentConfig
+    from gpuwatch.apps.agent_cli import simulated_agent
+    from gpuwatch.simulator.node import SimulatedNode
+
+    server, address = sink
+    cfg = AgentConfig(collector=address, node="k1", interval=0.02, batch_interval=0.1, slow_interval=0.02,
+                      spool=tmp_path, kubelet_socket=kubelet.socket)
+    with SimulatedNode(2, node="k1") as sim:
+        agent = simulated_agent(cfg, sim)
+        uuid1 = sim.fleet.gpus[1].uuid
+        kubelet.set_pods(pod("ml", "train-0", ("trainer", GPU, [uuid1])))
+        agent.run(ticks=6)
+    owners = [e for b in server.store.batches.values() for e in b.events if e.kind == ev.GPU_OWNER]
+    # one event per GPU on the first slow tick; owners did not change afterwards
+    assert sorted((e.gpu_index, e.attrs["pod"], e.attrs["job_id"]) for e in owners) == [
+        (0, "", "sim-k1"), (1, "train-0", "sim-k1")]
+    assert kubelet.lists >= 2  # refreshed on the slow cadence
