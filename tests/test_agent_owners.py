@@ -102,3 +102,36 @@ def test_the_agent_sends_owner_changes_as_events_beside_its_samples(tmp_path, si
     assert sorted((e.gpu_index, e.attrs["pod"], e.attrs["job_id"]) for e in owners) == [
         (0, "", "sim-k1"), (1, "train-0", "sim-k1")]
     assert kubelet.lists >= 2  # refreshed on the slow cadence
+
+
+def test_owner_info_series_on_the_agent_and_the_collector_follow_a_gpu_between_pods(tmp_path, kubelet):
+    from gpuwatch.agent.daemon import AgentConfig
+    from gpuwatch.collector.assembly import start_collector
+    from gpuwatch.collector.snapshot import MetricsService
+    from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+    from helpers import poll, running_simulated_agent
+    from test_agent_node_metrics import _scrape
+
+    cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
+                                          "metrics_listen": "127.0.0.1:0"}, env={})
+    collector = start_collector(cfg)
+    agent_cfg = AgentConfig(collector=collector.address, node="k2", interval=0.05, slow_interval=0.05,
+                            batch_interval=0.1, spool=tmp_path / "spool", metrics_listen="127.0.0.1:0",
+                            kubelet_socket=kubelet.socket)
+    try:
+        with running_simulated_agent(agent_cfg, 2) as (agent, fleet):
+            uuid = fleet.gpus[0].uuid
+            kubelet.set_pods(pod("ml", "train-0", ("trainer", GPU, [uuid])))
+            poll(lambda: agent.metrics_server is not None, 30, "the agent's metrics endpoint")
+            (service,) = [s for s in collector.services if isinstance(s, MetricsService)]
+            held = 'gpuwatch_gpu_owner_info{container="trainer",gpu="0",job="sim-k2",namespace="ml",node="k2",'
+            poll(lambda: held in _scrape(agent.metrics_server.url), 30, "train-0 on the agent's endpoint")
+            poll(lambda: held in _scrape(service.server.url), 30, "train-0 on the collector's endpoint")
+
+            kubelet.set_pods(pod("ml", "eval-0", ("evaluator", GPU, [uuid])))
+            moved = 'pod="eval-0"'
+            text = poll(lambda: (lambda t: moved in t and t)(_scrape(agent.metrics_server.url)), 30, "eval-0")
+            assert 'pod="train-0"' not in text  # one info series per GPU: the old owner's is gone
+            poll(lambda: moved in _scrape(service.server.url), 30, "eval-0 on the collector's endpoint")
+    finally:
+        collector.stop()
