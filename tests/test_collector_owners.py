@@ -23,10 +23,10 @@ MINUTES = 10
 ENERGY_W = 10.0  # each GPU draws 10 W: 600 J a minute
 
 
-def _owner(gpu, ts_ms, namespace="", pod="", container="", job_id="", rank=-1):
+def _owner(gpu, ts_ms, namespace="", pod="", container="", job_id="", rank=-1, user=""):
     return dict(kind=ev.GPU_OWNER, ts_ms=ts_ms, gpu_index=gpu, message="owner",
                 attrs={"namespace": namespace, "pod": pod, "container": container, "job_id": job_id,
-                       "rank": str(rank), "mig": "", "uuid": f"GPU-n1-{gpu}"})
+                       "rank": str(rank), "mig": "", "user": user, "uuid": f"GPU-n1-{gpu}"})
 
 
 def _batches():
@@ -36,7 +36,7 @@ def _batches():
                            [pb.GpuInfo(index=i, uuid=f"GPU-n1-{i}", name="H100") for i in range(2)])
     batches, seq = [], 0
     builder.add_event(**_owner(0, T0_MS, "ml", "train-0", "trainer", "j1", 0))
-    builder.add_event(**_owner(1, T0_MS, job_id="slurm-5", rank=0))
+    builder.add_event(**_owner(1, T0_MS, job_id="slurm-5", rank=0, user="alice"))
     for tick in range(MINUTES * 60_000 // TICK_MS):
         ts = T0_MS + tick * TICK_MS
         if ts == T0_MS + 300_000:
@@ -84,6 +84,8 @@ def test_gpus_show_the_pod_holding_each_gpu_now_and_usage_sums_per_pod(collector
     jobs = {r["job_id"]: r for r in _json(capsys, address, "usage", "--by", "job")}
     assert set(jobs) == {"slurm-5", "j1"} and jobs["slurm-5"]["gpu_seconds"] == 540.0
     assert jobs["slurm-5"]["mean_utilization"] == 0.25 and jobs["j1"]["gpu_seconds"] == 240.0
+    users = _json(capsys, address, "usage", "--by", "user")
+    assert [(r["user"], r["gpu_seconds"], r["lost_gpu_seconds"]) for r in users] == [("alice", 540.0, 405.0)]
 
 
 def test_owner_changes_become_closed_and_open_intervals(tmp_path):

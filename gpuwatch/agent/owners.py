@@ -32,10 +32,11 @@ class GpuOwner:
     job_id: str = ""
     rank: int = -1
     mig: str = ""
+    user: str = ""
 
     def attrs(self) -> dict[str, str]:
         return {"namespace": self.namespace, "pod": self.pod, "container": self.container,
-                "job_id": self.job_id, "rank": str(self.rank), "mig": self.mig}
+                "job_id": self.job_id, "rank": str(self.rank), "mig": self.mig, "user": self.user}
 
 
 NO_OWNER = GpuOwner()
@@ -97,7 +98,7 @@ class OwnerTracker:
             job = jobs.get(index, NO_JOB)
             pod, mig = pods.get(index, (None, ""))
             owner = GpuOwner(pod.namespace if pod else "", pod.pod if pod else "", pod.container if pod else "",
-                             job.job_id, job.rank, mig)
+                             job.job_id, job.rank, mig, job.user)
             new[index] = owner
             if not self._refreshed or owner != self.by_gpu.get(index, NO_OWNER):
                 who = f"{owner.namespace}/{owner.pod}/{owner.container}" if owner.pod else "no pod"
