@@ -78,6 +78,16 @@ def test_get_names_one_pods_devices(kubelet):
     client.close()
 
 
+def test_every_owner_is_announced_again_after_reannounce_s():
+    clock = [0.0]
+    tracker = OwnerTracker(UUIDS, reannounce_s=100.0, clock=lambda: clock[0])
+    assert len(tracker.refresh({1: JobInfo("77", 1, 1)})) == 3
+    clock[0] = 99.0
+    assert tracker.refresh({1: JobInfo("77", 1, 1)}) == []
+    clock[0] = 100.0
+    assert [e.gpu_index for e in tracker.refresh({1: JobInfo("77", 1, 1)})] == [0, 1, 2]
+
+
 def test_without_a_kubelet_owners_come_from_the_environment_alone():
     tracker = OwnerTracker(UUIDS)
     tracker.refresh({1: JobInfo("77", 1, 1)})

@@ -3,14 +3,16 @@ from the processes' environment (:mod:`gpuwatch.agent.jobs`).
 
 Ownership changes rarely, so it travels as data, not as a label on every sample: the daemon refreshes it on the
 slow cadence and emits one ``gpu_owner`` event per GPU whose owner changed (every GPU on the first refresh, so
-the collector closes what an earlier run left open). The collector turns those change points into intervals
+the collector closes what an earlier run left open, and again every ``reannounce_s``, so an owner holding a GPU
+longer than the store keeps events is not forgotten). The collector turns those change points into intervals
 (GPU, owner, from, to) and joins them at query time. Without the kubelet socket the pod fields stay empty and
 the job comes from the process environments alone.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gpuwatch.agent.jobs import NO_JOB, JobInfo
@@ -19,6 +21,9 @@ from gpuwatch.core import events as ev
 from gpuwatch.core.events import Event
 
 log = logging.getLogger(__name__)
+
+#: How often every GPU's owner is sent again although unchanged (well inside any event retention).
+REANNOUNCE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -52,15 +57,18 @@ class OwnerTracker:
     """
 
     def __init__(self, uuids: Mapping[int, str], kubelet: PodResourcesClient | None = None,
-                 mig_parents: Mapping[str, int] | None = None) -> None:
+                 mig_parents: Mapping[str, int] | None = None, *, reannounce_s: float = REANNOUNCE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.kubelet = kubelet
+        self.reannounce_s = reannounce_s
+        self._clock = clock
+        self._announced: float | None = None
         self._index_of: dict[str, int] = {uuid: index for index, uuid in uuids.items() if uuid}
         self._index_of.update({str(index): index for index in uuids})
         self._mig_parents = dict(mig_parents or {})
         self._uuids = dict(uuids)
         self.by_gpu: dict[int, GpuOwner] = {}
         self.kubelet_error: str | None = None
-        self._refreshed = False
 
     def owner(self, gpu_index: int) -> GpuOwner:
         return self.by_gpu.get(gpu_index, NO_OWNER)
@@ -92,6 +100,10 @@ class OwnerTracker:
     def refresh(self, jobs: Mapping[int, JobInfo]) -> list[Event]:
         """Recompute every GPU's owner; one ``gpu_owner`` event per GPU whose owner changed."""
         pods = self.pods()
+        now = self._clock()
+        everything = self._announced is None or now - self._announced >= self.reannounce_s
+        if everything:
+            self._announced = now
         changed: list[Event] = []
         new: dict[int, GpuOwner] = {}
         for index in sorted(self._uuids):
@@ -100,11 +112,10 @@ class OwnerTracker:
             owner = GpuOwner(pod.namespace if pod else "", pod.pod if pod else "", pod.container if pod else "",
                              job.job_id, job.rank, mig, job.user)
             new[index] = owner
-            if not self._refreshed or owner != self.by_gpu.get(index, NO_OWNER):
+            if everything or owner != self.by_gpu.get(index, NO_OWNER):
                 who = f"{owner.namespace}/{owner.pod}/{owner.container}" if owner.pod else "no pod"
                 changed.append(Event(ev.GPU_OWNER, gpu_index=index,
                                      message=f"GPU {index}: {who}, job {owner.job_id or 'none'} rank {owner.rank}",
                                      attrs={**owner.attrs(), "uuid": self._uuids[index]}))
         self.by_gpu = new
-        self._refreshed = True
         return changed
