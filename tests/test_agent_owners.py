@@ -145,3 +145,23 @@ def test_owner_info_series_on_the_agent_and_the_collector_follow_a_gpu_between_p
             poll(lambda: moved in _scrape(service.server.url), 30, "eval-0 on the collector's endpoint")
     finally:
         collector.stop()
+
+
+def test_mig_instances_on_the_simulated_nvml_are_matched_to_their_gpu(kubelet):
+    from gpuwatch.agent.nvml import NvmlSampler
+    from gpuwatch.simulator.fleet import SimulatedFleet
+
+    with SimulatedFleet(3, node="m1") as fleet:
+        migs = fleet.partition_mig(1, 3)
+        sampler = NvmlSampler()
+        devices = sampler.open()
+        parents = sampler.mig_parents()
+        sampler.close()
+        uuids = {d.index: d.uuid for d in devices}
+    assert parents == {m: 1 for m in migs} and len(set(migs) | set(uuids.values())) == 6
+    kubelet.set_pods(pod("ml", "small-b", ("w", "nvidia.com/mig-1g.10gb", [migs[2]])),
+                     pod("ml", "small-a", ("w", "nvidia.com/mig-1g.10gb", [migs[0]])))
+    tracker = OwnerTracker(uuids, PodResourcesClient(kubelet.socket), parents)
+    tracker.refresh({})
+    assert (tracker.owner(1).pod, tracker.owner(1).mig) == ("small-a", migs[0])  # the first pod by name
+    assert tracker.owner(0).pod == "" and tracker.owner(2).pod == ""
