@@ -7,7 +7,7 @@ import pytest
 
 from gpuwatch.apps import cli
 from gpuwatch.collector import client
-from gpuwatch.collector.owners import owner_intervals
+from gpuwatch.collector.owners import current_owners, owner_intervals
 from gpuwatch.collector.server import serve
 from gpuwatch.core import events as ev
 from gpuwatch.core.batches import BatchBuilder
@@ -88,10 +88,11 @@ def test_gpus_show_the_pod_holding_each_gpu_now_and_usage_sums_per_pod(collector
     assert [(r["user"], r["gpu_seconds"], r["lost_gpu_seconds"]) for r in users] == [("alice", 540.0, 405.0)]
 
 
-def test_owner_changes_become_closed_and_open_intervals(tmp_path):
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_owner_changes_become_closed_and_open_intervals(tmp_path, kind):
     from gpuwatch.collector.store import open_store
 
-    store = open_store(store_url("duckdb", tmp_path), retention_days=3650)
+    store = open_store(store_url(kind, tmp_path), retention_days=3650)
     for batch in _batches():
         store.write(batch)
     intervals = owner_intervals(store)
@@ -99,6 +100,13 @@ def test_owner_changes_become_closed_and_open_intervals(tmp_path):
     assert list(gpu0["pod"]) == ["train-0", "eval-0"]
     assert list(gpu0["from_ms"]) == [T0_MS, T0_MS + 300_000]
     assert gpu0["to_ms"].iloc[0] == T0_MS + 300_000 and gpu0["to_ms"].iloc[1] is None
+    assert current_owners(store)[("n1", 0)]["pod"] == "eval-0"
+
+    # three hours on, with no owner announced again (agents do every hour): nothing is known of now
+    later = BatchBuilder(pb.NodeIdentity(node="n1"), "agent-1", [pb.GpuInfo(index=0, uuid="GPU-n1-0", name="H100")])
+    later.add_gpu_row(0, T0_MS + 3 * 3_600_000, {"gpu_utilization_ratio": 0.5})
+    store.write(later.build(100))
+    assert current_owners(store) == {}
     store.close()
 
 

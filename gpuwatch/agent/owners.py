@@ -22,8 +22,7 @@ from gpuwatch.core.events import Event
 
 log = logging.getLogger(__name__)
 
-#: How often every GPU's owner is sent again although unchanged (well inside any event retention).
-REANNOUNCE_S = 3600.0
+REANNOUNCE_S = ev.GPU_OWNER_REANNOUNCE_S
 
 
 @dataclass(frozen=True)

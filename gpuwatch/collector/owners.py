@@ -31,11 +31,14 @@ _ENERGY = "gpu_energy_joules_total"
 _J_PER_KWH = 3.6e6
 
 
-def owner_intervals(store: Store) -> pd.DataFrame:
-    """node, gpu_index, from_ms, to_ms (None: still open), uuid and the owner columns, in time order."""
+def owner_intervals(store: Store, since_ms: int | None = None) -> pd.DataFrame:
+    """node, gpu_index, from_ms, to_ms (None: still open), uuid and the owner columns, in time order: the
+    intervals that hold any time after ``since_ms`` (None: all). Agents announce every owner again each
+    GPU_OWNER_REANNOUNCE_S, so the change points of twice that before ``since_ms`` are all that is read."""
+    start = None if since_ms is None else max(0, int(since_ms - 2 * ev.GPU_OWNER_REANNOUNCE_S * 1000))
     rows = [{"node": e["node"], "gpu_index": int(e["gpu_index"]), "from_ms": int(e["ts_ms"]),
-             "uuid": e["attrs"].get("uuid", ""),
-             **{k: e["attrs"].get(k, "") for k in OWNER_KEYS}} for e in store.events(kind=ev.GPU_OWNER)]
+             "uuid": e["attrs"].get("uuid", ""), **{k: e["attrs"].get(k, "") for k in OWNER_KEYS}}
+            for e in store.events(kind=ev.GPU_OWNER, since_ms=start or None)]
     columns = ["node", "gpu_index", "from_ms", "to_ms", "uuid", *OWNER_KEYS]
     if not rows:
         return pd.DataFrame(columns=columns)
@@ -47,8 +50,12 @@ def owner_intervals(store: Store) -> pd.DataFrame:
 
 
 def current_owners(store: Store) -> dict[tuple[str, int], dict[str, Any]]:
-    """(node, gpu_index) -> the owner columns of its open interval."""
-    df = owner_intervals(store)
+    """(node, gpu_index) -> the owner columns of its open interval (announced within the last two
+    GPU_OWNER_REANNOUNCE_S before the newest sample: an agent silent longer says nothing of now)."""
+    newest = store.newest_sample_ms()
+    if newest is None:
+        return {}
+    df = owner_intervals(store, newest)
     current = df[df["to_ms"].isna()]
     return {(r["node"], int(r["gpu_index"])): {k: r[k] for k in ("uuid", *OWNER_KEYS)}
             for r in current.to_dict("records")}
@@ -71,7 +78,7 @@ def usage(store: Store, by: str, since_ms: int, until_ms: int) -> list[dict[str,
     energy_step = by_gpu[_ENERGY].diff()
     energy = energy_step.where(~(energy_step < 0), minutes[_ENERGY]).fillna(0.0)  # first minute: 0
     minutes = minutes.assign(held_s=held, energy_j=energy)
-    owned = _join_owners(minutes, owner_intervals(store))
+    owned = _join_owners(minutes, owner_intervals(store, since_ms))
     owned = owned[owned[list(keys)].astype(str).ne("").all(axis=1)]
     if owned.empty:
         return []
