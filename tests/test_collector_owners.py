@@ -84,6 +84,9 @@ def test_gpus_show_the_pod_holding_each_gpu_now_and_usage_sums_per_pod(collector
     jobs = {r["job_id"]: r for r in _json(capsys, address, "usage", "--by", "job")}
     assert set(jobs) == {"slurm-5", "j1"} and jobs["slurm-5"]["gpu_seconds"] == 540.0
     assert jobs["slurm-5"]["mean_utilization"] == 0.25 and jobs["j1"]["gpu_seconds"] == 240.0
+    assert cli.main(["usage", "--collector", address]) == 0  # the table: one row per pod, its columns named
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["namespace", "pod", "gpu_seconds"] and table[1].split()[:2] == ["ml", "eval-0"]
     users = _json(capsys, address, "usage", "--by", "user")
     assert [(r["user"], r["gpu_seconds"], r["lost_gpu_seconds"]) for r in users] == [("alice", 540.0, 405.0)]
 
