@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from gpuwatch.core.recording import SCHEMAS, open_recording
+from kubelet_standin import StandInKubelet, pod
 
 
 def _agent(*argv, timeout=120):
@@ -52,7 +53,9 @@ def test_check_passes_on_a_simulated_node_with_a_reachable_collector(tmp_path, s
     _, address = sink
     rc, report = _check("--simulate", "2", "--collector", address, "--spool", str(tmp_path / "spool"))
     assert rc == 0 and report["ok"], report
-    assert [c["name"] for c in report["checks"]] == ["nvml", "collector", "spool"]
+    assert [c["name"] for c in report["checks"]] == ["nvml", "collector", "kubelet", "spool"]
+    (kubelet,) = [c for c in report["checks"] if c["name"] == "kubelet"]
+    assert kubelet["ok"] and "process environments only" in kubelet["detail"]  # --simulate: no host kubelet
     gpu = report["gpus"][0]
     assert len(report["gpus"]) == 2 and gpu["gpm"] and "gpu_tensor_active_ratio" in gpu["fields"]
     assert "gpu_retired_pages_sbe" in gpu["unsupported"] and "gpu_retired_pages_sbe" not in gpu["fields"]
@@ -72,6 +75,18 @@ def test_check_text_report(tmp_path):
     run = _agent("--check", "--simulate", "1", "--record", str(tmp_path / "R"), "--no-probe-socket", timeout=60)
     assert run.returncode == 0, run.stderr
     assert "ok    nvml: driver" in run.stdout and "record-only" in run.stdout and "all checks passed" in run.stdout
+
+
+def test_check_names_the_pods_a_kubelet_reports_and_fails_when_its_socket_is_gone(tmp_path):
+    with StandInKubelet() as kubelet:
+        kubelet.set_pods(pod("ml", "train-0", ("trainer", "nvidia.com/gpu", ["GPU-x"])))
+        rc, report = _check("--simulate", "1", "--record", str(tmp_path / "R"), "--kubelet-socket", kubelet.socket)
+        (item,) = [c for c in report["checks"] if c["name"] == "kubelet"]
+        assert rc == 0 and item["ok"] and "1 GPU devices held by 1 pods: ml/train-0" in item["detail"]
+        kubelet.stop()
+        rc, report = _check("--simulate", "1", "--record", str(tmp_path / "R"), "--kubelet-socket", kubelet.socket)
+        (item,) = [c for c in report["checks"] if c["name"] == "kubelet"]
+        assert rc == 1 and not item["ok"] and "does not exist" in item["detail"]
 
 
 @pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None, reason="this node has an NVIDIA driver")

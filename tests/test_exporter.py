@@ -248,3 +248,23 @@ def test_dcgm_naming_serves_dcgm_exporter_names_units_and_labels():
     # (promtool's lint objects to dcgm-exporter's own camelCase labels: UUID, modelName, Hostname)
     with pytest.raises(UserError, match="metrics names 'nvidia'"):
         build_registry(lambda: {}, names="nvidia")
+
+
+def test_one_owner_info_series_per_held_gpu_for_group_left_joins():
+    pod = {"pod": "train-0", "namespace": "ml", "container": "trainer"}
+    text = _render({"gpus": [_gpu("n1", 0, job_id="job-1", rank=3, **pod), _gpu("n1", 1, job_id="slurm-9", rank=0),
+                             _gpu("n1", 2)]})
+    owners = [s for s in _samples(text) if s.name == "gpuwatch_gpu_owner_info"]
+    assert sorted((s.labels["gpu"], s.labels["pod"], s.labels["job"], s.labels["rank"]) for s in owners) == [
+        ("0", "train-0", "job-1", "3"), ("1", "", "slurm-9", "0")]  # GPU 2 is held by no one: no series
+    assert _value(text, "gpuwatch_gpu_owner_info", gpu="0", uuid="GPU-n1-0", namespace="ml", container="trainer") == 1
+    # the per-GPU series carry no owner labels: one series per GPU whoever holds it
+    assert all("pod" not in s.labels for s in _samples(text) if s.name == "gpu_power_watts")
+
+
+def test_dcgm_naming_puts_the_pod_labels_on_a_held_gpus_series_as_dcgm_exporter_does():
+    text = _render({"gpus": [_gpu("n1", 0, pod="train-0", namespace="ml", container="trainer"), _gpu("n1", 1)]},
+                   names="dcgm")
+    util = {s.labels["gpu"]: s.labels for s in _samples(text) if s.name == "DCGM_FI_DEV_GPU_UTIL"}
+    assert (util["0"]["pod"], util["0"]["namespace"], util["0"]["container"]) == ("train-0", "ml", "trainer")
+    assert not {"pod", "namespace", "container"} & set(util["1"])  # not held by a pod: no empty labels

@@ -28,7 +28,9 @@ from gpuwatch.core import events as ev
 from gpuwatch.core.events import Event
 from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
+from gpuwatch.agent.kubelet import PodResourcesClient
 from gpuwatch.agent.nvml import GpuDevice, NvmlSampler
+from gpuwatch.agent.owners import OwnerTracker
 from gpuwatch.agent.probe_socket import ProbeListener
 from gpuwatch.agent.spool import Spool, SpoolFull
 from gpuwatch.agent.uplink import Uplink
@@ -156,6 +158,7 @@ class Agent:
         self.recorder: BatchRecorder | None = None
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
+        self.owners: OwnerTracker | None = None  # GPU owners (pods, jobs), refreshed on the slow cadence
         self._local_sequence = itertools.count(1)  # record-only mode has no spool to number batches
 
     def stop(self) -> None:
@@ -178,6 +181,10 @@ class Agent:
             stack.callback(sampler.close)
             devices = sampler.open()
             jobs = JobResolver(self.environ, cfg.job_label or "")
+            kubelet = PodResourcesClient(cfg.kubelet_socket) if cfg.kubelet_socket else None
+            if kubelet is not None:
+                stack.callback(kubelet.close)
+            self.owners = OwnerTracker({d.index: d.uuid for d in devices}, kubelet, sampler.mig_parents())
             host = HostSampler()
             agent_id = self.spool.agent_id if self.spool else f"record-{cfg.node}"
             builder = BatchBuilder(self._identity(sampler), agent_id, [d.info() for d in devices])
@@ -292,11 +299,16 @@ class Agent:
         tick = sampler.sample()
         if tick.slow:
             jobs.refresh(sampler.running_pids())
+            if self.owners is not None:
+                for event in self.owners.refresh(jobs.by_gpu):
+                    self.emit(event)
         for gpu, values in tick.rows.items():
             job = jobs.job(gpu)
             builder.add_gpu_row(gpu, ts_ms, values, job.job_id, job.rank, job.local_rank)
             if self.metrics is not None:
                 self.metrics.observe_gpu(gpu, values, job.job_id, job.rank)
+                if self.owners is not None:
+                    self.metrics.observe_owner(gpu, self.owners.owner(gpu))
         host_values = host.sample()
         builder.add_host_row(ts_ms, host_values)
         if self.metrics is not None:

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+from gpuwatch.agent.owners import GpuOwner
 from gpuwatch.agent.spool import Spool
 from gpuwatch.core.prometheus import AgentSnapshot, GpuSnapshot, HostSnapshot, Snapshot
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -30,6 +31,7 @@ class NodeMetrics:
         self._lock = threading.Lock()
         self._values: dict[int, dict[str, float]] = {i: {} for i in self._gpus}
         self._jobs: dict[int, tuple[str, int]] = {}
+        self._owners: dict[int, GpuOwner] = {}
         self._xids: dict[int, Counter[int]] = {i: Counter() for i in self._gpus}
         self._last_xid: dict[int, int] = {}
         self._host: dict[str, float] = {}
@@ -40,6 +42,10 @@ class NodeMetrics:
         with self._lock:
             self._values.setdefault(index, {}).update(values)
             self._jobs[index] = (job_id, rank)
+
+    def observe_owner(self, index: int, owner: GpuOwner) -> None:
+        with self._lock:
+            self._owners[index] = owner
 
     def observe_host(self, values: Mapping[str, float]) -> None:
         with self._lock:
@@ -69,8 +75,10 @@ class NodeMetrics:
     def _gpu(self, index: int) -> GpuSnapshot:
         info = self._gpus.get(index)
         job_id, rank = self._jobs.get(index, ("", -1))
+        owner = self._owners.get(index)
         return {"node": self._node, "gpu": index, "gpu_uuid": info.uuid if info else "",
                 "model": info.name if info else "", "pci_bus_id": info.pci_bus_id if info else "",
                 "driver_version": self._driver_version, "values": dict(self._values[index]),
                 "xid_counts": dict(self._xids.get(index, {})), "last_xid": self._last_xid.get(index, 0),
-                "job_id": job_id, "rank": rank}
+                "job_id": job_id, "rank": rank, "namespace": owner.namespace if owner else "",
+                "pod": owner.pod if owner else "", "container": owner.container if owner else ""}

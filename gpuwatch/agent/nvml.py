@@ -227,6 +227,24 @@ class NvmlSampler:
             pids[dev.index] = [p.pid for p in procs or ()]
         return pids
 
+    def mig_parents(self) -> dict[str, int]:
+        """MIG instance UUID -> its GPU's index, so a pod holding a MIG instance is matched to the GPU."""
+        parents: dict[str, int] = {}
+        for dev in self.devices:
+            if dev.lost:
+                continue
+            try:
+                count = N.nvmlDeviceGetMaxMigDeviceCount(dev.handle)
+            except N.NVMLError:  # no MIG on this GPU or driver
+                continue
+            for i in range(count):
+                try:
+                    mig = N.nvmlDeviceGetMigDeviceHandleByIndex(dev.handle, i)
+                    parents[_text(N.nvmlDeviceGetUUID(mig))] = dev.index
+                except N.NVMLError:  # an empty slot
+                    continue
+        return parents
+
     def _fast(self, dev: GpuDevice, out: dict[str, float]) -> None:
         util = self._call(dev, "nvmlDeviceGetUtilizationRates", N.nvmlDeviceGetUtilizationRates)
         if util is not None:

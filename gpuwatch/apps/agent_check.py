@@ -20,6 +20,7 @@ import grpc
 
 from gpuwatch.core import events as ev
 from gpuwatch.agent.daemon import AgentConfig
+from gpuwatch.agent.kubelet import DEFAULT_KUBELET_SOCKET, KubeletUnavailable, PodResourcesClient
 from gpuwatch.agent.nvml import GPM_METRICS, GPM_MIN_SPACING_S, NvmlSampler
 from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.agent.uplink import collector_addresses, make_channel
@@ -70,7 +71,25 @@ def check_node(cfg: AgentConfig, collector_timeout_s: float = 2.0, *,
              _check_directory("probe socket directory", Path(cfg.probe_socket).parent) if cfg.probe_socket else None]
     nvml, gpus = _check_gpus(simulation)
     collector = _check_collector(cfg, collector_timeout_s)
-    return NodeCheck([nvml, *_lost_gpus(gpus), collector, *(i for i in items if i is not None)], gpus)
+    return NodeCheck([nvml, *_lost_gpus(gpus), collector, _check_kubelet(cfg.kubelet_socket),
+                      *(i for i in items if i is not None)], gpus)
+
+
+def _check_kubelet(socket_path: str | None) -> CheckItem:
+    """Without a pod-resources socket the agent is not in Kubernetes (or the socket is not mounted): fine, but said."""
+    if socket_path is None:
+        return CheckItem("kubelet", True, f"no pod-resources socket ({DEFAULT_KUBELET_SOCKET} absent, no "
+                                          "--kubelet-socket): GPU owners from process environments only")
+    client = PodResourcesClient(socket_path)
+    try:
+        devices = client.list_devices()
+    except KubeletUnavailable as exc:
+        return CheckItem("kubelet", False, f"{exc}; GPU owners fall back to process environments")
+    finally:
+        client.close()
+    pods = sorted({f"{o.namespace}/{o.pod}" for o in devices.values()})
+    return CheckItem("kubelet", True, f"{socket_path} answers: {len(devices)} GPU devices held by "
+                                      f"{len(pods)} pods{': ' + ', '.join(pods[:5]) if pods else ''}")
 
 
 def _lost_gpus(gpus: list[GpuSupport]) -> list[CheckItem]:

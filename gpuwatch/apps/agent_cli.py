@@ -18,6 +18,7 @@ from pathlib import Path
 from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.core import settings as config
 from gpuwatch.agent.daemon import Agent, AgentConfig
+from gpuwatch.agent.kubelet import DEFAULT_KUBELET_SOCKET
 from gpuwatch.simulator.degrade import KINDS, FaultSpec, parse_fault_spec
 from gpuwatch.simulator.gpu import MODELS
 from gpuwatch.simulator.node import SimulatedNode
@@ -93,10 +94,14 @@ def config_from_args(args: argparse.Namespace, cfg: config.Config | None = None)
     probe_socket = None
     if not args.no_probe_socket and (cfg.probe_socket or not args.simulate):
         probe_socket = cfg.probe_socket or default_endpoint()
+    kubelet_socket = cfg.kubelet_socket
+    if kubelet_socket is None and not args.simulate and Path(DEFAULT_KUBELET_SOCKET).exists():
+        kubelet_socket = DEFAULT_KUBELET_SOCKET
     if cfg.metrics_token_file:
         read_token(cfg.metrics_token_file)  # a bad token file stops the agent here, before it samples
     return cfg.build(AgentConfig, collector=None if record_only else cfg.collector, probe_socket=probe_socket,
-                     drain_timeout=args.drain_timeout, record=args.record)
+                     drain_timeout=args.drain_timeout, record=args.record,
+                     kubelet_socket=kubelet_socket)
 
 
 def simulated_node(args: argparse.Namespace, node: str) -> SimulatedNode | None:

@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("gpuwatch.apps.analyze_cli:ANALYZE", "efficiency breakdown of profiler traces or span tables"),
     "submit-trace": ("gpuwatch.apps.breakdown_cli:SUBMIT_TRACE", "send traces of a job to the collector for analysis"),
     "breakdown": ("gpuwatch.apps.breakdown_cli:BREAKDOWN", "a job's efficiency breakdown from the collector"),
+    "usage": ("gpuwatch.apps.query_cli:USAGE", "GPU-hours, lost time, utilisation and energy per pod, namespace, "
+                                               "job or user"),
     "jobs": ("gpuwatch.apps.query_cli:JOBS", "jobs the collector knows, with ranks, nodes, step rate, lost time"),
     "alerts": ("gpuwatch.apps.query_cli:ALERTS", "active (and resolved) early-failure and slow-rank alerts"),
     "simulate": ("gpuwatch.apps.models_cli:SIMULATE", "write a recording of a simulated fleet with failures"),

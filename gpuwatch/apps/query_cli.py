@@ -40,7 +40,8 @@ def fetch_gpus(stub: query_pb2_grpc.QueryStub, *, node: str | None = None) -> li
     return [{"node": g.node, "index": g.info.index, "uuid": g.info.uuid, "name": g.info.name,
              "architecture": g.info.architecture, "samples": g.samples, "last_seen": iso_utc(g.last_seen_ms),
              "job_id": g.job_id or None, "rank": None if g.rank < 0 else g.rank, "state": g.state or "running",
-             "failure": g.failure or None} for g in reply.gpus]
+             "failure": g.failure or None, "pod": g.pod or None, "namespace": g.namespace or None,
+             "container": g.container or None} for g in reply.gpus]
 
 
 def fetch_latest(stub: query_pb2_grpc.QueryStub, *, node: str | None = None, gpu: int | None = None
@@ -79,6 +80,14 @@ def fetch_alerts(stub: query_pb2_grpc.QueryStub, *, include_resolved: bool = Fal
     """One dict per alert (GPUFailureRisk, SlowRank, JobHang), firing first; resolved ones too if asked."""
     request = q.AlertsRequest(include_resolved=include_resolved)
     return json.loads(stub.Alerts(request, timeout=_RPC_TIMEOUT_S).json)
+
+
+def fetch_usage(stub: query_pb2_grpc.QueryStub, *, by: str = "pod", since_ms: int | None = None
+                ) -> list[dict[str, Any]]:
+    """One dict per owner (``by``: pod, namespace, job or user), most GPU time first: the owner's columns
+    (namespace and pod; namespace; job_id; user), gpu_seconds, lost_gpu_seconds, mean_utilization, energy_kwh."""
+    request = q.UsageRequest(by=by, since_ms=since_ms or 0)
+    return json.loads(stub.Usage(request, timeout=_RPC_TIMEOUT_S).json)
 
 
 # ------------------------------------------------------------------------------------ commands
@@ -138,6 +147,12 @@ def _events_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=_LIMIT, default=100, help="newest N events (default 100; 0: all)")
 
 
+def _usage_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--by", default="pod", choices=("pod", "namespace", "job", "user"),
+                        help="group GPU time by Kubernetes pod (default), namespace, job or user")
+    _since_argument(parser)
+
+
 NODES = query_command(fetch_nodes, table_columns=("node", "gpus", "samples", "last_seen", "agent_id"),
                       empty="no nodes")
 GPUS = query_command(fetch_gpus, lambda p: p.add_argument("--node", help="only this node"),
@@ -155,3 +170,4 @@ JOBS = query_command(fetch_jobs, table_columns=("job_id", "sources", "ranks", "n
 ALERTS = query_command(fetch_alerts, lambda p: p.add_argument("--all", dest="include_resolved", action="store_true",
                                                               help="include resolved alerts"),
                        ("alertname", "status", "starts_at", "ends_at", "summary"), "no alerts")
+USAGE = query_command(fetch_usage, _usage_arguments, None, "no owned GPU time")

@@ -406,8 +406,11 @@ def list_nodes(request: q.ListNodesRequest, store: Store) -> q.ListNodesResponse
 
 def list_gpus(request: q.ListGpusRequest, store: Store) -> q.ListGpusResponse:
     """The inventory with each GPU's latest job, and ``failed`` for a GPU that failed and was not reset since."""
+    from gpuwatch.collector.owners import current_owners, owner_columns  # pandas: after the port is bound
+
     info_fields = pb.GpuInfo.DESCRIPTOR.fields_by_name
     failures = failed_gpus(store)
+    owners = current_owners(store)
     gpus = []
     for r in store.gpus(request.node or None):
         failure = failures.get((r["node"], r["index"]))
@@ -415,7 +418,7 @@ def list_gpus(request: q.ListGpusRequest, store: Store) -> q.ListGpusResponse:
             node=r["node"], info=pb.GpuInfo(**{k: v for k, v in r.items() if k in info_fields}),
             samples=r["samples"], last_seen_ms=r["last_sample_ms"] or 0, job_id=r["job_id"] or "",
             rank=-1 if r["rank"] is None else r["rank"], state="failed" if failure else "running",
-            failure=failure.reason if failure else ""))
+            failure=failure.reason if failure else "", **owner_columns(owners.get((r["node"], r["index"])))))
     return q.ListGpusResponse(gpus=gpus)
 
 
@@ -445,8 +448,15 @@ def events(request: q.EventsRequest, store: Store) -> q.EventsResponse:
         for r in rows])
 
 
+def usage(request: q.UsageRequest, store: Store) -> q.JsonResponse:
+    from gpuwatch.collector.owners import usage_rpc  # pandas: after the port is bound
+
+    return usage_rpc(request, store)
+
+
 DEFAULT_QUERY_HANDLERS: dict[str, QueryHandler] = {
     "ListNodes": list_nodes, "ListGpus": list_gpus, "Latest": latest, "Series": series, "Events": events,
+    "Usage": usage,
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from gpuwatch.core import fields
 from gpuwatch.core.prometheus import GpuSnapshot, JobSnapshot, MetricsServer, Snapshot, start_metrics_server
 from gpuwatch.collector.jobs import JobsMonitor
+from gpuwatch.collector.owners import current_owners, owner_columns
 from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.store.base import Store
 
@@ -28,6 +29,7 @@ def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor
     for row in store.xid_counts():
         xids[(row["node"], row["gpu_index"])][int(row["code"])] = int(row["n"])
     scores = scorer.latest() if scorer is not None else {}
+    owners = current_owners(store)
     gpus: list[GpuSnapshot] = []
     for row in store.latest():
         key = (row["node"], row["gpu_index"])
@@ -37,6 +39,8 @@ def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor
                "values": {name: row[name] for name in fields.GPU_FIELD_NAMES if row.get(name) is not None},
                "xid_counts": xids.get(key, {}), "job_id": info.get("job_id") or "",
                "rank": -1 if info.get("rank") is None else info["rank"]}
+        owner = owner_columns(owners.get(key))
+        gpu["namespace"], gpu["pod"], gpu["container"] = owner["namespace"], owner["pod"], owner["container"]
         if score.get("failed"):  # it has failed: the model's score of its last hours (idle, ~0) is not its risk
             gpu["failure_risk"] = 1.0
         elif score.get("risk") is not None:

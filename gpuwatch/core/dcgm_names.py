@@ -119,12 +119,15 @@ DCGM_METRICS: dict[str, str] = {
 
 
 def dcgm_labels(gpu: Mapping[str, Any]) -> dict[str, str]:
-    """dcgm-exporter's identity labels of one GPU snapshot (plus ``hpc_job`` when a job owns the GPU)."""
+    """dcgm-exporter's identity labels of one GPU snapshot (plus ``hpc_job`` when a job owns the GPU, and
+    ``pod``, ``namespace``, ``container`` when a Kubernetes pod holds it)."""
     labels = dict(zip(DCGM_LABELS, (str(gpu["gpu"]), gpu.get("gpu_uuid", ""), gpu.get("pci_bus_id", ""),
                                     f"nvidia{gpu['gpu']}", gpu.get("model", ""), gpu["node"],
                                     gpu.get("driver_version", ""))))
     if gpu.get("job_id"):
         labels["hpc_job"] = gpu["job_id"]
+    if gpu.get("pod"):  # dcgm-exporter's Kubernetes mode: on the series of a GPU a pod holds
+        labels.update(pod=gpu["pod"], namespace=gpu.get("namespace", ""), container=gpu.get("container", ""))
     return labels
 
 

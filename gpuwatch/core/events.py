@@ -17,6 +17,10 @@ FIELD_UNSUPPORTED = "field_unsupported"  # attrs["field"] = NVML call or field i
 SPOOL_DROPPED = "spool_dropped"  # code = batches dropped, attrs["bytes"]
 ECC_DBE = "ecc_dbe"
 ECC_SBE = "ecc_sbe"
+GPU_OWNER = "gpu_owner"  # the GPU's owner changed: attrs namespace, pod, container, job_id, rank, user, uuid, mig
+#: Agents send every GPU's owner again this often although unchanged, so readers need look back only this far
+#: (twice, for margin) to find who holds a GPU at a time, and an owner outlives the store's event retention.
+GPU_OWNER_REANNOUNCE_S = 3600.0
 NVML_EVENT = "nvml_event"  # any other NVML event type, attrs["event_type"]
 FAULT = "fault"  # one fault of an operator's fault log (gpuwatch import --format faults); code = XID or 0,
 #                  message = the log's description, attrs["kind"], ["gpu"], ["class"], ["end_ms"] (repair end)

@@ -71,6 +71,9 @@ class GpuSnapshot(TypedDict, total=False):
     health: str                     # one of HEALTH_STATES
     job_id: str                     # job owning the GPU now ("" or absent: none)
     rank: int
+    namespace: str                  # the Kubernetes pod holding the GPU now ("" or absent: none)
+    pod: str
+    container: str
 
 
 class HostSnapshot(TypedDict):
@@ -136,6 +139,9 @@ _OWN_METRICS: tuple[MetricSpec, ...] = (
                GPU_LABELS + ("state",)),
     MetricSpec("gpuwatch_gpu_job_info", "gauge", "1 for the job and rank owning a GPU; join on node, gpu.",
                ("node", "gpu", "gpu_uuid", "job_id", "rank")),
+    MetricSpec("gpuwatch_gpu_owner_info", "gauge", "1 for the pod and job holding a GPU now (empty: none); join "
+               "on node, gpu with group_left instead of labelling every series.",
+               ("node", "gpu", "uuid", "pod", "namespace", "container", "job", "rank")),
     MetricSpec("gpuwatch_job_breakdown_ratio", "gauge", "Share of the job's GPU time per efficiency category.",
                _JOB + ("category",)),
     MetricSpec("gpuwatch_job_lost_gpu_seconds_total", "counter", "GPU-seconds lost to anything but compute.", _JOB),
@@ -214,6 +220,10 @@ def _add_gpu(out: _Families, gpu: GpuSnapshot, telemetry: bool = True) -> None:
             out.add("gpu_xid_errors_total", labels + (int(code), xids.describe(code).description), count)
         if gpu.get("job_id"):
             out.add("gpuwatch_gpu_job_info", labels[:3] + (gpu["job_id"], gpu.get("rank", -1)), 1)
+        if gpu.get("job_id") or gpu.get("pod"):
+            out.add("gpuwatch_gpu_owner_info", labels[:3] + (gpu.get("pod", ""), gpu.get("namespace", ""),
+                                                             gpu.get("container", ""), gpu.get("job_id", ""),
+                                                             gpu.get("rank", -1)), 1)
     out.add("gpuwatch_gpu_failure_risk_ratio", labels, gpu.get("failure_risk"))
     health = gpu.get("health")
     if health is not None:

@@ -94,6 +94,13 @@ class SimulatedFleet(FaultScripting):
     def stop_job(self, gpu: int) -> None:
         self.gpus[gpu].processes.clear()
 
+    def partition_mig(self, gpu: int, instances: int) -> list[str]:
+        """Put ``gpu`` in MIG mode with ``instances`` GPU instances (0: MIG off); returns their MIG UUIDs,
+        derived from the GPU's UUID so a fleet rebuilt from the same seed names them alike."""
+        g = self.gpus[gpu]
+        g.mig_uuids = [f"MIG-{g.uuid.removeprefix('GPU-')[:-3]}{i:03x}" for i in range(instances)]
+        return list(g.mig_uuids)
+
     def environ(self, pid: int) -> dict[str, str] | None:
         """The environment of a simulated process (what /proc/<pid>/environ holds on a real node)."""
         for g in self.gpus:

@@ -139,6 +139,7 @@ class SimGpu:
         self.uuid = "GPU-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}".format(
             *(ident.getrandbits(b) for b in (32, 16, 16, 16, 48)))
         self.pci_bus = 0x18 + 0x10 * self.index
+        self.mig_uuids: list[str] = []  # MIG instances (SimulatedFleet.partition_mig); empty: MIG off
         self.serial = f"{1650000000000 + self.seed * 1000 + self.index}"
 
     @property

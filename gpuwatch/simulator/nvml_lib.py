@@ -29,6 +29,7 @@ _VOID_P = ctypes.c_void_p
 _HANDLE_BASE = 0x5A000000
 _EVENT_SET_BASE = 0x5B000000
 _GPM_SAMPLE_BASE = 0x5C000000
+_MIG_HANDLE_BASE = 0x5D000000  # + 0x100 * GPU index + instance
 _ALL_LINKS = 0xFFFFFFFF
 
 
@@ -176,8 +177,35 @@ class FakeNvmlLib:
         return rc if gpu is None else _write_string(buf, length, gpu.model.name)
 
     def nvmlDeviceGetUUID(self, handle, buf, length) -> int:
+        address = _address(handle)
+        if address >= _MIG_HANDLE_BASE:  # a MIG instance's handle
+            parent, instance = divmod(address - _MIG_HANDLE_BASE, 0x100)
+            gpu, rc = self._gpu(_VOID_P(_HANDLE_BASE + 0x100 * parent), "nvmlDeviceGetUUID")
+            if gpu is None or instance >= len(gpu.mig_uuids):
+                return rc if gpu is None else N.NVML_ERROR_INVALID_ARGUMENT
+            return _write_string(buf, length, gpu.mig_uuids[instance])
         gpu, rc = self._gpu(handle, "nvmlDeviceGetUUID")
         return rc if gpu is None else _write_string(buf, length, gpu.uuid)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle, out) -> int:
+        """MIG-capable models in MIG mode report their instance slots (7 on A100/H100); others NOT_SUPPORTED."""
+        gpu, rc = self._gpu(handle, "nvmlDeviceGetMaxMigDeviceCount")
+        if gpu is None:
+            return rc
+        if not gpu.mig_uuids:
+            return N.NVML_ERROR_NOT_SUPPORTED
+        _out(out).value = max(7, len(gpu.mig_uuids))
+        return N.NVML_SUCCESS
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle, index, out) -> int:
+        gpu, rc = self._gpu(handle, "nvmlDeviceGetMigDeviceHandleByIndex")
+        if gpu is None:
+            return rc
+        i = index.value
+        if not 0 <= i < len(gpu.mig_uuids):
+            return N.NVML_ERROR_NOT_FOUND  # an empty slot
+        _write_pointer(out, _MIG_HANDLE_BASE + 0x100 * gpu.index + i)
+        return N.NVML_SUCCESS
 
     def nvmlDeviceGetSerial(self, handle, buf, length) -> int:
         gpu, rc = self._gpu(handle, "nvmlDeviceGetSerial")

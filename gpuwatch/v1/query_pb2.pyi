@@ -40,7 +40,7 @@ class ListGpusRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ...) -> None: ...
 
 class GpuSummary(_message.Message):
-    __slots__ = ("node", "info", "samples", "last_seen_ms", "job_id", "rank", "state", "failure")
+    __slots__ = ("node", "info", "samples", "last_seen_ms", "job_id", "rank", "state", "failure", "namespace", "pod", "container")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,9 @@ class GpuSummary(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
     node: str
     info: _telemetry_pb2.GpuInfo
     samples: int
@@ -57,7 +60,10 @@ class GpuSummary(_message.Message):
     rank: int
     state: str
     failure: str
-    def __init__(self, node: _Optional[str] = ..., info: _Optional[_Union[_telemetry_pb2.GpuInfo, _Mapping]] = ..., samples: _Optional[int] = ..., last_seen_ms: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
+    namespace: str
+    pod: str
+    container: str
+    def __init__(self, node: _Optional[str] = ..., info: _Optional[_Union[_telemetry_pb2.GpuInfo, _Mapping]] = ..., samples: _Optional[int] = ..., last_seen_ms: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., container: _Optional[str] = ...) -> None: ...
 
 class ListGpusResponse(_message.Message):
     __slots__ = ("gpus",)
@@ -190,3 +196,13 @@ class AlertsRequest(_message.Message):
     INCLUDE_RESOLVED_FIELD_NUMBER: _ClassVar[int]
     include_resolved: bool
     def __init__(self, include_resolved: _Optional[bool] = ...) -> None: ...
+
+class UsageRequest(_message.Message):
+    __slots__ = ("by", "since_ms", "until_ms")
+    BY_FIELD_NUMBER: _ClassVar[int]
+    SINCE_MS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_MS_FIELD_NUMBER: _ClassVar[int]
+    by: str
+    since_ms: int
+    until_ms: int
+    def __init__(self, by: _Optional[str] = ..., since_ms: _Optional[int] = ..., until_ms: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,11 @@ class QueryStub:
                 request_serializer=gpuwatch_dot_v1_dot_query__pb2.AlertsRequest.SerializeToString,
                 response_deserializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
                 _registered_method=True)
+        self.Usage = channel.unary_unary(
+                '/gpuwatch.v1.Query/Usage',
+                request_serializer=gpuwatch_dot_v1_dot_query__pb2.UsageRequest.SerializeToString,
+                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+                _registered_method=True)
 
 
 class QueryServicer:
@@ -138,6 +143,12 @@ class QueryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Usage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QueryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +195,11 @@ def add_QueryServicer_to_server(servicer, server):
             'Alerts': grpc.unary_unary_rpc_method_handler(
                     servicer.Alerts,
                     request_deserializer=gpuwatch_dot_v1_dot_query__pb2.AlertsRequest.FromString,
+                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.SerializeToString,
+            ),
+            'Usage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Usage,
+                    request_deserializer=gpuwatch_dot_v1_dot_query__pb2.UsageRequest.FromString,
                     response_serializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.SerializeToString,
             ),
     }
@@ -429,6 +445,33 @@ class Query:
             target,
             '/gpuwatch.v1.Query/Alerts',
             gpuwatch_dot_v1_dot_query__pb2.AlertsRequest.SerializeToString,
+            gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Usage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuwatch.v1.Query/Usage',
+            gpuwatch_dot_v1_dot_query__pb2.UsageRequest.SerializeToString,
             gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
             options,
             channel_credentials,

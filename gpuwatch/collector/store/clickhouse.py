@@ -491,11 +491,12 @@ class ClickHouseStore(GroupWriter):
                     mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
         for c in [*last, *means, *mins, *maxs]:
             _check_field(c)
-        values = ([f"argMaxIf({c}, ts, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
+        # g.ts, not ts: the alias ts (max) would put an aggregate inside the GROUP BY key and the other aggregates
+        values = ([f"argMaxIf({c}, g.ts, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
                   + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
         return self._query(f"""
-            SELECT node, gpu_index, toStartOfMinute(ts) AS minute, max(ts) AS ts, argMax(job_id, ts) AS job_id,
-                   argMax(rank, ts) AS rank{''.join(', ' + v for v in values)}
+            SELECT node, gpu_index, toStartOfMinute(g.ts) AS minute, max(g.ts) AS ts, argMax(job_id, g.ts) AS job_id,
+                   argMax(rank, g.ts) AS rank{''.join(', ' + v for v in values)}
             FROM gpu_samples AS g WHERE g.ts >= fromUnixTimestamp64Milli({{since:Int64}})
               AND g.ts <= fromUnixTimestamp64Milli({{until:Int64}})
             GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""", {"since": since_ms, "until": until_ms})
