@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import pytest
 
@@ -77,68 +75,3 @@ def test_help_is_wrapped_at_the_terminal_width_columns_says(monkeypatch, capsys)
         widest[columns] = max(map(len, lines))
         assert len(lines) > 5 and widest[columns] <= columns - 2, lines
     assert widest[120] > 70
-
-
-_FAULTS_OF_REUSE = """
-import resource, sys
-from gpuwatch.apps import cli
-if sys.argv[1] == "keep":
-    cli._keep_freed_memory()
-def round_trip():  # 12.8 MB in 200 KB pieces, every page written, then all freed
-    blocks = [bytearray(200 << 10) for _ in range(64)]
-    for b in blocks:
-        b[::4096] = b"x" * len(range(0, len(b), 4096))
-def faults():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-round_trip()
-before = faults()
-for _ in range(5):
-    round_trip()
-print(faults() - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_a_one_shot_command_keeps_freed_memory_for_reuse_instead_of_faulting_it_in_again():
-    def faults(mode):
-        return int(subprocess.run([sys.executable, "-c", _FAULTS_OF_REUSE, mode], capture_output=True, text=True,
-                                  check=True).stdout)
-
-    default, kept = faults("default"), faults("keep")
-    assert default > 5 * 3000 // 2  # 3,200 pages a round, given back and faulted in again (most of them)
-    assert kept * 10 < default
-
-
-_DOCSTRING_PROBE = """
-import sys, types
-from gpuwatch.apps import cli
-from gpuwatch.apps.commandline import Command
-
-def run(args):
-    import numpy
-    before = numpy.ndarray.all.__doc__
-    sys.modules["numpy._core._add_newdocs"].__name__  # touched: the module runs now
-    print(repr(before), repr(numpy.ndarray.all.__doc__))
-
-probe = types.ModuleType("probe")
-probe.DOCS = Command(lambda parser: None, run)
-sys.modules["probe"] = probe
-cli.COMMANDS.update(docs=("probe:DOCS", ""))
-sys.argv = ["gpuwatch", "docs"]
-sys.exit(cli.main())
-"""
-
-
-def test_as_the_process_gpuwatch_attaches_numpy_docstrings_only_once_something_reads_their_module(tmp_path):
-    plain = subprocess.run([sys.executable, "-c", "import numpy; print(repr(numpy.ndarray.all.__doc__))"],
-                           capture_output=True, text=True, check=True).stdout
-    assert len(plain) > 100  # numpy as usual: the method's docstring attached at import
-    ran = subprocess.run([sys.executable, "-c", _DOCSTRING_PROBE], capture_output=True, text=True, cwd=tmp_path)
-    assert (ran.returncode, ran.stdout) == (0, f"None {plain}"), ran.stderr
-
-
-def test_a_library_call_leaves_the_import_system_as_it_was(capsys):
-    finders = list(sys.meta_path)
-    with pytest.raises(SystemExit):
-        cli.main(["analyze", "--help"])
-    assert sys.meta_path == finders

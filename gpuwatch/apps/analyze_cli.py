@@ -2,20 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
-
-# The analysis does no linear algebra, but numpy's OpenBLAS starts a thread per core as numpy is imported
-# (in this process and in every worker reading a trace), which slows the start, most on a busy machine
-# (docs/efficiency.md, "Speed"). One thread, unless the user says otherwise; set before the imports below
-# bring numpy in.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from concurrent.futures import ProcessPoolExecutor
 
 from gpuwatch.apps.commandline import Command, add_json_flag
 from gpuwatch.efficiency.engine import analyze
-from gpuwatch.efficiency.load import load_paths
+from gpuwatch.efficiency.load import expand_paths, load_paths
 from gpuwatch.efficiency.partition import CATEGORIES
 from gpuwatch.efficiency.result import Analysis, JobBreakdown, RankBreakdown
+from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.efficiency.traces.eventstream import BLOCK_BYTES
 from gpuwatch.efficiency.words import coverage_lines, what_if_lines
 from gpuwatch.core.errors import UserError
@@ -25,7 +22,8 @@ _PROGRESS_BYTES = 64 << 20  # report reading progress on stderr past this many b
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="Kineto trace files (.json/.json.gz, one per rank), folders of them, or span tables (.csv/.parquet)")
+                        help="Kineto trace files (.json/.json.gz, one per rank), folders of them, "
+                             "or span tables (.csv/.parquet)")
     add_json_flag(parser, "print the breakdown document as JSON")
     parser.add_argument("--per-step", action="store_true", help="add a breakdown per step for each rank")
     parser.add_argument("--steps", metavar="A:B|hta",
@@ -45,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if (args.flops_per_step is None) != (args.peak_tflops is None):
         raise UserError("MFU needs both --flops-per-step and --peak-tflops; give both or neither")
-    timelines = load_paths(args.paths, progress=_progress, fork=True)  # this command runs nothing else
+    timelines = _load(args.paths)
     doc = analyze(
         timelines, per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
         peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, keep_segments=bool(args.perfetto),
-        steps=args.steps, fork=True,
+        steps=args.steps,
     )
     if args.perfetto:
         from gpuwatch.efficiency.perfetto import perfetto_trace
@@ -66,7 +64,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-ANALYZE = Command(add_arguments, run, one_shot=True)
+ANALYZE = Command(add_arguments, run)
+
+
+def _load(paths: list[str]) -> list[RankTimeline]:
+    """The paths' rank timelines, the files read in parallel by a pool of processes, one per core (reading is
+    CPU-bound Python; a rank's timeline is a few arrays, cheap to send back); one file is read here. The
+    workers come from a fork server that has imported the reader: the caller may have threads running (a
+    test, an embedding application), and a plain fork copies their locks, taken or not."""
+    workers = min(len(expand_paths(paths)), os.cpu_count() or 1)
+    if workers <= 1:
+        return load_paths(paths, progress=_progress)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["gpuwatch.efficiency.traces.kineto"])
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        return load_paths(paths, progress=_progress, map_files=pool.map)
 
 
 def _write(path: str, data: bytes) -> None:
@@ -112,7 +124,8 @@ def format_table(doc: Analysis) -> str:
     for label, entries in ((f"straggler{among}", doc.stragglers), ("delayed", doc.delayed)):
         for s in entries:
             lines.append(f"{label}: rank {s.rank} last at {100 * s.last_share:.0f} % of {s.collectives} "
-                         f"collectives (chance {100 * s.chance_share:.0f} %), mean lateness {s.mean_lateness_us:.0f} us, "
+                         f"collectives (chance {100 * s.chance_share:.0f} %), "
+                         f"mean lateness {s.mean_lateness_us:.0f} us, "
                          f"busy {s.busy_per_step_us:.0f} us/step vs peer median {s.peer_median_busy_per_step_us:.0f}")
     if doc.straggler_verdict == "none" and not doc.delayed:
         lines.append("no stragglers")
@@ -120,6 +133,7 @@ def format_table(doc: Analysis) -> str:
     for r in doc.ranks:
         for s in r.per_step or []:
             lines.append(f"rank {r.rank} step {s.step}: {s.window_us / 1000:.1f} ms, "
-                         f"lost {100 * s.lost_fraction:.1f} %" + ("" if s.mfu is None else f", MFU {100 * s.mfu:.1f} %"))
+                         f"lost {100 * s.lost_fraction:.1f} %"
+                         + ("" if s.mfu is None else f", MFU {100 * s.mfu:.1f} %"))
     return "\n".join(lines) + "\n"
 
