@@ -104,42 +104,42 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
     offset = 0
     for pos, tl in enumerate(timelines):
         order = np.lexsort((tl.end_us, tl.start_us))
-        start, end = tl.start_us[order] - origin, tl.end_us[order] - origin
-        lane = np.where(tl.stream[order] >= 0, tl.stream[order], 1_000_000 + tl.kind[order].astype(np.int64))
-        deps, pred = _dependencies(start, end, lane)
-        launch = tl.launch_us[order] - origin
-        parts.append({
-            "order": order, "start": start, "end": end, "deps": deps, "pred": pred, "offset": offset, "pos": pos,
-            "delay": _launch_delays(start, end, launch, deps),
-        })
+        parts.append({"order": order, "offset": offset, "pos": pos})
         offset += len(order)
     n = offset
-    start = np.concatenate([p["start"] for p in parts])
-    end = np.concatenate([p["end"] for p in parts])
     if n == 0:
         return None
+    start = np.concatenate([tl.start_us[p["order"]] - origin for tl, p in zip(timelines, parts)])
+    end = np.concatenate([tl.end_us[p["order"]] - origin for tl, p in zip(timelines, parts)])
     kind = np.concatenate([tl.kind[p["order"]] for tl, p in zip(timelines, parts)])
     instance, members, group_size = _instances(timelines, parts, matching, n)
     transfer = end - start - _waits(instance, start, end)
     key = _op_keys(timelines, parts, kind, group_size)
     step = np.concatenate([tl.step[p["order"]] for tl, p in zip(timelines, parts)])
     node = np.empty(n, np.int64)
+    delay = np.empty(n)
     heads, deps, base = [], [], []
-    for p in parts:
-        span = slice(p["offset"], p["offset"] + len(p["start"]))
-        local_node, local_heads = _chains(p["deps"], p["pred"], instance[span] < 0, step[span])
+    # One rank at a time: its op-level dependencies (a column per stream) are reduced to its nodes' and
+    # dropped before the next rank's are made, so they never exist for the whole job at once.
+    for tl, p in zip(timelines, parts):
+        span = slice(p["offset"], p["offset"] + len(p["order"]))
+        lane = np.where(tl.stream[p["order"]] >= 0, tl.stream[p["order"]],
+                        1_000_000 + tl.kind[p["order"]].astype(np.int64))
+        op_deps, pred = _dependencies(start[span], end[span], lane)
+        delay[span] = _launch_delays(start[span], end[span], tl.launch_us[p["order"]] - origin, op_deps)
+        local_node, local_heads = _chains(op_deps, pred, instance[span] < 0, step[span])
         first = len(heads)
         node[span] = local_node + first
         heads.extend((local_heads + p["offset"]).tolist())
-        for row in p["deps"][local_heads].tolist():
+        for row in op_deps[local_heads].tolist():
             deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
-        base.extend([float(p["start"][0])] * len(local_heads))
+        base.extend([float(start[span][0])] * len(local_heads))
     head = np.array(heads, dtype=np.int64)
     return _Graph(
         node=node, head=head, order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
         instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
-        start=start, end=end, transfer=transfer, delay=np.concatenate([p["delay"] for p in parts]),
-        rank_pos=np.concatenate([np.full(len(p["start"]), p["pos"]) for p in parts]),
+        start=start, end=end, transfer=transfer, delay=delay,
+        rank_pos=np.concatenate([np.full(len(p["order"]), p["pos"]) for p in parts]),
         kind=kind, step=step, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
     )
 
