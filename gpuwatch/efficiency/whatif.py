@@ -19,6 +19,7 @@ one rank's (or one op kind's) actual durations and all else ideal.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -36,22 +37,23 @@ class _Graph(msgspec.Struct):
     """All ranks' ops (global op ids, each rank's ops in actual start order), and the graph the replay
     walks: nodes, each one op or a chain of ops run back to back that nothing else waits on inside (a
     stream's kernels between two cross-stream dependencies), which replays exactly as one op of their
-    summed duration and a fraction of the work."""
+    summed duration and a fraction of the work. Per op, only what a replay's durations are made of is kept
+    (the job's ops are many; its nodes a twentieth of them on real traces)."""
 
     node: np.ndarray            # node of each op
     head: np.ndarray            # first op of each node
+    node_start: np.ndarray      # actual start of each node's first op (us, relative to the job origin)
+    node_rank: np.ndarray       # index of each node's rank among the timelines
+    node_step: np.ndarray       # step of each node (a node's ops share one)
+    actual_steps: np.ndarray    # the measured step times (us)
     order: list[int]            # nodes in the actual start order of their first op
     deps: list[tuple[int, ...]] # nodes each node waits for
     base: list[float]           # the rank's first actual start: a node with no dependency starts there
     instance: list[int]         # cross-rank instance (collective or p2p pair) of each node, else -1
     members: list[list[int]]    # nodes of each instance
-    start: np.ndarray           # actual start / end / duration (us, relative to the job origin)
-    end: np.ndarray
     transfer: np.ndarray        # actual duration, minus the wait for peers for communication ops
     delay: np.ndarray           # host launch delay before each op (0 where unknown)
-    rank_pos: np.ndarray        # index of each op's rank among the timelines
     kind: np.ndarray
-    step: np.ndarray
     key: np.ndarray             # what "the same op" is for the ideal: kernel name, or type and group size
     comm: np.ndarray            # True for communication ops (their ideal is a median, not a mean)
 
@@ -65,7 +67,7 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
     kinds = [k for k in range(len(KIND_NAMES)) if (graph.kind == k).any()]
     attributed = len(ranks) > 1  # one rank's attribution is its whole slowdown: no replay needed
     steps = _replay(graph, _ideal_durations(graph), kinds, len(ranks) if attributed else 0)
-    actual_steps = _step_times(graph.step, graph.start[:, None], graph.end[:, None])[0]
+    actual_steps = graph.actual_steps
     replay, no_delay, ideal_steps = steps[:3]
     t_actual, t_ideal = float(no_delay.mean()), float(ideal_steps.mean())
     if not (t_ideal > 0 and t_actual > 0 and (actual_steps > 0).all()):
@@ -91,7 +93,7 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
         actual_over_no_launch_delay=round(float(actual_steps.mean()) / t_actual, 4),
         ideal_step_us=round(t_ideal, 3),
         steps=len(actual_steps),
-        ops=len(graph.start),
+        ops=len(graph.node),
         replayed_nodes=len(graph.head),
         per_rank=[RankSlowdown(rank=r, slowdown=round(s, 4), share=share(s)) for r, s in per_rank.items()],
         per_op_kind=[KindSlowdown(kind=k, slowdown=round(s, 4), share=share(s)) for k, s in per_kind.items()],
@@ -100,7 +102,7 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
 
 def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
     origin = min(float(tl.start_us.min()) for tl in timelines if len(tl))
-    parts = []
+    parts: list[dict[str, Any]] = []
     offset = 0
     for pos, tl in enumerate(timelines):
         order = np.lexsort((tl.end_us, tl.start_us))
@@ -118,7 +120,9 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
     step = np.concatenate([tl.step[p["order"]] for tl, p in zip(timelines, parts)])
     node = np.empty(n, np.int64)
     delay = np.empty(n)
-    heads, deps, base = [], [], []
+    heads: list[int] = []
+    deps: list[tuple[int, ...]] = []
+    base: list[float] = []
     # One rank at a time: its op-level dependencies (a column per stream) are reduced to its nodes' and
     # dropped before the next rank's are made, so they never exist for the whole job at once.
     for tl, p in zip(timelines, parts):
@@ -135,12 +139,13 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
             deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
         base.extend([float(start[span][0])] * len(local_heads))
     head = np.array(heads, dtype=np.int64)
+    rank_pos = np.concatenate([np.full(len(p["order"]), p["pos"]) for p in parts])
     return _Graph(
-        node=node, head=head, order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
+        node=node, head=head, node_start=start[head], node_rank=rank_pos[head], node_step=step[head],
+        actual_steps=_step_times(step, start[:, None], end[:, None])[0],
+        order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
         instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
-        start=start, end=end, transfer=transfer, delay=delay,
-        rank_pos=np.concatenate([np.full(len(p["order"]), p["pos"]) for p in parts]),
-        kind=kind, step=step, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
+        transfer=transfer, delay=delay, kind=kind, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
     )
 
 
@@ -294,8 +299,9 @@ def _op_keys(timelines, parts, kind: np.ndarray, group_size: np.ndarray) -> np.n
         local = kinds * len(names) + name_id     # (kind, name) as one local code
         comm_code = type_id * sizes + size       # (type, group size) as one local code
         key = np.empty(len(o), np.int64)
-        for mask, code, label in ((~comm, local, lambda c: ("op", c // len(names), names[c % len(names)])),
-                                  (comm, comm_code, lambda c: ("comm", types[c // sizes], c % sizes))):
+        op_label = functools.partial(_op_label, names)
+        comm_label = functools.partial(_comm_label, types, sizes)
+        for mask, code, label in ((~comm, local, op_label), (comm, comm_code, comm_label)):
             if not mask.any():
                 continue
             uniq, inverse = np.unique(code[mask], return_inverse=True)
@@ -303,6 +309,14 @@ def _op_keys(timelines, parts, kind: np.ndarray, group_size: np.ndarray) -> np.n
             key[mask] = table[inverse.ravel()]
         keys.append(key)
     return np.concatenate(keys)
+
+
+def _op_label(names: list[str], code: int) -> tuple:
+    return ("op", code // len(names), names[code % len(names)])
+
+
+def _comm_label(types: list[str], sizes: int, code: int) -> tuple:
+    return ("comm", types[code // sizes], code % sizes)
 
 
 def _ideal_durations(graph: _Graph) -> np.ndarray:
@@ -335,7 +349,7 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
     per_node = functools.partial(np.bincount, graph.node, minlength=n)
     actual, typical = per_node(weights=graph.transfer), per_node(weights=ideal)
     inner = per_node(weights=graph.delay) - graph.delay[graph.head]
-    node_rank = graph.rank_pos[graph.head]
+    node_rank = graph.node_rank
 
     def durations(replay: int) -> np.ndarray:  # made as each group is walked: a 512-rank job has 518
         if replay == 0:
@@ -347,7 +361,7 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
         return per_node(weights=np.where(graph.kind == kinds[replay - 3 - ranks], graph.transfer, ideal))
 
     first_wait = graph.delay[graph.head]
-    node_step = graph.step[graph.head]
+    node_step = graph.node_step
     group = max(1, _WALK_ELEMENTS // max(n, 1))
     steps: list[np.ndarray] = []
     replays = 3 + ranks + len(kinds)
@@ -427,7 +441,7 @@ def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) ->
         pending = [k for k in range(len(members)) if 0 < arrived[k] < len(members[k]) and not closed[k]]
         if not pending:
             break
-        k = min(pending, key=lambda j: min(graph.start[graph.head[m]] for m in members[j]))
+        k = min(pending, key=lambda j: min(graph.node_start[m] for m in members[j]))
         closed[k] = True
         for m in members[k]:
             if started[m] and not ended[m]:
