@@ -368,14 +368,17 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
     for first in range(0, replays, group):
         chosen = range(first, min(first + group, replays))
         dur = np.stack([durations(i) for i in chosen], axis=1)
-        wait = np.stack([first_wait if i == 0 else np.zeros(n) for i in chosen], axis=1) if first == 0 else None
-        steps.extend(_step_times(node_step, *_simulate(graph, dur, wait)))
+        starts, ends = _simulate(graph, dur, first_wait if first == 0 else None)
+        del dur  # before the step times' copies: the walk's matrices bound this function's memory
+        steps.extend(_step_times(node_step, starts, ends))
+        del starts, ends
     return steps
 
 
 def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Replay the graph with each node's duration `dur` (its ops back to back, with the launch delays of
-    all but the first) and the delay `wait_before` its first op waits (None: no delays): (start, end) of
+    all but the first) and, in the first replay (column) only, the delay `wait_before` each node's first op
+    waits (None: no delays): (start, end) of
     every node, as nodes x replays, a column per column of `dur`. Which node is taken when depends on the
     graph alone, never on the durations, so the replays are walked together, a node's times a vector (one
     by one, a job of R ranks walked a graph that grows with R, R times, to attribute its slowdown).
@@ -385,7 +388,7 @@ def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) ->
     arrived, and later arrivals end their own transfer after max(that time, their arrival)."""
     n, replays = dur.shape
     dur_of = list(dur)
-    wait_of = None if wait_before is None else list(wait_before)
+    wait_of = None if wait_before is None else wait_before.tolist()
     starts, ends = np.full((n, replays), np.nan), np.full((n, replays), np.nan)  # NaN: never started / ended
     start, end = list(starts), list(ends)  # each node's row, written in place
     deps, base, instance, members = graph.deps, graph.base, graph.instance, graph.members
@@ -419,10 +422,9 @@ def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) ->
                     t = maximum(t, end[d])
                 if blocked:
                     continue
-                if wait_of is None:
-                    start[i][...] = t
-                else:
-                    add(t, wait_of[i], start[i])
+                start[i][...] = t
+                if wait_of is not None:
+                    start[i][0] += wait_of[i]
                 started[i] = True
                 k = instance[i]
                 if k < 0:
