@@ -187,3 +187,23 @@ def test_comm_kernel_names_read_as_by_the_case_insensitive_pattern(name):
     and names with other characters are left to the expression."""
     expected = re.search("nccl|rccl|hccl|cross_device_reduce|userbuffers", name, re.IGNORECASE) is not None
     assert is_comm_kernel(name) == expected
+
+
+def test_the_library_reads_in_the_callers_process_and_a_pool_reads_the_same(monkeypatch):
+    """`load_paths` starts no process and leaves no thread behind; an application's process pool, passed as
+    `map_files`, reads the same timelines in the same order."""
+    import multiprocessing
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.setattr(os, "fork", lambda: pytest.fail("the library forked"))
+    threads = threading.active_count()
+    here = load_paths([SAMPLED])
+    assert not multiprocessing.active_children() and threading.active_count() == threads
+    monkeypatch.undo()
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pooled = load_paths([SAMPLED], map_files=pool.map)
+    assert [tl.rank for tl in pooled] == [tl.rank for tl in here] == [0, 1]
+    for a, b in zip(pooled, here):
+        for column in ("start_us", "end_us", "kind", "launch_us", "step", "coll_type", "seq", "name"):
+            np.testing.assert_array_equal(getattr(a, column), getattr(b, column))
