@@ -140,9 +140,13 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
         base.extend([float(start[span][0])] * len(local_heads))
     head = np.array(heads, dtype=np.int64)
     rank_pos = np.concatenate([np.full(len(p["order"]), p["pos"]) for p in parts])
+    # The measured step times from the nodes (a node's ops share a step, its first op starts first): the
+    # same minima and maxima as from every op, without a sort of the job's ops.
+    node_end = np.full(len(head), -np.inf)
+    np.maximum.at(node_end, node, end)
     return _Graph(
         node=node, head=head, node_start=start[head], node_rank=rank_pos[head], node_step=step[head],
-        actual_steps=_step_times(step, start[:, None], end[:, None])[0],
+        actual_steps=_step_times(step[head], start[head][:, None], node_end[:, None])[0],
         order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
         instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
         transfer=transfer, delay=delay, kind=kind, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
