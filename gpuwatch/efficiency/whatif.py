@@ -52,7 +52,8 @@ class _Graph(msgspec.Struct):
     instance: list[int]         # cross-rank instance (collective or p2p pair) of each node, else -1
     members: list[list[int]]    # nodes of each instance
     transfer: np.ndarray        # actual duration, minus the wait for peers for communication ops
-    delay: np.ndarray           # host launch delay before each op (0 where unknown)
+    first_wait: np.ndarray      # host launch delay before each node's first op (0 where unknown)
+    inner_delay: np.ndarray     # the launch delays of each node's other ops, summed
     kind: np.ndarray
     key: np.ndarray             # what "the same op" is for the ideal: kernel name, or type and group size
     comm: np.ndarray            # True for communication ops (their ideal is a median, not a mean)
@@ -149,7 +150,8 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
         actual_steps=_step_times(step[head], start[head][:, None], node_end[:, None])[0],
         order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
         instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
-        transfer=transfer, delay=delay, kind=kind, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
+        first_wait=delay[head], inner_delay=np.bincount(node, weights=delay, minlength=len(head)) - delay[head],
+        transfer=transfer, kind=kind, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
     )
 
 
@@ -352,7 +354,7 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
     n = len(graph.head)
     per_node = functools.partial(np.bincount, graph.node, minlength=n)
     actual, typical = per_node(weights=graph.transfer), per_node(weights=ideal)
-    inner = per_node(weights=graph.delay) - graph.delay[graph.head]
+    inner = graph.inner_delay
     node_rank = graph.node_rank
 
     def durations(replay: int) -> np.ndarray:  # made as each group is walked: a 512-rank job has 518
@@ -364,7 +366,7 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
             return np.where(node_rank == replay - 3, actual, typical)
         return per_node(weights=np.where(graph.kind == kinds[replay - 3 - ranks], graph.transfer, ideal))
 
-    first_wait = graph.delay[graph.head]
+    first_wait = graph.first_wait
     node_step = graph.node_step
     group = max(1, _WALK_ELEMENTS // max(n, 1))
     steps: list[np.ndarray] = []
