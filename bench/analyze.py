@@ -4,7 +4,7 @@ Prints, side by side in one run, for each single real trace and for an 8-rank se
 time and peak memory of each tool, each run as its own subprocess; memory is the peak of the RSS summed
 over the tool's whole process tree (both tools start workers for multi-rank sets), sampled every 10 ms by
 a wrapper, and CPU time is summed over the same tree (the larger of the sampled sum and the rusage of the
-waited-for children: gpuwatch's workers come from a fork server, which nobody waits for). The tools take
+waited-for children: a worker's parent may not wait for it, as a fork server's do not). The tools take
 turns and the best of `--runs` counts, with the load average before and after, as the machine may be
 shared. Then the agreement of compute and idle with HTA's temporal breakdown over HTA's window
 (`--steps hta`), and where gpuwatch's time goes: decompression alone (zlib and ISA-L), the floor of
@@ -67,7 +67,7 @@ waiter = threading.Thread(target=wait)
 waiter.start()
 root = psutil.Process(proc.pid)
 peak = 0
-cpu = {}  # pid -> its CPU seconds when last seen (workers of a fork server are nobody's waited children)
+cpu = {}  # pid -> its CPU seconds when last seen (a worker's parent may not wait for it)
 while waiter.is_alive():
     try:
         tree = [root] + root.children(recursive=True)

@@ -1,7 +1,6 @@
 """`gpuwatch analyze` through the real CLI dispatcher: --json keys, reports, errors."""
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -24,7 +23,6 @@ def test_json_document_keys(capsys, tmp_path):
     rc = main(["analyze", SAMPLED, "--json", "--per-step", "--flops-per-step", "1e14", "--peak-tflops", "312",
                "--gpu-hour-price", "2.5", "--html", str(html), "--perfetto", str(perfetto)])
     assert rc == 0
-    assert gc.isenabled()  # a library call leaves the caller's process as it was (`Command.one_shot`)
     doc = json.loads(capsys.readouterr().out)
     assert {"ranks", "job", "stragglers", "delayed", "matched_collectives"} <= set(doc)
     for r in doc["ranks"]:
@@ -53,9 +51,8 @@ def test_json_document_keys(capsys, tmp_path):
 
 
 def test_the_process_ends_at_once_with_its_output_whole(tmp_path):
-    """`analyze` runs as a one-shot process (no cycle collector, no interpreter teardown): what it wrote must
-    all be there (stdout through a pipe, the report files), the same as a library call of `main` prints, an
-    error still exits 2, and a closed pipe still ends quietly."""
+    """As a process, `analyze` writes all of its output (stdout through a pipe, the report files), the same
+    as a library call of `main` prints; an error still exits 2, and a closed pipe still ends quietly."""
     html, perfetto = tmp_path / "r.html", tmp_path / "p.json"
     args = ["analyze", SAMPLED, "--per-step"]
     buffered = {**os.environ, "PYTHONUNBUFFERED": ""}  # as a user's shell has it: output waits in a buffer
@@ -83,20 +80,6 @@ def test_the_process_ends_at_once_with_its_output_whole(tmp_path):
                             capture_output=True, text=True, cwd=tmp_path, env=buffered)
     assert closed.stdout == done.stdout[:10] and "Traceback" not in closed.stderr
 
-
-
-def test_only_one_shot_commands_run_without_the_cycle_collector(tmp_path):
-    """As the process, `gpuwatch` imports a command's modules with the cycle collector off; a command that is
-    not one-shot (a collector, an agent: they run for days) runs with it back on."""
-    code = ("import gc, sys, types; from gpuwatch.apps import cli; from gpuwatch.apps.commandline import Command\n"
-            "probe = types.ModuleType('probe'); sys.modules['probe'] = probe\n"
-            "probe.LONG = Command(lambda p: None, lambda a: print('long', gc.isenabled()))\n"
-            "probe.ONCE = Command(lambda p: None, lambda a: print('once', gc.isenabled()), one_shot=True)\n"
-            "cli.COMMANDS.update(long=('probe:LONG', ''), once=('probe:ONCE', ''))\n"
-            "sys.argv = ['gpuwatch', sys.argv[1]]; sys.exit(cli.main())")
-    ran = [subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, cwd=tmp_path)
-           for name in ("long", "once")]
-    assert [(r.returncode, r.stdout) for r in ran] == [(0, "long True\n"), (0, "once False\n")], ran
 
 
 def test_table_output_and_errors(capsys, tmp_path):
@@ -153,8 +136,8 @@ def test_table_ranks_the_rank_that_lost_most_first(capsys):
 
 
 def test_the_gpuwatch_process_writes_what_a_library_call_writes(capsys, tmp_path):
-    """As the process, `gpuwatch analyze` runs tuned (the cycle collector off, freed memory kept, numpy's
-    docstrings deferred): the document is the same, byte for byte."""
+    """The document of `gpuwatch analyze` as a process (its workers reading the files) is that of a library
+    call of `main`, byte for byte."""
     for trace in (SAMPLED, os.path.join(DATA, "ns_resolution_rank0")):
         assert main(["analyze", trace, "--json"]) == 0
         in_process = capsys.readouterr().out

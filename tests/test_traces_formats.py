@@ -199,6 +199,6 @@ def test_p2p_paired_by_process_group_ranks_and_seq(tmp_path):
     # Paired, the receive's transfer is 300 us like every other (its 1000 us wait emerges): nothing to gain.
     assert w["slowdown_unclamped"] == pytest.approx(1.0, abs=1e-4)
     graph = whatif._build(timelines, match_collectives(timelines))
-    pairs = [sorted(graph.rank_pos[m].tolist()) for m in graph.members if m]
+    pairs = [sorted(graph.node_rank[m].tolist()) for m in graph.members if m]
     assert pairs == [[0, 1], [0, 1]]
     assert sorted(graph.transfer[graph.kind == P2P].tolist()) == [300.0] * 4

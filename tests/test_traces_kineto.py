@@ -6,15 +6,13 @@ import gzip
 import json
 import os
 import re
-import sys
-import threading
 from pathlib import Path
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from gpuwatch.efficiency import analyze, forking, load_paths
+from gpuwatch.efficiency import analyze, load_paths
 from gpuwatch.efficiency.timeline import COLLECTIVE, P2P
 from gpuwatch.efficiency.traces.collectives import is_comm_kernel
 from gpuwatch.efficiency.traces.kineto import load_kineto
@@ -194,31 +192,21 @@ def test_comm_kernel_names_read_as_by_the_case_insensitive_pattern(name):
     assert is_comm_kernel(name) == expected
 
 
-def test_forked_workers_read_what_fork_server_workers_read():
-    """`fork=True` (the analyze command's) reads a multi-rank set as the fork server's workers do."""
-    served, forked = load_paths([SAMPLED]), load_paths([SAMPLED], fork=True)
-    assert [tl.rank for tl in forked] == [tl.rank for tl in served] == [0, 1]
-    for a, b in zip(forked, served):
+def test_the_library_reads_in_the_callers_process_and_a_pool_reads_the_same(monkeypatch):
+    """`load_paths` starts no process and leaves no thread behind; an application's process pool, passed as
+    `map_files`, reads the same timelines in the same order."""
+    import multiprocessing
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.setattr(os, "fork", lambda: pytest.fail("the library forked"))
+    threads = threading.active_count()
+    here = load_paths([SAMPLED])
+    assert not multiprocessing.active_children() and threading.active_count() == threads
+    monkeypatch.undo()
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pooled = load_paths([SAMPLED], map_files=pool.map)
+    assert [tl.rank for tl in pooled] == [tl.rank for tl in here] == [0, 1]
+    for a, b in zip(pooled, here):
         for column in ("start_us", "end_us", "kind", "launch_us", "step", "coll_type", "seq", "name"):
             np.testing.assert_array_equal(getattr(a, column), getattr(b, column))
-
-
-def test_no_plain_fork_beside_threads_or_threaded_libraries(monkeypatch):
-    """A fork copies the locks of threads it does not copy: with another thread running, or gRPC loaded
-    (the collector, the tests), the workers come from the fork server even when `fork=True` is asked."""
-    monkeypatch.delitem(sys.modules, "grpc", raising=False)
-    for name in ("duckdb", "chdb", "pyarrow"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    alone = threading.active_count() == 1
-    assert forking.forkable() is (alone and sys.platform == "linux")
-    monkeypatch.setitem(sys.modules, "grpc", object())
-    assert forking.forkable() is False
-    monkeypatch.delitem(sys.modules, "grpc")
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait)
-    other.start()
-    try:
-        assert forking.forkable() is False
-    finally:
-        stop.set()
-        other.join()

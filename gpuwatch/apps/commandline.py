@@ -32,18 +32,10 @@ if TYPE_CHECKING:
 
 class Command(NamedTuple):
     """One subcommand: ``add_arguments(parser)`` declares its flags, ``run(args)`` runs it and returns the exit
-    status (a :class:`UserError` becomes one line on stderr and status 2). A NamedTuple: every command imports
-    this module, and a dataclass compiles its generated methods at import (0.5 ms; a NamedTuple 0.07 ms)."""
+    status (a :class:`UserError` becomes one line on stderr and status 2)."""
 
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
-    #: A one-shot command whose memory is parsed data and big arrays, without reference cycles (`analyze`).
-    #: Where `gpuwatch` is the process (`main()` without argv; never for an in-process caller), it runs with
-    #: the cycle collector off, whose passes, triggered as a trace's events are parsed, walk every live
-    #: object (10-15 ms of a 0.2 s run, 50 ms of an 8-rank set; the same peak memory), and the process ends
-    #: as soon as its output is flushed, without the interpreter's teardown (freeing numpy and the traces:
-    #: 15 ms, 40 ms); glibc's malloc keeps what it frees for reuse (`cli._keep_freed_memory`).
-    one_shot: bool = False
 
 
 def result_command(add_arguments: Callable[[argparse.ArgumentParser], None],

@@ -12,14 +12,13 @@ from typing import Any
 import numpy as np
 
 from gpuwatch.efficiency.arrays import distinct
-from gpuwatch.efficiency.forking import Pending
 from gpuwatch.efficiency.matching import Matching, match_collectives
 from gpuwatch.efficiency.partition import (
     CATEGORIES, COMPUTE_C, MEMCPY_C, Partition, StepSlice, partition,
 )
 from gpuwatch.efficiency.result import (
     Analysis, Coverage, JobBreakdown, KernelStat, RankBreakdown, ShortKernels, StepBreakdown, Straggler,
-    TopKernels, WhatIf, Window,
+    TopKernels, Window,
 )
 from gpuwatch.efficiency.stragglers import find_stragglers
 from gpuwatch.efficiency.timeline import KIND_NAMES, RankTimeline
@@ -32,21 +31,13 @@ SPEC = "efficiency v1"
 # Longest span of one job's activity the engine reads: far beyond any run, far below the int64 nanoseconds
 # it partitions in (a broken exporter's timestamps would otherwise overflow them).
 MAX_SPAN_US = 365 * 24 * US_PER_HOUR
-# Ops from which the what-if is worth a fork (about 1 us an op: 0.12 s for an 8-rank set of 150k ops, a few ms
-# for one rank): below it the fork would cost more, in time and in memory, than it saves.
-FORK_WHAT_IF_OPS = 50_000
 
 
 def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_step: float | None = None,
             peak_tflops: float | None = None, gpu_hour_price: float | None = None,
-            keep_segments: bool = False, steps: str | None = None, with_what_if: bool = True,
-            fork: bool = False) -> Analysis:
+            keep_segments: bool = False, steps: str | None = None, with_what_if: bool = True) -> Analysis:
     """The breakdown: per rank, per job, stragglers, matching, coverage, the analysed window and the what-if
     (and per step when asked). `steps` picks the window (see window.py).
-
-    With `fork` (a caller that runs nothing else, as `load_paths`'s), the what-if of a large job runs in a
-    forked copy of this process beside the rest of the analysis, where a plain fork is safe: it is the one
-    serial step that grows with the job (0.12 s of an 8-rank set's 0.18 s), and a core idles meanwhile.
 
     With `keep_segments`, the classified segments and the analysed timelines are kept in the result's
     `partitions` and `timelines` (for rendering timelines; never part of its document)."""
@@ -56,18 +47,13 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
     timelines, window = select_steps(ordered, steps)
     origin = math.floor(min(float(tl.start_us.min()) for tl in timelines))
     matching = match_collectives(timelines)
-    ops = sum(len(tl) for tl in timelines)
-    replay = Pending(what_if, timelines, matching, fork=fork and ops >= FORK_WHAT_IF_OPS) if with_what_if else None
-    try:
-        return _analysis(timelines, window, origin, matching, replay, per_step=per_step, keep_segments=keep_segments,
-                         mfu_of=_mfu_function(flops_per_step, peak_tflops), gpu_hour_price=gpu_hour_price)
-    finally:
-        if replay is not None:
-            replay.cancel()
+    return _analysis(timelines, window, origin, matching, with_what_if, per_step=per_step,
+                     keep_segments=keep_segments, mfu_of=_mfu_function(flops_per_step, peak_tflops),
+                     gpu_hour_price=gpu_hour_price)
 
 
 def _analysis(timelines: list[RankTimeline], window: dict[str, Any], origin: float, matching: Matching,
-              replay: Pending[WhatIf | None] | None, *, per_step: bool, keep_segments: bool, mfu_of: _MfuOf,
+              with_what_if: bool, *, per_step: bool, keep_segments: bool, mfu_of: _MfuOf,
               gpu_hour_price: float | None) -> Analysis:
     parts = [partition(tl, wait, origin, keep_segments=keep_segments)
              for tl, wait in zip(timelines, matching.waits)]
@@ -91,7 +77,7 @@ def _analysis(timelines: list[RankTimeline], window: dict[str, Any], origin: flo
         straggler_verdict=_verdict(stragglers, coverage),
         window=_window_entry(window, timelines, parts),
         top_kernels=top,
-        what_if=replay.result() if replay is not None else None,  # last: its fork ran beside all of the above
+        what_if=what_if(timelines, matching) if with_what_if else None,
         trace_meta=next((tl.trace_meta for tl in timelines if tl.trace_meta), {}),
         partitions=parts if keep_segments else None,
         timelines=timelines if keep_segments else None,

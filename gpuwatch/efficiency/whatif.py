@@ -19,8 +19,8 @@ one rank's (or one op kind's) actual durations and all else ideal.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from typing import TypedDict
+from collections.abc import Iterable
+from typing import Any, TypedDict
 
 import msgspec
 import numpy as np
@@ -38,22 +38,24 @@ class _Graph(msgspec.Struct):
     """All ranks' ops (global op ids, each rank's ops in actual start order), and the graph the replay
     walks: nodes, each one op or a chain of ops run back to back that nothing else waits on inside (a
     stream's kernels between two cross-stream dependencies), which replays exactly as one op of their
-    summed duration and a fraction of the work."""
+    summed duration and a fraction of the work. Per op, only what a replay's durations are made of is kept
+    (the job's ops are many; its nodes a twentieth of them on real traces)."""
 
     node: np.ndarray            # node of each op
     head: np.ndarray            # first op of each node
+    node_start: np.ndarray      # actual start of each node's first op (us, relative to the job origin)
+    node_rank: np.ndarray       # index of each node's rank among the timelines
+    node_step: np.ndarray       # step of each node (a node's ops share one)
+    actual_steps: np.ndarray    # the measured step times (us)
     order: list[int]            # nodes in the actual start order of their first op
     deps: list[tuple[int, ...]] # nodes each node waits for
     base: list[float]           # the rank's first actual start: a node with no dependency starts there
     instance: list[int]         # cross-rank instance (collective or p2p pair) of each node, else -1
     members: list[list[int]]    # nodes of each instance
-    start: np.ndarray           # actual start / end / duration (us, relative to the job origin)
-    end: np.ndarray
     transfer: np.ndarray        # actual duration, minus the wait for peers for communication ops
-    delay: np.ndarray           # host launch delay before each op (0 where unknown)
-    rank_pos: np.ndarray        # index of each op's rank among the timelines
+    first_wait: np.ndarray      # host launch delay before each node's first op (0 where unknown)
+    inner_delay: np.ndarray     # the launch delays of each node's other ops, summed
     kind: np.ndarray
-    step: np.ndarray
     key: np.ndarray             # what "the same op" is for the ideal: kernel name, or type and group size
     comm: np.ndarray            # True for communication ops (their ideal is a median, not a mean)
 
@@ -62,13 +64,8 @@ class _Part(TypedDict):
     """One rank's ops in actual start order, and where they sit among all ranks' ops."""
 
     order: np.ndarray   # the rank's activity rows in actual start order
-    start: np.ndarray   # us, relative to the job origin
-    end: np.ndarray
-    deps: np.ndarray    # per op, the local ops it waits for (-1: none)
-    pred: np.ndarray
     offset: int         # global id of the rank's first op
     pos: int            # index of the rank among the timelines
-    delay: np.ndarray   # host launch delay before each op
 
 
 def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
@@ -80,7 +77,7 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
     kinds = [k for k in range(len(KIND_NAMES)) if (graph.kind == k).any()]
     attributed = len(ranks) > 1  # one rank's attribution is its whole slowdown: no replay needed
     steps = _replay(graph, _ideal_durations(graph), kinds, len(ranks) if attributed else 0)
-    actual_steps = _step_times(graph.step, graph.start[:, None], graph.end[:, None])[0]
+    actual_steps = graph.actual_steps
     replay, no_delay, ideal_steps = steps[:3]
     t_actual, t_ideal = float(no_delay.mean()), float(ideal_steps.mean())
     if not (t_ideal > 0 and t_actual > 0 and (actual_steps > 0).all()):
@@ -106,7 +103,7 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
         actual_over_no_launch_delay=round(float(actual_steps.mean()) / t_actual, 4),
         ideal_step_us=round(t_ideal, 3),
         steps=len(actual_steps),
-        ops=len(graph.start),
+        ops=len(graph.node),
         replayed_nodes=len(graph.head),
         per_rank=[RankSlowdown(rank=r, slowdown=round(s, 4), share=share(s)) for r, s in per_rank.items()],
         per_op_kind=[KindSlowdown(kind=k, slowdown=round(s, 4), share=share(s)) for k, s in per_kind.items()],
@@ -119,45 +116,51 @@ def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
     offset = 0
     for pos, tl in enumerate(timelines):
         order = np.lexsort((tl.end_us, tl.start_us))
-        start, end = tl.start_us[order] - origin, tl.end_us[order] - origin
-        lane = np.where(tl.stream[order] >= 0, tl.stream[order], 1_000_000 + tl.kind[order].astype(np.int64))
-        deps, pred = _dependencies(start, end, lane)
-        launch = tl.launch_us[order] - origin
-        parts.append({
-            "order": order, "start": start, "end": end, "deps": deps, "pred": pred, "offset": offset, "pos": pos,
-            "delay": _launch_delays(start, end, launch, deps),
-        })
+        parts.append({"order": order, "offset": offset, "pos": pos})
         offset += len(order)
     n = offset
-    start = np.concatenate([p["start"] for p in parts])
-    end = np.concatenate([p["end"] for p in parts])
     if n == 0:
         return None
+    start = np.concatenate([tl.start_us[p["order"]] - origin for tl, p in zip(timelines, parts)])
+    end = np.concatenate([tl.end_us[p["order"]] - origin for tl, p in zip(timelines, parts)])
     kind = np.concatenate([tl.kind[p["order"]] for tl, p in zip(timelines, parts)])
     instance, members, group_size = _instances(timelines, parts, matching, n)
     transfer = end - start - _waits(instance, start, end)
     key = _op_keys(timelines, parts, kind, group_size)
     step = np.concatenate([tl.step[p["order"]] for tl, p in zip(timelines, parts)])
     node = np.empty(n, np.int64)
+    delay = np.empty(n)
     heads: list[int] = []
-    node_deps: list[tuple[int, ...]] = []
+    deps: list[tuple[int, ...]] = []
     base: list[float] = []
-    for p in parts:
-        span = slice(p["offset"], p["offset"] + len(p["start"]))
-        local_node, local_heads = _chains(p["deps"], p["pred"], instance[span] < 0, step[span])
+    # One rank at a time: its op-level dependencies (a column per stream) are reduced to its nodes' and
+    # dropped before the next rank's are made, so they never exist for the whole job at once.
+    for tl, p in zip(timelines, parts):
+        span = slice(p["offset"], p["offset"] + len(p["order"]))
+        lane = np.where(tl.stream[p["order"]] >= 0, tl.stream[p["order"]],
+                        1_000_000 + tl.kind[p["order"]].astype(np.int64))
+        op_deps, pred = _dependencies(start[span], end[span], lane)
+        delay[span] = _launch_delays(start[span], end[span], tl.launch_us[p["order"]] - origin, op_deps)
+        local_node, local_heads = _chains(op_deps, pred, instance[span] < 0, step[span])
         first = len(heads)
         node[span] = local_node + first
         heads.extend((local_heads + p["offset"]).tolist())
-        for row in p["deps"][local_heads].tolist():
-            node_deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
-        base.extend([float(p["start"][0])] * len(local_heads))
+        for row in op_deps[local_heads].tolist():
+            deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
+        base.extend([float(start[span][0])] * len(local_heads))
     head = np.array(heads, dtype=np.int64)
+    rank_pos = np.concatenate([np.full(len(p["order"]), p["pos"]) for p in parts])
+    # The measured step times from the nodes (a node's ops share a step, its first op starts first): the
+    # same minima and maxima as from every op, without a sort of the job's ops.
+    node_end = np.full(len(head), -np.inf)
+    np.maximum.at(node_end, node, end)
     return _Graph(
-        node=node, head=head, order=np.argsort(start[head], kind="stable").tolist(), deps=node_deps, base=base,
+        node=node, head=head, node_start=start[head], node_rank=rank_pos[head], node_step=step[head],
+        actual_steps=_step_times(step[head], start[head][:, None], node_end[:, None])[0],
+        order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
         instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
-        start=start, end=end, transfer=transfer, delay=np.concatenate([p["delay"] for p in parts]),
-        rank_pos=np.concatenate([np.full(len(p["start"]), p["pos"]) for p in parts]),
-        kind=kind, step=step, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
+        first_wait=delay[head], inner_delay=np.bincount(node, weights=delay, minlength=len(head)) - delay[head],
+        transfer=transfer, kind=kind, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
     )
 
 
@@ -313,10 +316,9 @@ def _op_keys(timelines: list[RankTimeline], parts: list[_Part], kind: np.ndarray
         local = kinds * len(names) + name_id     # (kind, name) as one local code
         comm_code = type_id * sizes + size       # (type, group size) as one local code
         key = np.empty(len(o), np.int64)
-        label: Callable[[int], tuple[object, ...]]  # a local code's (kind, name) or (type, group size)
-        for mask, code, label in ((~comm, local, lambda c, names=names: ("op", c // len(names), names[c % len(names)])),
-                                  (comm, comm_code,
-                                   lambda c, types=types, sizes=sizes: ("comm", types[c // sizes], c % sizes))):
+        op_label = functools.partial(_op_label, names)
+        comm_label = functools.partial(_comm_label, types, sizes)
+        for mask, code, label in ((~comm, local, op_label), (comm, comm_code, comm_label)):
             if not mask.any():
                 continue
             uniq, inverse = np.unique(code[mask], return_inverse=True)
@@ -324,6 +326,14 @@ def _op_keys(timelines: list[RankTimeline], parts: list[_Part], kind: np.ndarray
             key[mask] = table[inverse.ravel()]
         keys.append(key)
     return np.concatenate(keys)
+
+
+def _op_label(names: list[str], code: int) -> tuple[Any, ...]:
+    return ("op", code // len(names), names[code % len(names)])
+
+
+def _comm_label(types: list[str], sizes: int, code: int) -> tuple[Any, ...]:
+    return ("comm", types[code // sizes], code % sizes)
 
 
 def _ideal_durations(graph: _Graph) -> np.ndarray:
@@ -355,8 +365,8 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
     n = len(graph.head)
     per_node = functools.partial(np.bincount, graph.node, minlength=n)
     actual, typical = per_node(weights=graph.transfer), per_node(weights=ideal)
-    inner: np.ndarray = per_node(weights=graph.delay) - graph.delay[graph.head]
-    node_rank = graph.rank_pos[graph.head]
+    inner = graph.inner_delay
+    node_rank = graph.node_rank
 
     def durations(replay: int) -> np.ndarray:  # made as each group is walked: a 512-rank job has 518
         if replay == 0:
@@ -368,22 +378,25 @@ def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> l
             return np.where(node_rank == replay - 3, actual, typical)
         return per_node(weights=np.where(graph.kind == kinds[replay - 3 - ranks], graph.transfer, ideal))
 
-    first_wait = graph.delay[graph.head]
-    node_step = graph.step[graph.head]
+    first_wait = graph.first_wait
+    node_step = graph.node_step
     group = max(1, _WALK_ELEMENTS // max(n, 1))
     steps: list[np.ndarray] = []
     replays = 3 + ranks + len(kinds)
     for first in range(0, replays, group):
         chosen = range(first, min(first + group, replays))
         dur = np.stack([durations(i) for i in chosen], axis=1)
-        wait = np.stack([first_wait if i == 0 else np.zeros(n) for i in chosen], axis=1) if first == 0 else None
-        steps.extend(_step_times(node_step, *_simulate(graph, dur, wait)))
+        starts, ends = _simulate(graph, dur, first_wait if first == 0 else None)
+        del dur  # before the step times' copies: the walk's matrices bound this function's memory
+        steps.extend(_step_times(node_step, starts, ends))
+        del starts, ends
     return steps
 
 
 def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Replay the graph with each node's duration `dur` (its ops back to back, with the launch delays of
-    all but the first) and the delay `wait_before` its first op waits (None: no delays): (start, end) of
+    all but the first) and, in the first replay (column) only, the delay `wait_before` each node's first op
+    waits (None: no delays): (start, end) of
     every node, as nodes x replays, a column per column of `dur`. Which node is taken when depends on the
     graph alone, never on the durations, so the replays are walked together, a node's times a vector (one
     by one, a job of R ranks walked a graph that grows with R, R times, to attribute its slowdown).
@@ -393,7 +406,7 @@ def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) ->
     arrived, and later arrivals end their own transfer after max(that time, their arrival)."""
     n, replays = dur.shape
     dur_of = list(dur)
-    wait_of = None if wait_before is None else list(wait_before)
+    wait_of = None if wait_before is None else wait_before.tolist()
     starts, ends = np.full((n, replays), np.nan), np.full((n, replays), np.nan)  # NaN: never started / ended
     start, end = list(starts), list(ends)  # each node's row, written in place
     deps, base, instance, members = graph.deps, graph.base, graph.instance, graph.members
@@ -427,10 +440,9 @@ def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) ->
                     t = maximum(t, end[d])
                 if blocked:
                     continue
-                if wait_of is None:
-                    start[i][...] = t
-                else:
-                    add(t, wait_of[i], start[i])
+                start[i][...] = t
+                if wait_of is not None:
+                    start[i][0] += wait_of[i]
                 started[i] = True
                 k = instance[i]
                 if k < 0:
@@ -449,7 +461,7 @@ def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) ->
         pending = [k for k in range(len(members)) if 0 < arrived[k] < len(members[k]) and not closed[k]]
         if not pending:
             break
-        k = min(pending, key=lambda j: min(graph.start[graph.head[m]] for m in members[j]))
+        k = min(pending, key=lambda j: min(graph.node_start[m] for m in members[j]))
         closed[k] = True
         for m in members[k]:
             if started[m] and not ended[m]:

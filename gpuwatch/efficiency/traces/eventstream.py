@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import gc
 import io
 import re
 import threading
@@ -558,14 +557,14 @@ class TraceEventStream:
                      if self.only and starts_an_object else None)
         if selection is not None:
             try:
-                events = _decoded(self.decoder, selection.events)
+                events: list[Any] = self.decoder.decode(selection.events)
             except msgspec.DecodeError:
                 pass  # a piece was misjudged: parse the block whole, which also checks the cut
             else:
                 self._look(block, selection.other_ranges())
                 return events
         try:
-            events = _decoded(self.decoder, b"[" + block + b"]")
+            events = self.decoder.decode(b"[" + block + b"]")  # list[Any], as declared above
         except msgspec.ValidationError as exc:
             # Decoding goes from the block's start, which is an event boundary: what it read is real events.
             # The message names the key (`$[12].args` -> `args`: the index counts within the block only).
@@ -601,19 +600,6 @@ class TraceEventStream:
         raise UserError(
             f"{self.path}: truncated or invalid JSON: {array} does not end (read {self.bytes_read} bytes)"
         )
-
-
-def _decoded(decoder: msgspec.json.Decoder[Any], text: bytes) -> list[Any]:
-    """`decoder.decode(text)` with the cycle collector paused: parsed JSON is a tree of new objects without
-    cycles, so the collections its allocations would trigger (every few hundred) find nothing."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        events: list[Any] = decoder.decode(text)
-        return events
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def read_ahead(items: Iterator[_T], depth: int = 2) -> Generator[_T, None, None]:

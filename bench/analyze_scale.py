@@ -1,0 +1,116 @@
+"""How `gpuwatch analyze DIR --json` scales with the rank count: wall, CPU and peak memory summed over the
+process tree, for sets of 8, 64, 256 and 1,024 ranks side by side, in one run.
+
+Each set is made of copies of the shared real traces (by default control_rank3_of8, a real A100 rank of an
+8-rank job) with the rank id and world size rewritten in `distributedInfo`, nothing else changed: every rank
+holds the same events, so the set's cross-rank matching pairs every collective, as a real job's would. A
+copy is written as two gzip members, a freshly compressed head (up to the end of `distributedInfo`) and the
+trace's remaining bytes compressed once for the whole set: a gzip reader sees one stream, and building 1,024
+ranks costs a copy of bytes, not 1,024 compressions.
+
+Memory is the peak of the RSS summed over the command's whole process tree, sampled every 10 ms (and at
+least the largest `ru_maxrss` of one process); CPU is user+system summed over the tree (the rusage of the
+waited-for children, or the sampled sum, the larger). Load average is printed beside each row: the machine
+may be shared, and CPU time moves far less with load than wall time does.
+
+    python bench/analyze_scale.py [--ranks 8,64,256,1024] [--trace FILE] [--sets DIR] [--old-tree DIR]
+
+`--old-tree DIR` also runs the gpuwatch of an older tree (e.g. a `git worktree` of the commit before a change)
+on each set, beside this one. Sets are kept in `--sets` (default: a temporary folder, removed at the end);
+a set already there with the right number of ranks is reused. HTA is not run here: bench/analyze.py compares
+with it on the 8-rank set, and it needs far more memory than this machine has from 64 ranks up (its issue #250).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from analyze import MEASURE  # noqa: E402  (the wrapper that samples the process tree; shared with bench/analyze.py)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINETO = os.path.join(ROOT, "..", "shared", "data", "kineto")
+if not os.path.isdir(KINETO):  # a worktree beside the main checkout
+    KINETO = "/work/shared/data/kineto"
+DEFAULT_TRACE = os.path.join(KINETO, "control_rank3_of8", "rank3.json.gz")
+_INFO = b'"distributedInfo"'
+
+
+def build_set(trace: str, folder: str, ranks: int) -> int:
+    """Write `ranks` copies of `trace` into `folder` as rank<N>.json.gz, each with its rank id and the world
+    size rewritten. Returns the bytes written."""
+    with gzip.open(trace, "rb") as f:
+        data = f.read()
+    at = data.find(_INFO)
+    if at < 0:
+        raise SystemExit(f"{trace}: no distributedInfo to rewrite")
+    end = data.index(b"}", at) + 1
+    info = json.loads(data[at + len(_INFO):end].lstrip(b": "))
+    body = gzip.compress(data[end:], compresslevel=6)
+    total = 0
+    os.makedirs(folder, exist_ok=True)
+    for rank in range(ranks):
+        head = data[:at] + _INFO + b": " + json.dumps({**info, "rank": rank, "world_size": ranks}).encode()
+        path = os.path.join(folder, f"rank{rank}.json.gz")
+        with open(path, "wb") as out:
+            out.write(gzip.compress(head, compresslevel=6))
+            out.write(body)
+        total += os.path.getsize(path)
+    return total
+
+
+def measure(tree: str, folder: str) -> dict:
+    """`gpuwatch analyze folder --json` of `tree`, run through the sampling wrapper."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    command = [sys.executable, "-m", "gpuwatch", "analyze", folder, "--json"]
+    done = subprocess.run([sys.executable, "-c", MEASURE, *command], capture_output=True, text=True, env=env,
+                          cwd=tempfile.gettempdir())
+    if done.returncode != 0:
+        raise SystemExit(f"the wrapper failed: {done.stderr[-2000:]}")
+    result = json.loads(done.stdout)
+    if result["rc"] != 0:
+        raise SystemExit(f"gpuwatch analyze {folder} failed (rc {result['rc']})")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="8,64,256,1024", help="rank counts, comma-separated")
+    parser.add_argument("--trace", default=DEFAULT_TRACE, help="the real trace each rank is a copy of")
+    parser.add_argument("--sets", help="keep the rank sets here (reused when present)")
+    parser.add_argument("--old-tree", metavar="DIR", help="also run the gpuwatch of this tree")
+    args = parser.parse_args()
+    sets = args.sets or tempfile.mkdtemp(prefix="gw-bench-scale-")
+    trees = {"this tree": ROOT, **({"old tree": os.path.abspath(args.old_tree)} if args.old_tree else {})}
+    print(f"{'ranks':>6} {'MB in':>8} {'tree':>10} {'wall s':>8} {'CPU s':>8} {'CPU s/rank':>10} {'peak MB':>8} "
+          f"{'MB/rank':>8}  load before/after")
+    try:
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            folder = os.path.join(sets, f"ranks{ranks}")
+            if len([n for n in os.listdir(folder)] if os.path.isdir(folder) else []) != ranks:
+                shutil.rmtree(folder, ignore_errors=True)
+                build_set(args.trace, folder, ranks)
+            size = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)) / 1e6
+            outputs = {}
+            for name, tree in trees.items():
+                before = os.getloadavg()[0]
+                r = measure(tree, folder)
+                outputs[name] = r["stdout"]
+                print(f"{ranks:>6} {size:>8.0f} {name:>10} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} "
+                      f"{r['cpu_s'] / ranks:>10.3f} {r['peak_mb']:>8.0f} {r['peak_mb'] / ranks:>8.2f}  "
+                      f"{before:.1f}/{os.getloadavg()[0]:.1f}", flush=True)
+            if len(set(outputs.values())) > 1:
+                print(f"       the trees' --json documents differ at {ranks} ranks")
+    finally:
+        if not args.sets:
+            shutil.rmtree(sets)
+
+
+if __name__ == "__main__":
+    main()
