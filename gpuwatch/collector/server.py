@@ -53,6 +53,7 @@ from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
 from gpuwatch.core.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.core.settings import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_INGEST_STREAMS, DEFAULT_QUERY_WORKERS,
                                      DEFAULT_STREAM_IDLE_S)
+from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -104,15 +105,20 @@ def decode_batch(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
                             f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
     try:
         return decode(raw, window)
-    except DecodeError as exc:
-        raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{len(raw)} bytes are not a gpuwatch.v1.TelemetryBatch ({exc})") from None
     except BatchError as exc:
-        header = pb.TelemetryBatch.FromString(raw)  # parsed before the check failed, so it parses
-        code = (grpc.StatusCode.FAILED_PRECONDITION if header.schema_version != SCHEMA_VERSION
-                else grpc.StatusCode.INVALID_ARGUMENT)
-        raise BatchRejected(code, f"batch {header.sequence} of agent {header.agent_id or '?'}: {exc}",
-                            header.agent_id) from None
+        problem: Exception = exc
+    except DecodeError as exc:  # the batch, or only a Column inside it (a name not UTF-8, bad inner bytes)
+        problem = DecodeError(f"not a gpuwatch.v1.TelemetryBatch ({exc})")
+    except Exception as exc:  # whatever else the bytes provoke is still the batch's fault, never UNKNOWN
+        problem = DecodeError(f"cannot be read ({type(exc).__name__}: {exc})")
+    try:  # the header, for the message: the Columns stay bytes here, so a bad one cannot fail this parse
+        header = view.TelemetryBatchView.FromString(raw)
+    except DecodeError:
+        raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{len(raw)} bytes are {problem}") from None
+    code = (grpc.StatusCode.FAILED_PRECONDITION if header.schema_version != SCHEMA_VERSION
+            else grpc.StatusCode.INVALID_ARGUMENT)
+    raise BatchRejected(code, f"batch {header.sequence} of agent {header.agent_id or '?'}: {problem}",
+                        header.agent_id) from None
 
 
 def store_failure(exc: BaseException, batch: ColumnarBatch, unstorable: tuple[type[BaseException], ...] = ()
@@ -338,6 +344,9 @@ class IngestService:
                     return
         except (grpc.RpcError, grpc.aio.AioRpcError, ConnectionError):  # the client went away
             return
+        except Exception as exc:  # never an OK end of a stream whose batch was not stored: the agent resends
+            log.exception("ingest stream from %s failed", sender[2])
+            pending.put_nowait(BatchRejected(grpc.StatusCode.UNAVAILABLE, f"the collector failed: {exc}"))
         finally:
             idle.stop()
             pending.put_nowait(_DONE)
