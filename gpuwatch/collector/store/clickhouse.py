@@ -488,13 +488,15 @@ class ClickHouseStore(GroupWriter):
                     mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
         for c in [*last, *means, *mins, *maxs]:
             _check_field(c)
-        values = ([f"argMaxIf({c}, ts, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
+        # ClickHouse resolves a name to a SELECT alias before a column: the sample time is read as ``t`` (and
+        # only named ``ts`` in the result), or ``max(ts) AS ts`` would be found inside toStartOfMinute(ts).
+        values = ([f"argMaxIf({c}, t, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
                   + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
         return self._query(f"""
-            SELECT node, gpu_index, toStartOfMinute(ts) AS minute, max(ts) AS ts, argMax(job_id, ts) AS job_id,
-                   argMax(rank, ts) AS rank{''.join(', ' + v for v in values)}
-            FROM gpu_samples AS g WHERE g.ts >= fromUnixTimestamp64Milli({{since:Int64}})
-              AND g.ts <= fromUnixTimestamp64Milli({{until:Int64}})
+            SELECT node, gpu_index, toStartOfMinute(t) AS minute, max(t) AS ts, argMax(job_id, t) AS job_id,
+                   argMax(rank, t) AS rank{''.join(', ' + v for v in values)}
+            FROM (SELECT *, ts AS t FROM gpu_samples WHERE ts >= fromUnixTimestamp64Milli({{since:Int64}})
+                    AND ts <= fromUnixTimestamp64Milli({{until:Int64}}))
             GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""", {"since": since_ms, "until": until_ms})
 
     def newest_sample_ms(self) -> int | None:
