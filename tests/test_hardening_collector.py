@@ -58,3 +58,75 @@ def test_a_malformed_column_is_refused_as_invalid_argument_on_push_and_stream(co
     assert streamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, streamed.value.details()
     refusals = [r for r in caplog.records if "rejected a batch from agent" in r.getMessage()]
     assert len(refusals) == 2 and all("poison-col" in r.getMessage() for r in refusals)
+
+
+def _refused(channel, batch) -> str:
+    with pytest.raises(grpc.RpcError) as refused:
+        client.push(channel, batch)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    return refused.value.details()
+
+
+def _label_bomb(kind: str):
+    batch = make_batch(1, agent=f"bomb-{kind}")
+    if kind == "node":
+        batch.node.node = "n" * 2**20
+    elif kind == "job_id":
+        batch.samples[0].job_id[:] = ["j" * 2**21] * len(batch.samples[0].ts_ms)
+    elif kind == "event_kind":
+        batch.events[0].kind = "k" * 2**22
+    elif kind == "agent_id":
+        batch.agent_id = "a" * 300
+    elif kind == "span_job_id":
+        batch.spans.start_us.append(batch.samples[0].ts_ms[0] * 1000.0)
+        batch.spans.dur_us.append(1.0)
+        batch.spans.job_id.append("j" * 1000)
+    elif kind == "labels":
+        batch.node.labels.update({f"k{i}": "v" for i in range(1000)})
+    elif kind == "gpus":  # issue 29.4: one batch declared 100,000 GPUs
+        batch.gpus.extend([type(batch.gpus[0])(index=i, uuid=f"GPU-{i}") for i in range(2, 100_000)])
+    return batch
+
+
+@pytest.mark.parametrize("kind", ["node", "job_id", "event_kind", "agent_id", "span_job_id", "labels", "gpus"])
+def test_unbounded_names_and_gpus_are_refused(collector, channel, kind):
+    """Issue 29.3/29.4: a 1 MiB node name, a 2 MiB job id, a 4 MiB event kind, 100,000 GPUs were acked."""
+    details = _refused(channel, _label_bomb(kind))
+    assert "at most" in details
+    assert len(details) < 1000, "the refusal does not echo the huge name"
+    assert collector.store.nodes() == []
+
+
+def test_a_huge_event_message_is_cut_and_the_rest_of_the_batch_kept(collector, channel):
+    batch = make_batch(1, agent="chatty")
+    batch.events[0].message = "m" * 2**20
+    batch.events[0].attrs["detail"] = "d" * 2**20
+    client.push(channel, batch)
+    (event,) = collector.store.events(None, None, None, None)
+    assert 0 < len(event["message"]) <= 4096 and event["message"].startswith("mmm")
+    assert 0 < len(event["attrs"]["detail"]) <= 4096
+    assert collector.store.nodes()[0]["samples"] > 0
+
+
+def test_distinct_label_values_per_agent_are_bounded_and_other_agents_are_served(collector, channel):
+    """Issue 29.3: 50,000 distinct event kinds from one agent were acked (each a key of the events table)."""
+    from gpuwatch.collector.label_budget import BUDGET
+
+    seq = 0
+    for seq in range(1, BUDGET["event kind"] + 1):
+        batch = make_batch(seq, agent="inventive")
+        batch.events[0].kind = f"kind-{seq}"
+        client.push(channel, batch)
+    batch = make_batch(seq + 1, agent="inventive")
+    batch.events[0].kind = "one-too-many"
+    assert "distinct event kind values" in _refused(channel, batch)
+    batch.events[0].kind = "kind-1"  # a kind it made before is fine
+    client.push(channel, batch)
+    for index in range(2, BUDGET["gpu"] + 2, 256):  # GPUs too, counted over batches (each batch is in bounds)
+        many = make_batch(seq + 2 + index, agent="inventive-gpus")
+        many.gpus.extend([type(many.gpus[0])(index=i) for i in range(index, index + 256)])
+        if index + 256 > BUDGET["gpu"]:
+            assert "distinct gpu values" in _refused(channel, many)
+        else:
+            client.push(channel, many)
+    client.push(channel, make_batch(1, agent="someone-else"))

@@ -47,6 +47,7 @@ from google.protobuf.message import DecodeError, Message
 from gpuwatch.core import security
 from gpuwatch.core.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
 from gpuwatch.collector.failed import failed_gpus
+from gpuwatch.collector.label_budget import LabelBudget
 from gpuwatch.collector.ingest_admission import StreamAdmission, StreamRefused, fencing_advice
 from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
@@ -240,6 +241,7 @@ class IngestService:
         self.admission = StreamAdmission(max_ingest_streams, stream_idle_s)
         self.window = window
         self.rejected_by_agent: Counter[str] = Counter()
+        self.labels = LabelBudget()
         self._max_in_flight = max_in_flight
         self._in_flight: asyncio.Semaphore | None = None  # made on the event loop, with _inbox
         self._inbox: _CommitInbox | None = None
@@ -279,7 +281,7 @@ class IngestService:
     async def push(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.BatchAck:
         try:
             await self._wait_for_store()
-            batch = decode_batch(raw, self.window)
+            batch = self._decoded(raw)
             self.admission.check_push(batch.agent_id, _instance(context), context.peer())
             commit = await self._submit(batch)
         except (BatchRejected, StoreClosed, StreamRefused) as exc:
@@ -336,7 +338,7 @@ class IngestService:
                     return
                 idle.received()
                 try:
-                    batch = decode_batch(raw, self.window)
+                    batch = self._decoded(raw)
                     self.admission.claim(sender[0], batch.agent_id, sender[1], sender[2])
                     pending.put_nowait((batch, await self._submit(batch)))
                 except (BatchRejected, StoreClosed, StreamRefused) as exc:
@@ -350,6 +352,16 @@ class IngestService:
         finally:
             idle.stop()
             pending.put_nowait(_DONE)
+
+    def _decoded(self, raw: bytes) -> ColumnarBatch:
+        """The checked batch of ``raw``, within its agent's label budget; BatchRejected otherwise."""
+        batch = decode_batch(raw, self.window)
+        try:
+            self.labels.admit(batch)
+        except BatchError as exc:
+            raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT, f"batch {batch.sequence}: {exc}",
+                                batch.agent_id) from None
+        return batch
 
     async def _submit(self, batch: ColumnarBatch) -> asyncio.Future:
         """Queue ``batch`` for the writer once the collector-wide bound has room; the future is its commit."""

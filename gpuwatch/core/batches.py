@@ -36,6 +36,16 @@ MAX_GPU_INDEX = 2**31 - 1
 # Times a calendar can hold, whatever the window: 1970-01-01 to 9999-12-31 (ms).
 EARLIEST_MS, LATEST_MS = 0, 253_402_300_799_999
 DAY_MS = 86_400_000
+# Text bounds. A name the collector keys, groups or labels by (agent id, node, GPU uuid, job id, event kind,
+# label and attribute keys, span kinds and process groups) longer than MAX_NAME_CHARS is refused: it becomes a
+# Prometheus label or a table key, so one 2 MiB job id made every /metrics scrape hundreds of MB. Free text
+# (event messages, attribute and label values, GPU model and span names) is cut to MAX_TEXT_CHARS instead.
+MAX_NAME_CHARS = 256
+MAX_TEXT_CHARS = 4096
+MAX_PAIRS = 64  # node labels, and attributes per event
+# GPUs one batch may describe or sample: a node has 8-16 (72 in a rack-scale NVLink domain; MIG instances are
+# not GPUs here); 100,000 declared GPUs slowed `latest` past its deadline.
+MAX_GPUS_PER_BATCH = 1024
 
 
 class BatchError(ValueError):
@@ -279,13 +289,15 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
     (gpuwatch.core.columnar); it reads only attributes that the collector's view of a batch shares.
     """
     if batch.schema_version != SCHEMA_VERSION:
-        raise BatchError(f"schema_version {batch.schema_version} is not supported (this collector reads {SCHEMA_VERSION})")
+        raise BatchError(f"schema_version {batch.schema_version} is not supported "
+                         f"(this collector reads {SCHEMA_VERSION})")
     if not batch.agent_id:
         raise BatchError("agent_id is empty")
     if not 1 <= batch.sequence <= MAX_SEQUENCE:
         raise BatchError(f"sequence {batch.sequence} is out of range (1..{MAX_SEQUENCE})")
     if not batch.node.node:
         raise BatchError("node.node (the node name) is empty")
+    _check_names(batch)
     earliest, latest = window.bounds_ms(now_ms) if window is not None else (EARLIEST_MS, LATEST_MS)
     for g in batch.gpus:
         if g.index > MAX_GPU_INDEX:
@@ -325,6 +337,51 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
             raise BatchError("spans: start_us and dur_us must be finite numbers")
         _check_times("spans", [int(start_us.min() // 1000), int(start_us.max() // 1000)], earliest, latest)
     return sample_times
+
+
+def _check_names(batch: pb.TelemetryBatch) -> None:
+    """Refuse names over MAX_NAME_CHARS, more than MAX_PAIRS labels or attributes, more than MAX_GPUS_PER_BATCH
+    GPUs (the counts first: they bound the work below)."""
+    if len(batch.gpus) > MAX_GPUS_PER_BATCH or len(batch.samples) > MAX_GPUS_PER_BATCH:
+        raise BatchError(f"{max(len(batch.gpus), len(batch.samples))} GPUs in one batch: at most "
+                         f"{MAX_GPUS_PER_BATCH} per node")
+    if len(batch.node.labels) > MAX_PAIRS:
+        raise BatchError(f"node.labels: {len(batch.node.labels)} labels, at most {MAX_PAIRS}")
+    spans = batch.spans
+    named = [("agent_id", [batch.agent_id]), ("node.node", [batch.node.node]), ("node.labels keys", batch.node.labels),
+             ("gpus uuid", [g.uuid for g in batch.gpus]), ("event kind", [e.kind for e in batch.events]),
+             ("spans job_id", spans.job_id), ("spans kind", spans.kind), ("spans process_group", spans.process_group),
+             ("spans node", spans.node)]
+    named += [(f"samples for GPU {s.gpu_index}: job_id", s.job_id) for s in batch.samples]
+    for e in batch.events:
+        if len(e.attrs) > MAX_PAIRS:
+            raise BatchError(f"event {e.kind[:MAX_NAME_CHARS]!r}: {len(e.attrs)} attributes, at most {MAX_PAIRS}")
+        named.append((f"event {e.kind[:MAX_NAME_CHARS]!r} attribute keys", e.attrs))
+    for where, names in named:
+        longest = max(map(len, names), default=0)
+        if longest > MAX_NAME_CHARS:
+            raise BatchError(f"{where}: a name of {longest} characters (at most {MAX_NAME_CHARS})")
+
+
+def cut_free_text(batch: pb.TelemetryBatch) -> None:
+    """Cut free text (event messages, attribute and label values, GPU model and span names) to MAX_TEXT_CHARS
+    in place, so a runaway message is kept in part rather than refusing the batch's telemetry with it."""
+    def cut(text: str) -> str:
+        return text[:MAX_TEXT_CHARS - 1] + "…"
+
+    for e in batch.events:
+        if len(e.message) > MAX_TEXT_CHARS:
+            e.message = cut(e.message)
+        for key in [k for k, v in e.attrs.items() if len(v) > MAX_TEXT_CHARS]:
+            e.attrs[key] = cut(e.attrs[key])
+    for key in [k for k, v in batch.node.labels.items() if len(v) > MAX_TEXT_CHARS]:
+        batch.node.labels[key] = cut(batch.node.labels[key])
+    for g in batch.gpus:
+        if len(g.name) > MAX_TEXT_CHARS:
+            g.name = cut(g.name)
+    names = batch.spans.name
+    if max(map(len, names), default=0) > MAX_TEXT_CHARS:
+        names[:] = [cut(n) if len(n) > MAX_TEXT_CHARS else n for n in names]
 
 
 def _block_error(s: pb.GpuSamples, known_gpus: set[int], seen: set[int]) -> None:
