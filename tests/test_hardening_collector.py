@@ -1,13 +1,18 @@
 """Hardening round 2, the collector's side (issue 29): poison columns, unbounded labels and GPUs, damaged
 store files, private files, and what the stores keep. Each test was written to fail before its fix."""
 import logging
+import os
 
 import grpc
 import pytest
 
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
+from gpuwatch.collector.store import duckdb as duckdb_store
+from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import ingest_view_pb2 as view
+from gpuwatch.v1 import query_pb2 as q
 from helpers import make_batch
 
 
@@ -130,3 +135,70 @@ def test_distinct_label_values_per_agent_are_bounded_and_other_agents_are_served
         else:
             client.push(channel, many)
     client.push(channel, make_batch(1, agent="someone-else"))
+
+
+def _truncated_store(path) -> None:
+    store = DuckDBStore(str(path))
+    for seq in range(1, 300):
+        store.write(make_batch(seq))
+    store.close()
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def test_a_truncated_duckdb_file_is_refused_at_open_with_one_line(tmp_path):
+    """Issue 29.5: a file cut to half was served: batches acked into it, every query an IO error."""
+    path = tmp_path / "cut.duckdb"
+    _truncated_store(path)
+    with pytest.raises(UserError) as refused:
+        DuckDBStore(str(path))
+    assert "truncated" in str(refused.value) and str(path) in str(refused.value)
+    assert "\n" not in str(refused.value)
+    fresh = DuckDBStore(str(tmp_path / "fresh.duckdb"))  # an empty new file is not taken for a cut one
+    fresh.close()
+    DuckDBStore(str(tmp_path / "fresh.duckdb")).close()
+
+
+def test_a_store_found_unreadable_while_serving_answers_unavailable_not_ack(tmp_path, monkeypatch):
+    path = tmp_path / "c.duckdb"
+    store = DuckDBStore(str(path))
+    for seq in range(1, 300):
+        store.write(make_batch(seq))
+    store.close()
+    monkeypatch.setattr(duckdb_store, "_check_size", lambda con, path: None)  # cut after the open's check
+    server = serve("127.0.0.1:0", str(path))
+    ch = client.channel(server.address)
+    try:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        stub = client.connect(server.address)
+        with pytest.raises(grpc.RpcError) as query:
+            stub.Latest(q.LatestRequest(gpu_index=-1), timeout=30)
+        assert query.value.code() == grpc.StatusCode.UNAVAILABLE and "damaged" in query.value.details()
+        with pytest.raises(grpc.RpcError) as pushed:
+            client.push(ch, make_batch(400))
+        assert pushed.value.code() == grpc.StatusCode.UNAVAILABLE and "damaged" in pushed.value.details()
+    finally:
+        ch.close()
+        server.stop()
+
+
+def test_the_duckdb_wal_stays_private_when_the_engine_recreates_it_after_a_checkpoint(tmp_path):
+    """Issue 29.7: under umask 022 the WAL DuckDB recreates after a checkpoint was 0644 (telemetry, node names
+    and job ids readable by every local user)."""
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "c.duckdb"
+        store = DuckDBStore(str(path))
+        try:
+            store.write(make_batch(1))
+            store.run_write(lambda con: con.execute("CHECKPOINT"))  # the WAL is removed ...
+            store.write(make_batch(2))  # ... and recreated by this commit
+            wal = tmp_path / "c.duckdb.wal"
+            assert wal.exists()
+            assert oct(wal.stat().st_mode & 0o777) == oct(0o600)
+            assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+        finally:
+            store.close()
+    finally:
+        os.umask(old)

@@ -50,7 +50,7 @@ from gpuwatch.collector.failed import failed_gpus
 from gpuwatch.collector.label_budget import LabelBudget
 from gpuwatch.collector.ingest_admission import StreamAdmission, StreamRefused, fencing_advice
 from gpuwatch.collector.store import open_store, redacted
-from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
+from gpuwatch.collector.store.base import Store, StoreClosed, StoreDamaged, WriteResult
 from gpuwatch.core.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.core.settings import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_INGEST_STREAMS, DEFAULT_QUERY_WORKERS,
                                      DEFAULT_STREAM_IDLE_S)
@@ -517,6 +517,8 @@ def query_handler(gate: StoreGate, handlers: Mapping[str, QueryHandler]) -> grpc
                 return fn(request, store)
             except NotFound as exc:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            except StoreDamaged as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except UserError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return call
