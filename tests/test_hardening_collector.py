@@ -8,12 +8,13 @@ import pytest
 
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
+from gpuwatch.collector.store import open_store
 from gpuwatch.collector.store import duckdb as duckdb_store
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import query_pb2 as q
-from helpers import make_batch
+from helpers import ROWS_PER_BATCH, make_batch
 
 
 @pytest.fixture
@@ -202,3 +203,38 @@ def test_the_duckdb_wal_stays_private_when_the_engine_recreates_it_after_a_check
             store.close()
     finally:
         os.umask(old)
+
+
+def _one_batch_chdb(folder):
+    url = f"chdb://{folder}"
+    store = open_store(url)
+    store.write(make_batch(1))
+    store.close()
+    return url
+
+
+def test_a_broken_clickhouse_part_is_logged_with_the_rows_lost(tmp_path, caplog):
+    """Issue 29.6: a truncated part was moved to detached/broken-on-start_* and its rows vanished silently."""
+    url = _one_batch_chdb(tmp_path / "st")
+    (part,) = [p for p in (tmp_path / "st" / "data" / "gpuwatch" / "gpu_samples").iterdir() if p.is_dir()
+               and p.name != "detached"]
+    with open(part / "data.bin", "r+b") as f:
+        f.truncate(16)
+    with caplog.at_level(logging.ERROR, "gpuwatch.collector.store.clickhouse"):
+        store = open_store(url)
+    try:
+        assert store.nodes() == [] or store.nodes()[0]["samples"] == 0
+    finally:
+        store.close()
+    (line,) = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert "gpu_samples" in line and "broken" in line and f"{ROWS_PER_BATCH} rows no longer served" in line
+
+
+def test_a_damaged_clickhouse_table_definition_names_the_cause(tmp_path):
+    """Issue 29.6: the open failed with "Error initializing EmbeddedServer: . (BAD_ARGUMENTS)" and no cause."""
+    url = _one_batch_chdb(tmp_path / "st")
+    (tmp_path / "st" / "metadata" / "gpuwatch" / "gpus.sql").write_text("CREATE TABLE garbage ((")
+    with pytest.raises(UserError) as refused:
+        open_store(url)
+    assert "gpus.sql" in str(refused.value) and "SYNTAX_ERROR" in str(refused.value)
+    assert "\n" not in str(refused.value)
