@@ -223,3 +223,29 @@ def test_an_alert_on_a_gpu_that_then_fails_says_failed_until_the_gpu_is_reset(st
 
     repaired = {g["gpu_index"]: g for g in scorer.score_once(T0 + 36 * HOUR_MS)}
     assert repaired[FAILING]["failed"] is None and _alerts(store) == []
+
+
+def test_data_that_arrives_faster_than_rounds_is_scored_at_every_step_like_an_offline_replay(tmp_path, model, kind):
+    """Issue 29.21: a recording streamed into a live collector raised no GPUFailureRisk for the GPU that failed
+    (its rounds, on the data clock, jumped from before the risk rose to after the failure), where
+    `replay --offline`, scoring every step, raised "GPUFailureRisk ... has failed"."""
+    store = open_store(store_url(kind, tmp_path, "fast"))
+    hub = AlertHub(AlertPolicy(model["threshold"]))
+    try:
+        hub.start(store)
+        gpu, events = degrading_node(T0, hours=31, fault_after_h=29, failing_gpu=FAILING)
+        early = gpu["ts"] < gpu["ts"].min() + (gpu["ts"].max() - gpu["ts"].min()) * 20 / 31  # the first 20 h
+        for batch in sim_batches(gpu[early], events.iloc[:0]):
+            store.write(batch)
+        scorer = Scorer(model, hub, clock="data")
+        scorer.bind(store)
+        scorer.score_once()
+        assert _alerts(store) == []  # at 20 h nothing is wrong yet
+        for batch in sim_batches(gpu[~early], events, agent="agent-sim-2"):
+            store.write(batch)
+        scorer.score_once()  # one round, 11 h of data later: the GPU failed at 29 h
+        (alert,) = _alerts(store)
+        assert alert["gpu_index"] == FAILING and alert["state"] == "failed" and "has failed" in alert["summary"]
+    finally:
+        hub.stop()
+        store.close()
