@@ -308,17 +308,18 @@ class Scorer(PeriodicService):
         data time) are scored first, in one vectorised pass, and the alerts see each step as they would live, as
         ``replay --offline`` does."""
         since, self._data_round_ms = self._data_round_ms, now_ms
-        if self.hub is None or self.model is None:
+        store = self._store
+        if self.hub is None or self.model is None or store is None:
             return
         step_ms = int(self.model["step_s"]) * 1000
         start = max(now_ms - int(CATCH_UP_S * 1000), since if since is not None else 0)
         if now_ms - start <= max(step_ms, int(self.interval_s * 1000)):
             return  # rounds keep up with the data
-        if self.hub.engine is not None:
+        if self.hub.engine is not None and self.threshold is not None:
             self.hub.engine.policy = self.hub.engine.policy.with_threshold(self.threshold)
         self.hub.observe_risk_rounds(
             (t, [observation(g, t) for g in gpus if g["risk"] is not None])
-            for t, gpus in score_history(self._store, self.model, start, now_ms - 1))
+            for t, gpus in score_history(store, self.model, start, now_ms - 1))
 
     def _tell_faults(self, now_ms: int) -> None:
         """Fatal XIDs since the last round: the GPUs' recent scores were true alarms, not false ones."""
