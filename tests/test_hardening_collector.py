@@ -238,3 +238,14 @@ def test_a_damaged_clickhouse_table_definition_names_the_cause(tmp_path):
         open_store(url)
     assert "gpus.sql" in str(refused.value) and "SYNTAX_ERROR" in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_memory_limit_help_names_what_it_bounds(capsys):
+    """Issue 29.15: 2,000 agents peaked at 1,776 MiB with --memory-limit 1GB, which bounds the engine only."""
+    from gpuwatch.apps import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["collector", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    described = text.split("--memory-limit MEMORY_LIMIT")[-1][:400]  # the option's entry, not the usage
+    assert "DuckDB" in described and "on top" in described
