@@ -249,3 +249,24 @@ def test_memory_limit_help_names_what_it_bounds(capsys):
     text = " ".join(capsys.readouterr().out.split())
     described = text.split("--memory-limit MEMORY_LIMIT")[-1][:400]  # the option's entry, not the usage
     assert "DuckDB" in described and "on top" in described
+
+
+def test_an_agent_quarantines_a_batch_with_a_malformed_column_and_sends_the_rest(collector, tmp_path):
+    """Issue 29.1, end to end: the agent resent such a batch for ever and every later batch waited behind it."""
+    from gpuwatch.agent.spool import Spool
+    from gpuwatch.agent.uplink import Uplink
+
+    spool = Spool(tmp_path / "spool")
+    for seq in range(1, 7):
+        assert spool.next_sequence() == seq
+        data = make_batch(seq, agent=spool.agent_id).SerializeToString()
+        spool.append(seq, _with_column(seq, POISON_COLUMNS["name_not_utf8"], spool.agent_id) if seq == 3 else data)
+    uplink = Uplink(spool, collector.address, window=4, backoff_initial_s=0.05)
+    uplink.start()
+    try:
+        assert uplink.wait_drained(60)
+    finally:
+        uplink.stop()
+    assert spool.rejected() == [3] and uplink.stats.rejected == 1
+    (node,) = collector.store.nodes()
+    assert node["last_sequence"] == 6 and node["samples"] == 5 * ROWS_PER_BATCH
