@@ -135,6 +135,13 @@ def test_distinct_label_values_per_agent_are_bounded_and_other_agents_are_served
             assert "distinct gpu values" in _refused(channel, many)
         else:
             client.push(channel, many)
+    for code in range(BUDGET["xid code"] + 1):  # each XID code is a series of gpu_xid_errors_total per GPU
+        batch = make_batch(1000 + code, agent="inventive-xids")
+        batch.events[0].code = 10_000 + code
+        if code == BUDGET["xid code"]:
+            assert "distinct xid code values" in _refused(channel, batch)
+        else:
+            client.push(channel, batch)
     client.push(channel, make_batch(1, agent="someone-else"))
 
 

@@ -1,4 +1,4 @@
-"""How many distinct label values one agent may create: nodes, GPUs and event kinds.
+"""How many distinct label values one agent may create: nodes, GPUs, event kinds and XID codes.
 
 Each of these becomes a key of the store's tables and a label of the collector's /metrics; an agent inventing
 a new event kind or GPU index per batch (50,000 distinct event kinds were once acked) grows every scrape and
@@ -14,13 +14,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from gpuwatch.core import events as event_kinds
 from gpuwatch.core.batches import BatchError
 
 if TYPE_CHECKING:
     from gpuwatch.core.columnar import ColumnarBatch
 
-#: Distinct values per agent id: node names (a renamed host), GPU indexes, event kinds.
-BUDGET = {"node": 16, "gpu": 1024, "event kind": 256}
+#: Distinct values per agent id: node names (a renamed host), GPU indexes, event kinds, XID codes (each a
+#: series of gpu_xid_errors_total per GPU; NVIDIA's catalogue has under 200).
+BUDGET = {"node": 16, "gpu": 1024, "event kind": 256, "xid code": 512}
 _AGENTS_KEPT = 100_000  # agents remembered (least recently seen forgotten first): bounds this module's memory
 
 
@@ -38,7 +40,8 @@ class LabelBudget:
         message = batch.message
         new = {"node": {message.node.node},
                "gpu": {g.index for g in message.gpus} | {s.gpu_index for s in message.samples},
-               "event kind": {e.kind for e in message.events}}
+               "event kind": {e.kind for e in message.events},
+               "xid code": {e.code for e in message.events if e.kind == event_kinds.XID}}
         seen = self._seen.get(batch.agent_id)
         if seen is None:
             seen = {label: set() for label in self.budget}
