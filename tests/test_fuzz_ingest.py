@@ -1,5 +1,6 @@
 """Fuzzing the collector's door (issue 10): Hypothesis draws batches with any field in its full wire range,
-and raw or damaged bytes, and sends them over real gRPC. The collector never answers UNKNOWN or crashes,
+raw or damaged bytes, and Columns damaged from the inside (issue 29), and sends them over real gRPC to a
+collector on each store engine. The collector never answers UNKNOWN or crashes,
 and whatever it stores every query reads back (standard JSON included)."""
 import itertools
 import json
@@ -19,7 +20,7 @@ from gpuwatch.collector.server import serve
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import T0_MS, make_batch
+from helpers import STORE_KINDS, T0_MS, make_batch, store_url
 
 # Final answers a client can act on; UNKNOWN (an unhandled exception) and INTERNAL never.
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
@@ -111,9 +112,9 @@ def batches(draw):
     )
 
 
-@pytest.fixture(scope="module")
-def collector(tmp_path_factory):
-    server = serve("127.0.0.1:0", str(tmp_path_factory.mktemp("fuzz") / "fuzz.duckdb"))
+@pytest.fixture(scope="module", params=STORE_KINDS)
+def collector(tmp_path_factory, request):
+    server = serve("127.0.0.1:0", store_url(request.param, tmp_path_factory.mktemp("fuzz"), "fuzz"))
     channel = client.channel(server.address)
     yield server, channel, client.connect(server.address)
     channel.close()
