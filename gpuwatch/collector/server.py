@@ -47,8 +47,8 @@ from google.protobuf.message import DecodeError, Message
 from gpuwatch.core import security
 from gpuwatch.core.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
 from gpuwatch.collector.failed import failed_gpus
-from gpuwatch.collector.label_budget import LabelBudget
 from gpuwatch.collector.ingest_admission import StreamAdmission, StreamRefused, fencing_advice
+from gpuwatch.collector.label_budget import LabelBudget
 from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store, StoreClosed, StoreDamaged, WriteResult
 from gpuwatch.core.errors import AgentIdConflict, NotFound, UserError
