@@ -341,26 +341,37 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
 
 def _check_names(batch: pb.TelemetryBatch) -> None:
     """Refuse names over MAX_NAME_CHARS, more than MAX_PAIRS labels or attributes, more than MAX_GPUS_PER_BATCH
-    GPUs (the counts first: they bound the work below)."""
+    GPUs (the counts first: they bound the work below). The samples' job ids (one per row: reading them here
+    cost more than the rest of the checks) are checked where the store's writer reads them anyway
+    (:func:`check_name_lengths`)."""
     if len(batch.gpus) > MAX_GPUS_PER_BATCH or len(batch.samples) > MAX_GPUS_PER_BATCH:
         raise BatchError(f"{max(len(batch.gpus), len(batch.samples))} GPUs in one batch: at most "
                          f"{MAX_GPUS_PER_BATCH} per node")
     if len(batch.node.labels) > MAX_PAIRS:
         raise BatchError(f"node.labels: {len(batch.node.labels)} labels, at most {MAX_PAIRS}")
-    spans = batch.spans
-    named = [("agent_id", [batch.agent_id]), ("node.node", [batch.node.node]), ("node.labels keys", batch.node.labels),
-             ("gpus uuid", [g.uuid for g in batch.gpus]), ("event kind", [e.kind for e in batch.events]),
-             ("spans job_id", spans.job_id), ("spans kind", spans.kind), ("spans process_group", spans.process_group),
-             ("spans node", spans.node)]
-    named += [(f"samples for GPU {s.gpu_index}: job_id", s.job_id) for s in batch.samples]
+    # what is named only on failure: the collector checks every batch, most hold a few dozen short names
+    groups: list[tuple[str | pb.Event, Sequence[str] | Mapping[str, str]]] = [
+        ("agent_id", (batch.agent_id,)), ("node.node", (batch.node.node,)), ("node.labels keys", batch.node.labels),
+        ("gpus uuid", [g.uuid for g in batch.gpus]), ("event kind", [e.kind for e in batch.events])]
     for e in batch.events:
-        if len(e.attrs) > MAX_PAIRS:
-            raise BatchError(f"event {e.kind[:MAX_NAME_CHARS]!r}: {len(e.attrs)} attributes, at most {MAX_PAIRS}")
-        named.append((f"event {e.kind[:MAX_NAME_CHARS]!r} attribute keys", e.attrs))
-    for where, names in named:
+        if e.attrs:
+            if len(e.attrs) > MAX_PAIRS:
+                raise BatchError(f"event {e.kind[:MAX_NAME_CHARS]!r}: {len(e.attrs)} attributes, at most {MAX_PAIRS}")
+            groups.append((e, e.attrs))
+    if batch.HasField("spans"):
+        spans = batch.spans
+        groups += [(f"spans {name}", getattr(spans, name)) for name in ("job_id", "kind", "process_group", "node")]
+    for where, names in groups:
         longest = max(map(len, names), default=0)
         if longest > MAX_NAME_CHARS:
-            raise BatchError(f"{where}: a name of {longest} characters (at most {MAX_NAME_CHARS})")
+            check_name_lengths(where if isinstance(where, str) else
+                               f"event {where.kind[:MAX_NAME_CHARS]!r} attribute keys", longest)
+
+
+def check_name_lengths(where: str, lengths_max: int | None) -> None:
+    """BatchError when the longest of a column of names (``lengths_max`` characters) is over MAX_NAME_CHARS."""
+    if lengths_max is not None and lengths_max > MAX_NAME_CHARS:
+        raise BatchError(f"{where}: a name of {lengths_max} characters (at most {MAX_NAME_CHARS})")
 
 
 def cut_free_text(batch: pb.TelemetryBatch) -> None:
@@ -379,9 +390,8 @@ def cut_free_text(batch: pb.TelemetryBatch) -> None:
     for g in batch.gpus:
         if len(g.name) > MAX_TEXT_CHARS:
             g.name = cut(g.name)
-    names = batch.spans.name
-    if max(map(len, names), default=0) > MAX_TEXT_CHARS:
-        names[:] = [cut(n) if len(n) > MAX_TEXT_CHARS else n for n in names]
+    if batch.HasField("spans") and max(map(len, batch.spans.name), default=0) > MAX_TEXT_CHARS:
+        batch.spans.name[:] = [cut(n) if len(n) > MAX_TEXT_CHARS else n for n in batch.spans.name]
 
 
 def _block_error(s: pb.GpuSamples, known_gpus: set[int], seen: set[int]) -> None:

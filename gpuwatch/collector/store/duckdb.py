@@ -32,6 +32,7 @@ from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MAR
 from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
 from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
                                              fingerprint)
+from gpuwatch.core.batches import check_name_lengths
 from gpuwatch.core.columnar import ColumnarBatch
 from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.core.spans import SPAN_COLUMNS, SPAN_UNSET, span_arrow_schema
@@ -723,6 +724,7 @@ def _gpu_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
     if sum(map(len, job_ids)) != total:  # a block left job_id out
         job_ids = [j if len(j) else itertools.repeat("", n) for j, n in zip(job_ids, counts)]
     job_ids = pa.array(list(_chain(job_ids)), pa.string())
+    check_name_lengths("samples: job_id", pc.max(pc.utf8_length(job_ids)).as_py())  # refused: INVALID_ARGUMENT
     columns = {
         "node": _node_column([b.message.node.node for b in batches], [len(b.gpu_ts) for b in batches]),
         "gpu_index": pa.array(np.repeat(np.fromiter((s.gpu_index for s in samples), np.int32, len(samples)), counts)),
