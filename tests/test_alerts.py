@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gpuwatch.collector.alerts import AlertEngine, AlertmanagerSender, RiskObservation, WebhookSender, suggest_action
+from gpuwatch.core.times import iso_ms, iso_utc
 from gpuwatch.models.advisor import advise
 from gpuwatch.models.policy import AlertPolicy
 from helpers import T0, alertmanager_alerts, free_port, poll
@@ -129,3 +130,53 @@ def test_collector_gives_the_alerts_advice_for_its_configured_job(tmp_path):
         assert engine.advice.young_interval_s / 60 == pytest.approx(19, rel=0.02)  # §5: C = 1 min
     finally:
         server.stop()
+
+
+def test_alerts_on_a_clock_hours_ahead_reach_alertmanager_and_resolve_there(alertmanager):
+    """Issue 29.16: agents on simulated or skewed time gave startsAt hours ahead; Alertmanager answered 400
+    "start time must be before end time", and the resolved alert was later shown active for 13 h."""
+    sender = AlertmanagerSender(alertmanager, backoff_s=0.1)
+    engine = AlertEngine(AlertPolicy(0.4, keep_firing_for_s=0), senders=[sender])
+    ahead = int(time.time() * 1000) + 13 * 3_600_000
+    engine.observe([obs(0.8, ahead)], now_ms=ahead)
+    (got,) = poll(lambda: alertmanager_alerts(alertmanager, "GPUFailureRisk"), 30, "the alert in Alertmanager")
+    assert got["status"]["state"] == "active"
+    assert got["annotations"]["data_starts_at"] == iso_utc(ahead)
+    assert iso_ms(got["startsAt"]) <= int(time.time() * 1000)  # on the wall clock, not the data's
+    engine.observe([obs(0.05, ahead + 60_000)], now_ms=ahead + 60_000)
+    poll(lambda: not alertmanager_alerts(alertmanager, "GPUFailureRisk"), 30, "the alert resolved in Alertmanager")
+    engine.close()
+    assert sender.sent == 2 and sender.failed == 0
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    posts = 0
+
+    def do_POST(self):  # noqa: N802 (http.server API)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        _Refusing.posts += 1
+        message = b'{"code":400,"message":"start time must be before end time"}'
+        self.send_response(400)
+        self.send_header("Content-Length", str(len(message)))
+        self.end_headers()
+        self.wfile.write(message)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_refused_delivery_quotes_the_receivers_reason_with_the_alert_name_and_is_not_retried(caplog):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        sender = AlertmanagerSender(f"http://127.0.0.1:{server.server_port}", backoff_s=0.05)
+        engine = AlertEngine(AlertPolicy(0.4, keep_firing_for_s=0), senders=[sender])
+        with caplog.at_level("WARNING", "gpuwatch.collector.alerts"):
+            engine.observe([obs(0.9, T0)])
+            poll(lambda: sender.failed, 10, "the refused delivery")
+        engine.close()
+    finally:
+        server.shutdown()
+    (line,) = [r.getMessage() for r in caplog.records if "HTTP 400" in r.getMessage()]
+    assert "start time must be before end time" in line and "GPUFailureRisk node-7/GPU 3" in line
+    assert _Refusing.posts == 1  # a 400 would be refused again: not resent 136 times

@@ -1,6 +1,8 @@
 """Fuzzing the collector's door (issue 10): Hypothesis draws batches with any field in its full wire range,
-and raw or damaged bytes, and sends them over real gRPC. The collector never answers UNKNOWN or crashes,
+raw or damaged bytes, and Columns damaged from the inside (issue 29), and sends them over real gRPC to a
+collector on each store engine. The collector never answers UNKNOWN or crashes,
 and whatever it stores every query reads back (standard JSON included)."""
+import itertools
 import json
 import math
 
@@ -15,9 +17,10 @@ from gpuwatch.collector import client
 from gpuwatch.apps import query_cli
 from gpuwatch.apps.commandline import json_text
 from gpuwatch.collector.server import serve
+from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import T0_MS, make_batch
+from helpers import STORE_KINDS, T0_MS, make_batch, store_url
 
 # Final answers a client can act on; UNKNOWN (an unhandled exception) and INTERNAL never.
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
@@ -109,9 +112,9 @@ def batches(draw):
     )
 
 
-@pytest.fixture(scope="module")
-def collector(tmp_path_factory):
-    server = serve("127.0.0.1:0", str(tmp_path_factory.mktemp("fuzz") / "fuzz.duckdb"))
+@pytest.fixture(scope="module", params=STORE_KINDS)
+def collector(tmp_path_factory, request):
+    server = serve("127.0.0.1:0", store_url(request.param, tmp_path_factory.mktemp("fuzz"), "fuzz"))
     channel = client.channel(server.address)
     yield server, channel, client.connect(server.address)
     channel.close()
@@ -169,3 +172,61 @@ def test_the_stream_answers_like_push(collector):
     with pytest.raises(grpc.RpcError) as exc:
         list(client.stream_batches(channel, [poison]))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@st.composite
+def column_mutations(draw):
+    """A valid batch's bytes with one Column damaged from the inside: its name's bytes (any, UTF-8 or not),
+    its packed values (cut, lengthened, any bytes) or the column's bytes as a whole (flipped, cut, extended)."""
+    batch = view.TelemetryBatchView.FromString(make_batch(draw(st.integers(1, 10**6)), agent="fuzz-col")
+                                               .SerializeToString())
+    blocks = [s.columns for s in batch.samples] + [batch.host.columns]
+    columns = draw(st.sampled_from([b for b in blocks if len(b)]))
+    at = draw(st.integers(0, len(columns) - 1))
+    column = pb.Column.FromString(columns[at])
+    how = draw(st.sampled_from(["name", "values", "bytes"]))
+    if how == "name":
+        name = draw(st.one_of(st.binary(max_size=40), st.sampled_from([n.encode() for n in fields.GPU_FIELD_NAMES])))
+        values = pb.Column(values=column.values).SerializeToString()
+        columns[at] = b"\x0a" + bytes([len(name)]) + name + values if len(name) < 128 else b"\x0a\x80\x01" + name
+    elif how == "values":
+        packed = draw(st.binary(max_size=64))
+        declared = draw(st.one_of(st.just(len(packed)), st.integers(0, 200)))
+        columns[at] = (pb.Column(field=column.field).SerializeToString() + b"\x12" + bytes([declared & 0x7F])
+                       + packed)
+    else:
+        data = bytearray(columns[at])
+        for where, bits in draw(st.lists(st.tuples(st.integers(0, 10**4), st.integers(1, 255)), min_size=1,
+                                         max_size=3)):
+            data[where % len(data)] ^= bits
+        columns[at] = bytes(data[:draw(st.integers(0, len(data)))]) + draw(st.binary(max_size=8))
+    return batch.SerializeToString()
+
+
+_STREAM_SEQUENCES = itertools.count(2)  # a fresh sequence per example: a reused one with other content is a clone
+
+
+@FUZZ
+@given(data=column_mutations())
+def test_damaged_columns_get_a_final_answer_on_push_and_stream_and_what_is_stored_reads_back(collector, data):
+    """Issue 29: a Column whose name is not UTF-8 or whose inner bytes are not protobuf answered UNKNOWN on
+    Push and ended a stream with OK after earlier acks (the agent resent it forever)."""
+    _, channel, stub = collector
+    pushed = _answer(channel, data)
+    if pushed == grpc.StatusCode.OK:
+        _every_query_reads_back(stub)
+    opener = make_batch(1, agent="fuzz-col-stream")  # acked first, so a refusal comes after an ack
+    sent = view.TelemetryBatchView.FromString(data)
+    sent.agent_id = "fuzz-col-stream"
+    sent.sequence = next(_STREAM_SEQUENCES)
+    acks = []
+    try:
+        for ack in client.stream_batches(channel, [opener, sent.SerializeToString()]):
+            acks.append(ack.sequence)
+    except grpc.RpcError as exc:
+        assert exc.code() in ANSWERS and exc.code() != grpc.StatusCode.OK, f"{exc.code().name}: {exc.details()}"
+        assert acks == [1]
+        assert pushed != grpc.StatusCode.OK, "the stream refused what Push took"
+    else:
+        assert acks == [1, sent.sequence], "a stream ended OK without answering every batch"
+        assert pushed == grpc.StatusCode.OK, f"Push answered {pushed.name}, the stream took it"

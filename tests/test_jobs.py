@@ -1,4 +1,5 @@
-"""The collector's jobs monitor over span rows written through a real DuckDB store: slow ranks, hangs, alerts."""
+"""The collector's jobs monitor over span rows written through both real stores (DuckDB, chdb): slow ranks,
+hangs, alerts."""
 from __future__ import annotations
 
 import json
@@ -15,16 +16,15 @@ from gpuwatch.collector import client
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.jobs import JobsMonitor, list_jobs_rpc
 from gpuwatch.collector.server import serve
-from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from gpuwatch.collector.store import open_store
 from helpers import (KINETO_SAMPLED, SPAN_FIELDS, STEP_US, STORE_KINDS, WORLD, alertmanager_alerts, data_parallel_job,
                      make_batch, poll, span_row, store_url, write_spans)
 
-@pytest.fixture
-def store(tmp_path):
-    store = DuckDBStore(str(tmp_path / "jobs.duckdb"))
+@pytest.fixture(params=STORE_KINDS)
+def store(tmp_path, request):
+    store = open_store(store_url(request.param, tmp_path, "jobs"))
     yield store
     store.close()
 

@@ -1,4 +1,5 @@
-"""Online failure scoring over a real DuckDB store: the shipped model, the training feature function, alerts."""
+"""Online failure scoring over both real stores (DuckDB, ClickHouse through chdb): the shipped model, the
+training feature function, alerts."""
 from __future__ import annotations
 
 import json
@@ -11,13 +12,13 @@ from gpuwatch.collector.alert_hub import AlertHub, list_alerts
 from gpuwatch.collector.alerts import ALERT_NAME
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.scoring import MinuteHistory, Scorer, observation, score_gpus
-from gpuwatch.collector.store.duckdb import DuckDBStore
+from gpuwatch.collector.store import open_store
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from gpuwatch.simulator.failing_fleet import HOUR_MS
 from gpuwatch.models.model import load_model
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.v1 import query_pb2 as q
-from helpers import T0, alertmanager_alerts, degrading_node, poll, sim_batches
+from helpers import STORE_KINDS, T0, alertmanager_alerts, degrading_node, poll, sim_batches, store_url
 
 FAILING = 1
 
@@ -27,9 +28,14 @@ def model():
     return load_model(None)
 
 
+@pytest.fixture(params=STORE_KINDS)
+def kind(request):
+    return request.param
+
+
 @pytest.fixture
-def store(tmp_path):
-    store = DuckDBStore(str(tmp_path / "scoring.duckdb"))
+def store(tmp_path, kind):
+    store = open_store(store_url(kind, tmp_path, "scoring"))
     gpu, events = degrading_node(T0, hours=38, fault_after_h=29, failing_gpu=FAILING)
     for batch in sim_batches(gpu, events):
         store.write(batch)
@@ -95,16 +101,20 @@ def test_a_restarted_hub_keeps_the_firing_alert_without_a_duplicate_then_resolve
     hub.stop()
 
 
-def test_the_data_clock_scores_at_the_newest_sample(store, model, tmp_path):
+def test_the_data_clock_scores_nothing_on_an_empty_store(model, tmp_path, kind):
     scorer = Scorer(model, clock="data")
-    empty = DuckDBStore(str(tmp_path / "empty.duckdb"))
+    empty = open_store(store_url(kind, tmp_path, "empty"))  # one chdb engine per process: no other store
     try:
         scorer.bind(empty)
         assert scorer.score_once() == [] and scorer.scored_at_ms is None  # nothing stored yet
     finally:
         empty.close()
+
+
+def test_the_data_clock_scores_at_the_newest_sample(store, model):
+    scorer = Scorer(model, clock="data")
     scorer.bind(store)
-    newest = store.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
+    newest = store.newest_sample_ms()
     scored = scorer.score_once()
     assert scorer.scored_at_ms == newest and len(scored) == 4
     assert [g["risk"] for g in scored] == [g["risk"] for g in score_gpus(store, model, int(newest))]
@@ -118,7 +128,7 @@ def test_auto_clock_follows_agents_on_simulated_time_and_the_budget_sets_the_ale
     hub.start(store)
     scorer = Scorer(model, hub, clock="auto", false_alarm_budget=1.0)
     scorer.bind(store)
-    newest = store.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
+    newest = store.newest_sample_ms()
     with caplog.at_level("WARNING"):
         scored = scorer.score_once()
     assert scorer.scored_at_ms == newest and len(scored) == 4 and "data clock" in caplog.text
@@ -136,10 +146,10 @@ def test_without_a_model_health_is_still_scored_and_no_risk_alerts(store):
     assert _alerts(store) == []
 
 
-def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp_path, alertmanager, capsys):
+def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp_path, alertmanager, capsys, kind):
     now = int(time.time() * 1000)
     gpu, events = degrading_node(now - 28 * HOUR_MS, hours=28, fault_after_h=29, failing_gpu=FAILING)
-    cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
+    cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": store_url(kind, tmp_path, "c"),
                                             "alertmanager_url": alertmanager, "score_interval": 0.5}, env={})
     server = start_collector(cfg)
     try:
@@ -155,7 +165,7 @@ def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp
         assert listed["gpu_index"] == FAILING and listed["status"] == "firing"
     finally:
         server.stop()
-    reopened = DuckDBStore(str(tmp_path / "c.duckdb"))  # alerts survive a restart of the collector
+    reopened = open_store(store_url(kind, tmp_path, "c"))  # alerts survive a restart of the collector
     try:
         assert [a["gpu_index"] for a in _alerts(reopened)] == [FAILING]
     finally:
@@ -172,8 +182,8 @@ def test_rounds_that_reuse_aggregated_minutes_score_like_a_fresh_read(store, mod
     assert kept[FAILING]["signals"] == fresh[FAILING]["signals"]
 
 
-def test_samples_arriving_late_are_read_again(tmp_path, model):
-    store = DuckDBStore(str(tmp_path / "late.duckdb"))
+def test_samples_arriving_late_are_read_again(tmp_path, model, kind):
+    store = open_store(store_url(kind, tmp_path, "late"))
     try:
         gpu, events = degrading_node(T0, hours=28, fault_after_h=29, failing_gpu=FAILING)
         cut = gpu["ts"] < gpu["ts"].min() + (gpu["ts"].max() - gpu["ts"].min()) / 2
@@ -213,3 +223,29 @@ def test_an_alert_on_a_gpu_that_then_fails_says_failed_until_the_gpu_is_reset(st
 
     repaired = {g["gpu_index"]: g for g in scorer.score_once(T0 + 36 * HOUR_MS)}
     assert repaired[FAILING]["failed"] is None and _alerts(store) == []
+
+
+def test_data_that_arrives_faster_than_rounds_is_scored_at_every_step_like_an_offline_replay(tmp_path, model, kind):
+    """Issue 29.21: a recording streamed into a live collector raised no GPUFailureRisk for the GPU that failed
+    (its rounds, on the data clock, jumped from before the risk rose to after the failure), where
+    `replay --offline`, scoring every step, raised "GPUFailureRisk ... has failed"."""
+    store = open_store(store_url(kind, tmp_path, "fast"))
+    hub = AlertHub(AlertPolicy(model["threshold"]))
+    try:
+        hub.start(store)
+        gpu, events = degrading_node(T0, hours=31, fault_after_h=29, failing_gpu=FAILING)
+        early = gpu["ts"] < gpu["ts"].min() + (gpu["ts"].max() - gpu["ts"].min()) * 20 / 31  # the first 20 h
+        for batch in sim_batches(gpu[early], events.iloc[:0]):
+            store.write(batch)
+        scorer = Scorer(model, hub, clock="data")
+        scorer.bind(store)
+        scorer.score_once()
+        assert _alerts(store) == []  # at 20 h nothing is wrong yet
+        for batch in sim_batches(gpu[~early], events, agent="agent-sim-2"):
+            store.write(batch)
+        scorer.score_once()  # one round, 11 h of data later: the GPU failed at 29 h
+        (alert,) = _alerts(store)
+        assert alert["gpu_index"] == FAILING and alert["state"] == "failed" and "has failed" in alert["summary"]
+    finally:
+        hub.stop()
+        store.close()

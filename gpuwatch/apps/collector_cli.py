@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import resource
 import signal
 import socket
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("open-file limit %d: the collector can hold fewer agents than that; raise it (ulimit -n)",
                     resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     refuse_busy_addresses({"--listen": cfg.listen, "--metrics-listen": cfg.metrics_listen})
+    os.umask(os.umask(0o077) | 0o077)  # whatever a store engine creates later (a WAL, parts) is private at once
     server = start_collector(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -22,7 +22,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 # the job the alerts' checkpoint/drain advice assumes unless the collector is told (job_gpus, checkpoint_cost)
 from gpuwatch.core.settings import DEFAULT_CHECKPOINT_COST_S, DEFAULT_JOB_GPUS
@@ -286,8 +286,17 @@ class AlertSender:
                     response.read()
                 self.sent += 1
                 return
+            except urllib.error.HTTPError as exc:  # the receiver's reason is in the body: quote it
+                reason = exc.read(_REASON_BYTES).decode("utf-8", "replace").strip() or exc.reason
+                log.warning("delivery of %s to %s failed (attempt %d): HTTP %d: %r", _names(batch), self.endpoint(),
+                            attempt + 1, exc.code, reason)
+                if 400 <= exc.code < 500 and exc.code not in (408, 429):
+                    break  # the receiver refuses this content: sending it again would be refused again
+                if attempt < self.retries and self._stop.wait(self.backoff_s * 2**attempt):
+                    break
             except (urllib.error.URLError, OSError) as exc:
-                log.warning("alert delivery to %s failed (attempt %d): %s", self.endpoint(), attempt + 1, exc)
+                log.warning("delivery of %s to %s failed (attempt %d): %s", _names(batch), self.endpoint(),
+                            attempt + 1, exc)
                 if attempt < self.retries and self._stop.wait(self.backoff_s * 2**attempt):
                     break
         self.failed += 1
@@ -307,14 +316,50 @@ class AlertSender:
         self._stop.set()
 
 
+_REASON_BYTES = 2000  # of a receiver's error answer, quoted in the log
+
+
+def _names(alerts: Sequence[Sendable]) -> str:
+    """The alerts of a delivery for a log line: "GPUFailureRisk node-7/GPU 3, SlowRank job-1/4"."""
+    names = [f"{doc['alertname']} {doc.get('node', doc.get('job_id', '?'))}"
+             + (f"/GPU {doc['gpu_index']}" if "gpu_index" in doc else "") for doc in (a.to_json() for a in alerts)]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 class AlertmanagerSender(AlertSender):
-    """Prometheus Alertmanager: POST {url}/api/v2/alerts with a list of postable alerts."""
+    """Prometheus Alertmanager: POST {url}/api/v2/alerts with a list of postable alerts.
+
+    ``startsAt``/``endsAt`` are on this machine's clock (when this sender first sent the alert firing, and when
+    it sent it resolved): alert times are on the data's clock, which for agents on simulated or skewed time
+    is hours away, and Alertmanager refuses a start after the end or keeps a resolved alert whose end is in
+    its future active. The data's times go along as the ``data_starts_at``/``data_ends_at`` annotations."""
+
+    _KEPT = 100_000  # firing alerts whose wall-clock start is remembered (oldest forgotten first)
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self._wall_starts: dict[tuple, int] = {}  # labels -> when first sent firing (ms); the sender thread's
+        super().__init__(url, **options)
 
     def endpoint(self) -> str:
         return self.url.rstrip("/") + "/api/v2/alerts"
 
     def body(self, alerts: Sequence[Sendable]) -> object:
-        return [a.to_alertmanager() for a in alerts]
+        now = int(time.time() * 1000)
+        out = []
+        for alert in alerts:
+            doc = alert.to_alertmanager()
+            key = tuple(sorted(doc["labels"].items()))
+            doc["annotations"]["data_starts_at"] = doc["startsAt"]
+            started = self._wall_starts.setdefault(key, now)
+            doc["startsAt"] = iso_utc(started)
+            if "endsAt" in doc:
+                doc["annotations"]["data_ends_at"] = doc["endsAt"]
+                doc["endsAt"] = iso_utc(max(now, started))
+                del self._wall_starts[key]
+            out.append(doc)
+        while len(self._wall_starts) > self._KEPT:
+            del self._wall_starts[next(iter(self._wall_starts))]
+        return out
 
 
 class WebhookSender(AlertSender):

@@ -133,8 +133,11 @@ def score_history(store: Store, model: dict | None, start_ms: int, end_ms: int
     feats = feats[(feats["t_ms"] > start_ms) & (feats["t_ms"] <= end_ms)].sort_values("t_ms", kind="stable")
     feats = feats.reset_index(drop=True)
     owners = pd.merge_asof(  # job and rank of each GPU at each step: its last minute row up to then
-        feats[["t_ms", "node", "gpu_index"]].assign(gpu_index=feats["gpu_index"].astype(int)),
-        samples.assign(t_ms=ts_ms(samples["ts"]), gpu_index=samples["gpu_index"].astype(int))
+        # (node as plain objects on both sides: the engines' frames carry different string dtypes)
+        feats[["t_ms", "node", "gpu_index"]].assign(gpu_index=feats["gpu_index"].astype(int),
+                                                    node=feats["node"].astype(object)),
+        samples.assign(t_ms=ts_ms(samples["ts"]), gpu_index=samples["gpu_index"].astype(int),
+                       node=samples["node"].astype(object))
         .sort_values("t_ms")[["t_ms", "node", "gpu_index", "job_id", "rank"]],
         on="t_ms", by=["node", "gpu_index"])
     rows = _scored_rows(store, model, feats, owners, {})
@@ -187,6 +190,8 @@ def observation(gpu: Mapping[str, Any], now_ms: int) -> RiskObservation:
 WALL, DATA, AUTO = "wall", "data", "auto"
 #: On the auto clock, a newest sample further than this from the wall clock means simulated or replayed time.
 AUTO_SKEW_S = 900.0
+#: On the data clock, the most data time one round scores step by step when data arrived faster than rounds.
+CATCH_UP_S = 2 * 86_400.0
 
 
 def newest_sample_ms(store: Store) -> int | None:
@@ -230,6 +235,7 @@ class Scorer(PeriodicService):
         self.history = MinuteHistory(history_s)
         self.rounds = 0
         self.scored_at_ms: int | None = None  # the "now" of the last round
+        self._data_round_ms: int | None = None  # the "now" of the last round on the data clock
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -276,6 +282,8 @@ class Scorer(PeriodicService):
         if now is None:
             return []
         started = time.perf_counter()
+        if now_ms is None and self._on_data_clock:
+            self._catch_up(now)
         gpus = score_gpus(self.bound_store, self.model, now, self.history)
         if self.calibrator is not None:
             self._tell_faults(now)
@@ -293,6 +301,26 @@ class Scorer(PeriodicService):
             self.scored_at_ms = now
         log.debug("scored %d GPUs in %.3f s", len(gpus), time.perf_counter() - started)
         return gpus
+
+    def _catch_up(self, now_ms: int) -> None:
+        """On the data clock, data can arrive far faster than rounds run (a recording streamed into the
+        collector, agents on --sim-speed): a round would jump from before a GPU's risk rose to after it failed,
+        and no alert would ever fire. So the steps of the model since the last round (at most ``CATCH_UP_S`` of
+        data time) are scored first, in one vectorised pass, and the alerts see each step as they would live, as
+        ``replay --offline`` does."""
+        since, self._data_round_ms = self._data_round_ms, now_ms
+        store = self._store
+        if self.hub is None or self.model is None or store is None:
+            return
+        step_ms = int(self.model["step_s"]) * 1000
+        start = max(now_ms - int(CATCH_UP_S * 1000), since if since is not None else 0)
+        if now_ms - start <= max(step_ms, int(self.interval_s * 1000)):
+            return  # rounds keep up with the data
+        if self.hub.engine is not None and self.threshold is not None:
+            self.hub.engine.policy = self.hub.engine.policy.with_threshold(self.threshold)
+        self.hub.observe_risk_rounds(
+            (t, [observation(g, t) for g in gpus if g["risk"] is not None])
+            for t, gpus in score_history(store, self.model, start, now_ms - 1))
 
     def _tell_faults(self, now_ms: int) -> None:
         """Fatal XIDs since the last round: the GPUs' recent scores were true alarms, not false ones."""

@@ -48,11 +48,13 @@ from gpuwatch.core import security
 from gpuwatch.core.batches import INSTANCE_METADATA, MAX_BATCH_BYTES, SCHEMA_VERSION, BatchError, TimeWindow
 from gpuwatch.collector.failed import failed_gpus
 from gpuwatch.collector.ingest_admission import StreamAdmission, StreamRefused, fencing_advice
+from gpuwatch.collector.label_budget import LabelBudget
 from gpuwatch.collector.store import open_store, redacted
-from gpuwatch.collector.store.base import Store, StoreClosed, WriteResult
+from gpuwatch.collector.store.base import Store, StoreClosed, StoreDamaged, WriteResult
 from gpuwatch.core.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.core.settings import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_INGEST_STREAMS, DEFAULT_QUERY_WORKERS,
                                      DEFAULT_STREAM_IDLE_S)
+from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -104,15 +106,20 @@ def decode_batch(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
                             f"batch of {len(raw)} bytes is over the {MAX_BATCH_BYTES}-byte limit; send smaller batches")
     try:
         return decode(raw, window)
-    except DecodeError as exc:
-        raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{len(raw)} bytes are not a gpuwatch.v1.TelemetryBatch ({exc})") from None
     except BatchError as exc:
-        header = pb.TelemetryBatch.FromString(raw)  # parsed before the check failed, so it parses
-        code = (grpc.StatusCode.FAILED_PRECONDITION if header.schema_version != SCHEMA_VERSION
-                else grpc.StatusCode.INVALID_ARGUMENT)
-        raise BatchRejected(code, f"batch {header.sequence} of agent {header.agent_id or '?'}: {exc}",
-                            header.agent_id) from None
+        problem: Exception = exc
+    except DecodeError as exc:  # the batch, or only a Column inside it (a name not UTF-8, bad inner bytes)
+        problem = DecodeError(f"not a gpuwatch.v1.TelemetryBatch ({exc})")
+    except Exception as exc:  # whatever else the bytes provoke is still the batch's fault, never UNKNOWN
+        problem = DecodeError(f"cannot be read ({type(exc).__name__}: {exc})")
+    try:  # the header, for the message: the Columns stay bytes here, so a bad one cannot fail this parse
+        header = view.TelemetryBatchView.FromString(raw)
+    except DecodeError:
+        raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{len(raw)} bytes are {problem}") from None
+    code = (grpc.StatusCode.FAILED_PRECONDITION if header.schema_version != SCHEMA_VERSION
+            else grpc.StatusCode.INVALID_ARGUMENT)
+    raise BatchRejected(code, f"batch {header.sequence} of agent {header.agent_id or '?'}: {problem}",
+                        header.agent_id) from None
 
 
 def store_failure(exc: BaseException, batch: ColumnarBatch, unstorable: tuple[type[BaseException], ...] = ()
@@ -237,6 +244,7 @@ class IngestService:
         self.admission = StreamAdmission(max_ingest_streams, stream_idle_s)
         self.window = window
         self.rejected_by_agent: Counter[str] = Counter()
+        self.labels = LabelBudget()
         self._max_in_flight = max_in_flight
         self._in_flight: asyncio.Semaphore | None = None  # made on the event loop, with _inbox
         self._inbox: _CommitInbox | None = None
@@ -276,7 +284,7 @@ class IngestService:
     async def push(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.BatchAck:
         try:
             await self._wait_for_store()
-            batch = decode_batch(raw, self.window)
+            batch = self._decoded(raw)
             self.admission.check_push(batch.agent_id, _instance(context), context.peer())
             commit = await self._submit(batch)
         except (BatchRejected, StoreClosed, StreamRefused) as exc:
@@ -334,7 +342,7 @@ class IngestService:
                     return
                 idle.received()
                 try:
-                    batch = decode_batch(raw, self.window)
+                    batch = self._decoded(raw)
                     self.admission.claim(sender[0], batch.agent_id, sender[1], sender[2])
                     pending.put_nowait((batch, await self._submit(batch)))
                 except (BatchRejected, StoreClosed, StreamRefused) as exc:
@@ -342,9 +350,22 @@ class IngestService:
                     return
         except (grpc.RpcError, grpc.aio.AioRpcError, ConnectionError):  # the client went away
             return
+        except Exception as exc:  # never an OK end of a stream whose batch was not stored: the agent resends
+            log.exception("ingest stream from %s failed", sender[2])
+            pending.put_nowait(BatchRejected(grpc.StatusCode.UNAVAILABLE, f"the collector failed: {exc}"))
         finally:
             idle.stop()
             pending.put_nowait(_DONE)
+
+    def _decoded(self, raw: bytes) -> ColumnarBatch:
+        """The checked batch of ``raw``, within its agent's label budget; BatchRejected otherwise."""
+        batch = decode_batch(raw, self.window)
+        try:
+            self.labels.admit(batch)
+        except BatchError as exc:
+            raise BatchRejected(grpc.StatusCode.INVALID_ARGUMENT, f"batch {batch.sequence}: {exc}",
+                                batch.agent_id) from None
+        return batch
 
     async def _submit(self, batch: ColumnarBatch) -> asyncio.Future:
         """Queue ``batch`` for the writer once the collector-wide bound has room; the future is its commit."""
@@ -514,6 +535,8 @@ def query_handler(gate: StoreGate, handlers: Mapping[str, QueryHandler]) -> grpc
                 return fn(request, store)
             except NotFound as exc:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            except StoreDamaged as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except UserError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return call

@@ -37,6 +37,16 @@ MAX_GPU_INDEX = 2**31 - 1
 # Times a calendar can hold, whatever the window: 1970-01-01 to 9999-12-31 (ms).
 EARLIEST_MS, LATEST_MS = 0, 253_402_300_799_999
 DAY_MS = 86_400_000
+# Text bounds. A name the collector keys, groups or labels by (agent id, node, GPU uuid, job id, event kind,
+# label and attribute keys, span kinds and process groups) longer than MAX_NAME_CHARS is refused: it becomes a
+# Prometheus label or a table key, so one 2 MiB job id made every /metrics scrape hundreds of MB. Free text
+# (event messages, attribute and label values, GPU model and span names) is cut to MAX_TEXT_CHARS instead.
+MAX_NAME_CHARS = 256
+MAX_TEXT_CHARS = 4096
+MAX_PAIRS = 64  # node labels, and attributes per event
+# GPUs one batch may describe or sample: a node has 8-16 (72 in a rack-scale NVLink domain; MIG instances are
+# not GPUs here); 100,000 declared GPUs slowed `latest` past its deadline.
+MAX_GPUS_PER_BATCH = 1024
 
 
 class BatchError(ValueError):
@@ -300,6 +310,7 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
         raise BatchError(f"sequence {batch.sequence} is out of range (1..{MAX_SEQUENCE})")
     if not batch.node.node:
         raise BatchError("node.node (the node name) is empty")
+    _check_names(batch)
     earliest, latest = window.bounds_ms(now_ms) if window is not None else (EARLIEST_MS, LATEST_MS)
     for g in batch.gpus:
         if g.index > MAX_GPU_INDEX:
@@ -339,6 +350,61 @@ def validate_envelope(batch: pb.TelemetryBatch, window: TimeWindow | None = None
             raise BatchError("spans: start_us and dur_us must be finite numbers")
         _check_times("spans", [int(start_us.min() // 1000), int(start_us.max() // 1000)], earliest, latest)
     return sample_times
+
+
+def _check_names(batch: pb.TelemetryBatch) -> None:
+    """Refuse names over MAX_NAME_CHARS, more than MAX_PAIRS labels or attributes, more than MAX_GPUS_PER_BATCH
+    GPUs (the counts first: they bound the work below). The samples' job ids (one per row: reading them here
+    cost more than the rest of the checks) are checked where the store's writer reads them anyway
+    (:func:`check_name_lengths`)."""
+    if len(batch.gpus) > MAX_GPUS_PER_BATCH or len(batch.samples) > MAX_GPUS_PER_BATCH:
+        raise BatchError(f"{max(len(batch.gpus), len(batch.samples))} GPUs in one batch: at most "
+                         f"{MAX_GPUS_PER_BATCH} per node")
+    if len(batch.node.labels) > MAX_PAIRS:
+        raise BatchError(f"node.labels: {len(batch.node.labels)} labels, at most {MAX_PAIRS}")
+    # what is named only on failure: the collector checks every batch, most hold a few dozen short names
+    groups: list[tuple[str | pb.Event, Sequence[str] | Mapping[str, str]]] = [
+        ("agent_id", (batch.agent_id,)), ("node.node", (batch.node.node,)), ("node.labels keys", batch.node.labels),
+        ("gpus uuid", [g.uuid for g in batch.gpus]), ("event kind", [e.kind for e in batch.events])]
+    for e in batch.events:
+        if e.attrs:
+            if len(e.attrs) > MAX_PAIRS:
+                raise BatchError(f"event {e.kind[:MAX_NAME_CHARS]!r}: {len(e.attrs)} attributes, at most {MAX_PAIRS}")
+            groups.append((e, e.attrs))
+    if batch.HasField("spans"):
+        spans = batch.spans
+        groups += [(f"spans {name}", getattr(spans, name)) for name in ("job_id", "kind", "process_group", "node")]
+    for where, names in groups:
+        longest = max(map(len, names), default=0)
+        if longest > MAX_NAME_CHARS:
+            check_name_lengths(where if isinstance(where, str) else
+                               f"event {where.kind[:MAX_NAME_CHARS]!r} attribute keys", longest)
+
+
+def check_name_lengths(where: str, lengths_max: int | None) -> None:
+    """BatchError when the longest of a column of names (``lengths_max`` characters) is over MAX_NAME_CHARS."""
+    if lengths_max is not None and lengths_max > MAX_NAME_CHARS:
+        raise BatchError(f"{where}: a name of {lengths_max} characters (at most {MAX_NAME_CHARS})")
+
+
+def cut_free_text(batch: pb.TelemetryBatch) -> None:
+    """Cut free text (event messages, attribute and label values, GPU model and span names) to MAX_TEXT_CHARS
+    in place, so a runaway message is kept in part rather than refusing the batch's telemetry with it."""
+    def cut(text: str) -> str:
+        return text[:MAX_TEXT_CHARS - 1] + "…"
+
+    for e in batch.events:
+        if len(e.message) > MAX_TEXT_CHARS:
+            e.message = cut(e.message)
+        for key in [k for k, v in e.attrs.items() if len(v) > MAX_TEXT_CHARS]:
+            e.attrs[key] = cut(e.attrs[key])
+    for key in [k for k, v in batch.node.labels.items() if len(v) > MAX_TEXT_CHARS]:
+        batch.node.labels[key] = cut(batch.node.labels[key])
+    for g in batch.gpus:
+        if len(g.name) > MAX_TEXT_CHARS:
+            g.name = cut(g.name)
+    if batch.HasField("spans") and max(map(len, batch.spans.name), default=0) > MAX_TEXT_CHARS:
+        batch.spans.name[:] = [cut(n) if len(n) > MAX_TEXT_CHARS else n for n in batch.spans.name]
 
 
 def _block_error(s: pb.GpuSamples, known_gpus: set[int], seen: set[int]) -> None:

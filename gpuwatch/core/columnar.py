@@ -26,7 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from gpuwatch.core import fields
-from gpuwatch.core.batches import BatchError, TimeWindow, packed_head, validate, validate_envelope
+from gpuwatch.core.batches import BatchError, TimeWindow, cut_free_text, packed_head, validate, validate_envelope
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -235,6 +235,7 @@ def decode(raw: bytes, window: TimeWindow | None = None) -> ColumnarBatch:
     DecodeError (not a TelemetryBatch) or BatchError (breaks the contract of gpuwatch.core.batches.validate)."""
     batch = view.TelemetryBatchView.FromString(raw)
     times = _times(validate_envelope(batch, window))
+    cut_free_text(batch)
     samples = batch.samples
     rows = [len(s.ts_ms) for s in samples] + [len(batch.host.ts_ms)]
     blocks = [s.columns[:] for s in samples] + [batch.host.columns[:]]  # a slice: one list, made in C
@@ -267,6 +268,7 @@ def from_message(batch: pb.TelemetryBatch, window: TimeWindow | None = None) -> 
     """Check a batch message and copy its values column by column (tools and tests that hold messages,
     and batches whose columns are not in the canonical encoding)."""
     validate(batch, window)
+    cut_free_text(batch)
     counts = [len(s.ts_ms) for s in batch.samples]
     times = np.fromiter(itertools.chain(*[s.ts_ms for s in batch.samples], batch.host.ts_ms), np.int64)
     gpu_values = np.full((sum(counts), len(_GPU_FIELDS)), np.nan)

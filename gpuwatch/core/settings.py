@@ -227,7 +227,9 @@ class CollectorSettings:
                                 "default --db")
     clickhouse_cluster: str | None = setting(None, "ClickHouse cluster NAME: tables are ReplicatedMergeTree ON "
                                              "CLUSTER NAME behind Distributed tables (docs/scale.md)")
-    memory_limit: str = setting(DEFAULT_MEMORY_LIMIT, "the store engine's memory limit (e.g. 1GB)", memory_size)
+    memory_limit: str = setting(DEFAULT_MEMORY_LIMIT, "memory the store engine may use, e.g. 1GB (DuckDB's buffer "
+                                "manager; ClickHouse: per query); the collector's own memory (agent streams, "
+                                "batches in flight, caches) comes on top: docs/operations.md, Memory", memory_size)
     span_retention: float = setting(DEFAULT_SPAN_RETENTION_S, "seconds of raw probe spans kept per job (its own "
                                     "clock; per-step aggregates and step marks are kept for --retention-days; 0 "
                                     "keeps all)", non_negative)

@@ -43,6 +43,11 @@ class StoreClosed(RuntimeError):
     """The store no longer accepts writes."""
 
 
+class StoreDamaged(RuntimeError):
+    """The store's files were found unreadable (truncated, corrupted): it takes no more batches (agents keep
+    them and resend once an operator restored the store) and queries answer UNAVAILABLE with the cause."""
+
+
 class Store(Protocol):
     """A collector store. Writes are committed in order by one writer per store object; a batch's future
     resolves once it is durable, which is when the server acknowledges it. Reads never wait for the writer."""

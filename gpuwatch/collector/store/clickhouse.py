@@ -21,6 +21,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -190,14 +192,45 @@ class ClickHouseStore(GroupWriter):
             for statement in create_statements(self.database, retention_days, clickhouse_cluster):
                 admin.command(statement)
         except Exception as exc:  # connection refused, authentication, a chdb directory it cannot use
-            raise UserError(f"cannot open store {_redacted(url)}: {_first_line(exc)}") from None
+            cause = _chdb_failure_cause(url.removeprefix("chdb://")) if url.startswith("chdb://") else ""
+            raise UserError(f"cannot open store {_redacted(url)}: {_first_line(exc)}"
+                            + (f"; cause: {cause}" if cause else "")) from None
         self._writer_client = admin
+        try:
+            self._report_detached_parts()
+        except Exception as exc:  # a server user without access to system tables: the store still opens
+            log.warning("store %s: cannot list detached parts: %s", _redacted(url), _first_line(exc))
         last = self._query("SELECT agent_id, last_sequence FROM agents")
         super().__init__(
             {r.agent_id: int(r.last_sequence) for r in last.itertuples()},
             retention_days=retention_days, span_retention_s=span_retention_s,
             retention_interval_s=retention_interval_s, span_trim_interval_s=span_trim_interval_s,
             max_group_batches=max_group_batches, max_queued_batches=max_queued_batches)
+
+    def _report_detached_parts(self) -> None:
+        """Log every part the engine set aside (a part found broken at start is moved to
+        ``detached/broken-on-start_*`` and its rows vanish from every query) and the rows lost with it: those
+        it held (its count.txt, where the files are here) beyond what the active parts of its block range hold."""
+        detached = self._query("""
+            SELECT table, partition_id, name, reason, path, bytes_on_disk, min_block_number, max_block_number
+            FROM system.detached_parts WHERE database = {db:String} AND reason != '' ORDER BY table, name""",
+                               {"db": self.database})
+        for part in detached.itertuples():
+            held = _part_rows(str(part.path))
+            # older parts of the same blocks that the engine still had are restored in its place: their rows
+            # are not lost (a part merged from them since also holds later blocks: then "at most")
+            inside, overlapping = self._query("""
+                SELECT toInt64(sumIf(rows, min_block_number >= {lo:Int64} AND max_block_number <= {hi:Int64})) AS n,
+                       countIf(min_block_number < {lo:Int64} OR max_block_number > {hi:Int64}) AS wider
+                FROM system.parts WHERE active AND database = {db:String} AND table = {t:String}
+                  AND partition_id = {p:String} AND max_block_number >= {lo:Int64} AND min_block_number <= {hi:Int64}
+                """, {"db": self.database, "t": part.table, "p": part.partition_id, "lo": int(part.min_block_number),
+                      "hi": int(part.max_block_number)}).iloc[0]
+            lost = ("an unknown number of rows" if held is None else
+                    f"{'at most ' if int(overlapping) else ''}{max(0, held - int(inside or 0))} rows")
+            log.error("store %s: table %s part %s was set aside by the engine (%s, %d bytes, at %s): %s no longer "
+                      "served; restore it from a backup or remove it", _redacted(self.path), part.table, part.name,
+                      part.reason, int(part.bytes_on_disk), part.path, lost)
 
     # ---- connections -----------------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -491,14 +524,15 @@ class ClickHouseStore(GroupWriter):
                     mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
         for c in [*last, *means, *mins, *maxs]:
             _check_field(c)
-        # g.ts, not ts: the alias ts (max) would put an aggregate inside the GROUP BY key and the other aggregates
-        values = ([f"argMaxIf({c}, g.ts, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
+        # ClickHouse resolves a name to a SELECT alias before a column: the sample time is read as ``t`` (and
+        # only named ``ts`` in the result), or ``max(ts) AS ts`` would be found inside toStartOfMinute(ts).
+        values = ([f"argMaxIf({c}, t, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
                   + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
         return self._query(f"""
-            SELECT node, gpu_index, toStartOfMinute(g.ts) AS minute, max(g.ts) AS ts, argMax(job_id, g.ts) AS job_id,
-                   argMax(rank, g.ts) AS rank{''.join(', ' + v for v in values)}
-            FROM gpu_samples AS g WHERE g.ts >= fromUnixTimestamp64Milli({{since:Int64}})
-              AND g.ts <= fromUnixTimestamp64Milli({{until:Int64}})
+            SELECT node, gpu_index, toStartOfMinute(t) AS minute, max(t) AS ts, argMax(job_id, t) AS job_id,
+                   argMax(rank, t) AS rank{''.join(', ' + v for v in values)}
+            FROM (SELECT *, ts AS t FROM gpu_samples WHERE ts >= fromUnixTimestamp64Milli({{since:Int64}})
+                    AND ts <= fromUnixTimestamp64Milli({{until:Int64}}))
             GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""", {"since": since_ms, "until": until_ms})
 
     def newest_sample_ms(self) -> int | None:
@@ -715,6 +749,33 @@ class ClickHouseStore(GroupWriter):
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def _part_rows(path: str) -> int | None:
+    """The rows a part's files say it holds (count.txt), None where they are not readable here."""
+    try:
+        with open(os.path.join(path, "count.txt")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# Opens a chdb directory with the engine's log on; its errors name what the plain open reports as "." only.
+_CHDB_DIAGNOSE = ("import sys, chdb\ntry:\n    chdb.connect(sys.argv[1] + '?verbose&log-level=error')\n"
+                  "except Exception:\n    pass")
+
+
+def _chdb_failure_cause(path: str) -> str:
+    """Why the chdb engine would not open ``path``, from its own log in a separate process (the engine is
+    initialised once per process, so it cannot be tried again here); "" when it says nothing more."""
+    try:
+        run = subprocess.run([sys.executable, "-c", _CHDB_DIAGNOSE, path], capture_output=True, text=True,
+                             timeout=120, errors="replace")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    found = re.search(r"DB::Exception: (?!Error initializing EmbeddedServer)(.*?\([A-Z_]+\))", run.stderr + run.stdout,
+                      re.S)
+    return " ".join(found.group(1).split()) if found else ""
+
+
 def _private_directory(path: str) -> None:
     """The in-process engine's directory holds telemetry and alert history: the collector's user only (0700).
 

@@ -28,10 +28,11 @@ import pyarrow.compute as pc
 
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
-from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS
+from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS, StoreDamaged
 from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
 from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
                                              fingerprint)
+from gpuwatch.core.batches import check_name_lengths
 from gpuwatch.core.columnar import ColumnarBatch
 from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.core.spans import SPAN_COLUMNS, SPAN_UNSET, span_arrow_schema
@@ -149,11 +150,14 @@ class DuckDBStore(GroupWriter):
             raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
         except duckdb.Error as exc:  # an invalid memory_limit: DuckDB names the setting
             raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
+        if path != ":memory:":
+            _check_size(self._con, path)
         for statement in [*DDL, *MIGRATIONS]:
             self._con.execute(statement)
         if path != ":memory:":
             _private(path)
         self.path = path
+        self.damaged = ""  # why the file was found unreadable since it opened; then no batch is taken
         self._cursor_lock = threading.Lock()
         # (node, GPU index) -> (the inventory entry as last written, monotonic time written): unchanged entries
         # are rewritten only every INVENTORY_REFRESH_S, not in every transaction
@@ -196,16 +200,21 @@ class DuckDBStore(GroupWriter):
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
         if not batches:
             return
+        if self.damaged:
+            raise StoreDamaged(self.damaged)
         inventory = self._inventory_to_write(batches)
         self._con.begin()
         try:
             _insert_group(self._con, batches, inventory)
             self._con.commit()
-        except BaseException:
+        except BaseException as exc:
             _rollback_keeping_cause(self._con)
+            self._note_damage(exc)
             raise
         written = time.monotonic()
         self._inventory.update({key: (entry, written) for key, (entry, _) in inventory.items()})
+        if self.path != ":memory:":
+            _private(self.path)  # DuckDB recreates the WAL after each checkpoint, with the umask's mode
 
     def _inventory_to_write(self, batches: list[ColumnarBatch]) -> dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]:
         """The newest inventory entry per (node, GPU) of the group that is new, changed or due for refresh."""
@@ -232,8 +241,21 @@ class DuckDBStore(GroupWriter):
             cur = self._con.cursor()
         try:
             return cur.execute(sql, params or []).df()
+        except duckdb.IOException as exc:
+            self._note_damage(exc)
+            if self.damaged:
+                raise StoreDamaged(self.damaged) from None
+            raise
         finally:
             cur.close()
+
+    def _note_damage(self, exc: BaseException) -> None:
+        """Remember (and log once) that the file is unreadable when ``exc`` says so (a read past its end)."""
+        if self.damaged or not isinstance(exc, duckdb.IOException) or "Could not read" not in str(exc):
+            return
+        self.damaged = (f"the store file {self.path} is damaged ({_first_line(exc)}); stop the collector and "
+                        "restore it from a backup (agents keep their batches meanwhile)")
+        log.error("%s", self.damaged)
 
     def _records(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Rows as plain dicts with None (not NaN) for SQL NULL, ready for JSON and protobuf."""
@@ -703,6 +725,7 @@ def _gpu_samples_table(batches: list[ColumnarBatch]) -> pa.Table:
     if sum(map(len, job_ids)) != total:  # a block left job_id out
         job_ids = [j if len(j) else itertools.repeat("", n) for j, n in zip(job_ids, counts)]
     job_ids = pa.array(list(_chain(job_ids)), pa.string())
+    check_name_lengths("samples: job_id", pc.max(pc.utf8_length(job_ids)).as_py())  # refused: INVALID_ARGUMENT
     columns = {
         "node": _node_column([b.message.node.node for b in batches], [len(b.gpu_ts) for b in batches]),
         "gpu_index": pa.array(np.repeat(np.fromiter((s.gpu_index for s in samples), np.int32, len(samples)), counts)),
@@ -862,11 +885,30 @@ def _space_hint(path: str, exc: BaseException) -> str:
     return ""
 
 
+def _check_size(con: duckdb.DuckDBPyConnection, path: str) -> None:
+    """UserError when the file is shorter than the blocks its header counts (truncated: cut by a copy or a
+    full disk): served, it answered every query with an IO error and took batches into a broken file."""
+    row = con.execute("SELECT total_blocks, block_size FROM pragma_database_size()").fetchone()
+    assert row is not None, "pragma_database_size has a row per attached database"
+    blocks, block_size = row
+    needed = _HEADER_BYTES + int(blocks) * int(block_size)
+    size = os.path.getsize(path)
+    if size < needed:
+        con.close()
+        raise UserError(f"cannot open store {path}: the file is truncated ({size} of {needed} bytes); restore it "
+                        "from a backup or move it away to start an empty store")
+
+
+_HEADER_BYTES = 3 * 4096  # DuckDB's file header and its two database headers, before the first block
+
+
 def _private(path: str) -> None:
-    """Telemetry and alert history are for the collector's user only (0600), whatever the umask."""
+    """Telemetry and alert history are for the collector's user only (0600), whatever the umask (two stat
+    calls when they are already)."""
     for name in (path, path + ".wal"):
         try:
-            os.chmod(name, 0o600)
+            if os.stat(name).st_mode & 0o077:
+                os.chmod(name, 0o600)
         except FileNotFoundError:
             pass
 
