@@ -23,7 +23,8 @@ from gpuwatch.v1 import telemetry_pb2 as pb
 class SimulatedNode:
     """``gpus`` simulated ``model`` GPUs named ``node``, on simulated time running ``speed`` x the wall clock.
 
-    ``start``/``origin`` place the clock (:class:`SimClock`); ``faults`` degrade GPUs from ``start`` on;
+    ``start``/``origin`` place the clock (:class:`SimClock`; or ``clock`` is one, e.g. stepped by a test);
+    ``faults`` degrade GPUs from ``start`` on;
     ``job`` runs a synthetic training job of that id on every GPU (one rank each, steps of ``job_step_s``
     simulated seconds). ``fail_slow`` slows GPUs (or the host) of that job as :mod:`~gpuwatch.simulator.fail_slow`
     describes, and the job then has no built-in straggler (the injections decide who is slow; ``job_straggler``
@@ -35,9 +36,9 @@ class SimulatedNode:
     def __init__(self, gpus: int, *, node: str = "sim", model: str = "H100", speed: float = 1.0,
                  start: float | None = None, origin: float | None = None, faults: Sequence[FaultSpec] = (),
                  job: str | None = None, job_step_s: float = 1.0, fail_slow: Sequence[FailSlowSpec] = (),
-                 job_straggler: bool = True, job_jitter: float | None = None) -> None:
+                 job_straggler: bool = True, job_jitter: float | None = None, clock: SimClock | None = None) -> None:
         self.model = model
-        self.clock = SimClock(speed, start, origin)
+        self.clock = clock if clock is not None else SimClock(speed, start, origin)
         self.fleet = SimulatedFleet(gpus, model=model, node=node, clock=self.clock, job_id=job)
         slow = SlowRanks(fail_slow, self.clock.start)
         jitter = job_jitter if job_jitter is not None else (0.02 if fail_slow or not job_straggler else 0.0)
