@@ -1,18 +1,22 @@
-"""Simulated jobs with a fail-slow injected, read as the collector reads them, without a collector: the
-rank intervals and device evidence of :mod:`gpuwatch.collector.slow_evidence` straight from a SimulatedNode
-sampled through the agent's own NVML sampler on a stepped simulated clock (tests and bench/why_slow.py).
-No test here."""
+"""Simulated jobs with a fail-slow injected, sampled through the agent's own NVML sampler on a stepped
+simulated clock (tests and bench/why_slow.py): every check, the window of span rows, GPU and host samples
+as :mod:`gpuwatch.collector.slow_evidence` reads them, and, given a store, the same rows written to it as an
+agent's batches. No test here."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
 from gpuwatch.agent.nvml import NvmlSampler
 from gpuwatch.collector.slow_evidence import GPU_COLUMNS, device_evidence, rank_intervals
+from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.simulator.clock import SimClock
 from gpuwatch.simulator.fail_slow import FailSlowSpec
 from gpuwatch.simulator.node import SimulatedNode
+from gpuwatch.v1 import telemetry_pb2 as pb
 
 START_S = 1_800_000_000.0
 
@@ -28,49 +32,66 @@ class SteppedClock(SimClock):
         return self.now
 
 
+@dataclass
+class Check:
+    """One check: ``t`` simulated seconds after the start, the job's window of rows."""
+
+    t: float
+    now_s: float
+    spans: pd.DataFrame
+    gpu: pd.DataFrame
+    host: pd.DataFrame
+
+    def evidence(self, job: str) -> tuple[pd.DataFrame, Any]:
+        """(rank intervals, device evidence per rank since an onset in epoch us)."""
+        return (rank_intervals(self.spans),
+                lambda since_us: device_evidence(self.gpu, self.host, job, since_us / 1e6))
+
+
 def run_job(job: str, gpus: int, specs: Sequence[FailSlowSpec], *, seconds: float, window_s: float = 300.0,
-            check_every_s: float = 30.0, sample_s: float = 1.0,
-            ) -> Iterator[tuple[float, pd.DataFrame, pd.DataFrame, pd.DataFrame]]:
-    """Every ``check_every_s`` simulated seconds: (seconds since start, the job's span rows, GPU sample rows
-    and host sample rows of the last ``window_s``), sampling every ``sample_s``."""
+            check_every_s: float = 30.0, store: Any = None, node_name: str | None = None,
+            jitter: float = 0.02) -> Iterator[Check]:
+    """Run ``job`` on ``gpus`` simulated GPUs (rank r on GPU r) with ``specs`` for ``seconds``, sampling every
+    simulated second; every ``check_every_s`` yield a :class:`Check` (having written the rows since the last
+    one to ``store`` as one batch, when given)."""
     clock = SteppedClock(START_S)
-    node = SimulatedNode(gpus, node=f"node-{job}", job=job, fail_slow=specs, job_straggler=False, clock=clock)
+    node = SimulatedNode(gpus, node=node_name or f"node-{job}", job=job, fail_slow=specs, job_straggler=False,
+                         job_jitter=jitter, clock=clock)
     spans: list[pd.DataFrame] = []
     gpu_rows: list[dict] = []
     host_rows: list[dict] = []
     with node:
         sampler = NvmlSampler(clock=clock)
-        sampler.open()
+        devices = sampler.open()
+        builder = BatchBuilder(pb.NodeIdentity(node=node.fleet.node), f"agent-{job}", [d.info() for d in devices])
         try:
-            next_check = check_every_s
-            t = 0.0
+            next_check, t, seq = check_every_s, 0.0, 0
             while t < seconds:
-                t += sample_s
+                t += 1.0
                 clock.now = START_S + t
                 tick = sampler.sample()
-                ts = pd.Timestamp(clock.now, unit="s")
+                ts_ms = int(clock.now * 1000)
                 for index, values in tick.rows.items():
-                    gpu_rows.append({"node": node.fleet.node, "gpu_index": index, "ts": ts, "job_id": job,
-                                     "rank": index, **{c: values.get(c) for c in GPU_COLUMNS}})
-                host_rows.append({"node": node.fleet.node, "ts": ts, **node.host.sample()})
+                    gpu_rows.append({"node": node.fleet.node, "gpu_index": index, "ts": pd.Timestamp(ts_ms, unit="ms"),
+                                     "job_id": job, "rank": index, **{c: values.get(c) for c in GPU_COLUMNS}})
+                    builder.add_gpu_row(index, ts_ms, values, job, index, index)
+                host = node.host.sample()
+                host_rows.append({"node": node.fleet.node, "ts": pd.Timestamp(ts_ms, unit="ms"), **host})
+                builder.add_host_row(ts_ms, host)
                 table = node.job.spans()
+                builder.add_spans(table)
                 spans.append(pd.DataFrame({f.name: list(getattr(table, f.name)) for f in table.DESCRIPTOR.fields}))
-                if t >= next_check:
-                    next_check += check_every_s
-                    since = pd.Timestamp(clock.now - window_s, unit="s")
-                    rows = pd.concat(spans, ignore_index=True)
-                    rows = rows[rows["start_us"] >= (clock.now - window_s) * 1e6]
-                    spans = [rows]
-                    gpu = pd.DataFrame(gpu_rows)
-                    gpu_rows = gpu[gpu["ts"] >= since].to_dict("records")
-                    host = pd.DataFrame(host_rows)
-                    host_rows = host[host["ts"] >= since].to_dict("records")
-                    yield t, rows, pd.DataFrame(gpu_rows), pd.DataFrame(host_rows)
+                if t < next_check:
+                    continue
+                next_check += check_every_s
+                if store is not None:
+                    seq += 1
+                    store.write(builder.build(seq))
+                since_s = clock.now - window_s
+                rows = pd.concat(spans, ignore_index=True)
+                spans = [rows[rows["start_us"] >= since_s * 1e6]]
+                gpu_rows = [r for r in gpu_rows if r["ts"] >= pd.Timestamp(since_s - 60, unit="s")]
+                host_rows = [r for r in host_rows if r["ts"] >= pd.Timestamp(since_s, unit="s")]
+                yield Check(t, clock.now, spans[0], pd.DataFrame(gpu_rows), pd.DataFrame(host_rows))
         finally:
             sampler.close()
-
-
-def evidence(job: str, rows: pd.DataFrame, gpu: pd.DataFrame, host: pd.DataFrame, since_s: float | None = None):
-    """(rank intervals, device evidence per rank) of a window, the device part cut at ``since_s`` (epoch s)."""
-    since = pd.Timestamp(since_s, unit="s") if since_s is not None else None
-    return rank_intervals(rows), device_evidence(gpu, host, job, since)

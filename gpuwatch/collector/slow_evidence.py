@@ -57,7 +57,7 @@ def rank_intervals(rows: pd.DataFrame) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class DeviceEvidence:
-    """What one rank's GPU and host showed over a window (NaN / None where nothing was sampled)."""
+    """What one rank's GPU and host showed over a window (NaN where nothing was sampled)."""
 
     node: str
     gpu_index: int
@@ -90,21 +90,30 @@ _GPU_COLUMNS = ["gpu_utilization_ratio", "gpu_sm_clock_hertz", "gpu_temperature_
 GPU_COLUMNS: tuple[str, ...] = tuple(_GPU_COLUMNS)
 
 
+def epoch_s(ts: pd.Series) -> pd.Series:
+    """Sample times as epoch seconds, whatever the engine returned (naive UTC or zone-aware, ms or ns)."""
+    stamps = pd.to_datetime(ts, utc=True)
+    return (stamps - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+
+
 def device_evidence(gpu: pd.DataFrame, host: pd.DataFrame, job_id: str,
-                    since: pd.Timestamp | None = None) -> dict[int, DeviceEvidence]:
+                    since_s: float | None = None) -> dict[int, DeviceEvidence]:
     """Per rank of ``job_id``: its GPU's evidence from ``gpu`` rows (``gpu_samples`` with :data:`GPU_COLUMNS`)
     and its node's from ``host`` rows (``host_samples``) from ``since`` on; counters rise from their last
-    value before ``since`` (the reliability tier is sampled every 30 s, so a short window may hold one)."""
+    value before ``since_s`` (the reliability tier is sampled every 30 s, so a short window may hold one)."""
     if gpu.empty:
         return {}
     mine = gpu[(gpu["job_id"] == job_id) & gpu["rank"].notna()]
-    if since is not None and len(host):
-        host = host[host["ts"] >= since]
+    mine = mine.assign(ts=epoch_s(mine["ts"]))
+    if len(host):
+        host = host.assign(ts=epoch_s(host["ts"]))
+        if since_s is not None:
+            host = host[host["ts"] >= since_s]
     hosts = {str(node): rows for node, rows in host.groupby("node")} if len(host) else {}
     out: dict[int, DeviceEvidence] = {}
     for (rank, node, index), rows in mine.groupby(["rank", "node", "gpu_index"]):
         rows = rows.sort_values("ts")
-        recent = rows[rows["ts"] >= since] if since is not None else rows
+        recent = rows[rows["ts"] >= since_s] if since_s is not None else rows
         if len(recent):
             out[int(rank)] = _evidence(str(node), int(index), recent, rows, hosts.get(str(node)))
     return out
@@ -121,22 +130,35 @@ def _evidence(node: str, index: int, rows: pd.DataFrame, whole: pd.DataFrame,
 
     start = rows["ts"].iloc[0]
 
+    def since_onset(column: str) -> tuple[pd.Series, float]:
+        """A column's values from the onset on, one sampling interval early (a field of the reliability
+        tier is sampled every 30 s or so: the sample after the onset may not have come yet, and the one just
+        before it may already hold the change), and its last value before them (the counter's baseline)."""
+        values = whole[column].dropna()
+        times = whole.loc[values.index, "ts"]
+        cadence = float(times.diff().median()) if len(times) > 1 else 0.0
+        after = times >= start - cadence
+        base = values[~after]
+        return values[after], float(base.iloc[-1]) if len(base) else float(values.iloc[0]) if len(values) else 0.0
+
     def rise(*columns: str) -> float:
         total = 0.0
         for c in columns:
-            values = whole[c].dropna()
-            base = values[whole.loc[values.index, "ts"] < start]
-            first = base.iloc[-1] if len(base) else values.iloc[0] if len(values) else 0.0
-            total += max(0.0, float(values.iloc[-1] - first)) if len(values) else 0.0
+            values, base = since_onset(c)
+            total += max(0.0, float(values.iloc[-1]) - base) if len(values) else 0.0
         return total
+
+    def low(column: str) -> float:
+        values = since_onset(column)[0]
+        return float(values.min()) if len(values) else float("nan")
+
+    def high(column: str) -> float:
+        values = since_onset(column)[0]
+        return float(values.max()) if len(values) else float("nan")
 
     def median(frame: pd.DataFrame | None, column: str) -> float:
         values = frame[column].dropna() if frame is not None and column in frame else pd.Series(dtype=float)
         return float(values.median()) if len(values) else float("nan")
-
-    def low(column: str) -> float:
-        values = rows[column].dropna()
-        return float(values.min()) if len(values) else float("nan")
 
     used, total = median(host, "host_memory_used_bytes"), median(host, "host_memory_total_bytes")
     return DeviceEvidence(
@@ -144,14 +166,14 @@ def _evidence(node: str, index: int, rows: pd.DataFrame, whole: pd.DataFrame,
         sm_clock_mhz=median(busy, "gpu_sm_clock_hertz") / 1e6, temperature_c=median(busy, "gpu_temperature_celsius"),
         thermal_share=share(THERMAL_REASONS), power_share=share(POWER_REASONS),
         hw_slowdown_share=share(HW_SLOWDOWN_REASONS),
-        pcie_gen=low("gpu_pcie_link_gen"), pcie_gen_max=median(rows, "gpu_pcie_link_gen_max"),
-        pcie_width=low("gpu_pcie_link_width"), pcie_width_max=median(rows, "gpu_pcie_link_width_max"),
+        pcie_gen=low("gpu_pcie_link_gen"), pcie_gen_max=high("gpu_pcie_link_gen_max"),
+        pcie_width=low("gpu_pcie_link_width"), pcie_width_max=high("gpu_pcie_link_width_max"),
         pcie_replays=rise("gpu_pcie_replay_total"),
         nvlink_errors=rise("gpu_nvlink_crc_flit_errors_total", "gpu_nvlink_crc_data_errors_total",
                            "gpu_nvlink_replay_errors_total", "gpu_nvlink_recovery_errors_total"),
         ecc_errors=rise("gpu_ecc_sbe_volatile_total", "gpu_ecc_dbe_volatile_total"),
         row_remaps=rise("gpu_remapped_rows_correctable", "gpu_remapped_rows_uncorrectable"),
-        remap_pending=bool((rows["gpu_remapped_rows_pending"].fillna(0) > 0).any()),
+        remap_pending=bool((since_onset("gpu_remapped_rows_pending")[0] > 0).any()),
         host_cpu=median(host, "host_cpu_utilization_ratio"), host_load1=median(host, "host_load1"),
         host_memory=used / total if total > 0 else float("nan"),
     )

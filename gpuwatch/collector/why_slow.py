@@ -24,7 +24,7 @@ source splits them) and the evidence on its GPU and host against its peers in th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +49,8 @@ class SlowRank:
     """One slow rank (or, for ``network`` with ``rank`` None, the path between the ranks) and why."""
 
     rank: int | None
+    node: str | None
+    gpu_index: int | None
     cause: str
     evidence: str
     since_us: float  # onset: first interval at the new level (or the first seen, when it began earlier)
@@ -57,11 +59,14 @@ class SlowRank:
     checked: tuple[str, ...] = field(default=())
 
 
-def find_slow_ranks(intervals: pd.DataFrame, devices: Mapping[int, DeviceEvidence],
-                    delayed: Sequence[int] = ()) -> list[SlowRank]:
-    """The slow ranks of one job from its recent ``intervals`` (:func:`rank_intervals`) and ``devices``
-    (:func:`device_evidence`, per rank), plus the engine's ``delayed`` ranks (late more often than chance
-    without being busier: they wait)."""
+#: the device evidence of every rank of the job from an onset (epoch us) on
+Devices = Callable[[float], Mapping[int, DeviceEvidence]]
+
+
+def find_slow_ranks(intervals: pd.DataFrame, devices: Devices, delayed: Sequence[int] = ()) -> list[SlowRank]:
+    """The slow ranks of one job from its recent ``intervals`` (:func:`rank_intervals`), ``devices``
+    (:func:`device_evidence` since an onset), and the engine's ``delayed`` ranks (late more often than
+    chance without being busier: they wait)."""
     if intervals.empty or intervals["rank"].nunique() < 2:
         return []
     by_rank = {int(r): g.sort_values("arrive_us") for r, g in intervals.groupby("rank")}
@@ -71,14 +76,16 @@ def find_slow_ranks(intervals: pd.DataFrame, devices: Mapping[int, DeviceEvidenc
         since = float(rows["arrive_us"].iloc[shift.index if shift else 0])
         if _above_peers(by_rank, rank, since):
             slow[rank] = since
-    found = [_explain(rank, since, by_rank, devices) for rank, since in sorted(slow.items())]
+    found = [_explain(rank, since, by_rank, devices(since)) for rank, since in sorted(slow.items())]
     if not slow:
         found.extend(_path(by_rank, devices))
     for rank in sorted(set(delayed) - set(slow)):
         if rank in by_rank and slow:
             culprit = max(slow, key=lambda r: _median_since(by_rank[r], "work_us", slow[r]))
             own, theirs = (_median_since(by_rank[r], "work_us", slow[culprit]) for r in (rank, culprit))
-            found.append(SlowRank(rank, "peer", f"rank {rank} waits for rank {culprit}; its own work is normal "
+            dev = devices(slow[culprit]).get(rank)
+            found.append(SlowRank(rank, dev.node if dev else None, dev.gpu_index if dev else None, "peer",
+                                  f"rank {rank} waits for rank {culprit}; its own work is normal "
                                   f"({_ms(own)} per collective vs rank {culprit}'s {_ms(theirs)})",
                                   slow[culprit], 0.0, culprit=culprit))
     return found
@@ -120,7 +127,9 @@ def _explain(rank: int, since_us: float, by_rank: Mapping[int, pd.DataFrame],
     cause, evidence, checked = _cause(rank, part, slowdown, devices)
     transfer = float(np.nanmedian([_median_since(by_rank[r], "coll_us", since_us) for r in by_rank]))
     speedup = (work + transfer) / (peer_work + transfer) - 1 if peer_work + transfer > 0 else 0.0
-    return SlowRank(rank, cause, f"{head}; {evidence}", since_us, max(0.0, speedup), checked=checked)
+    dev = devices.get(rank)
+    return SlowRank(rank, dev.node if dev else None, dev.gpu_index if dev else None, cause, f"{head}; {evidence}",
+                    since_us, max(0.0, speedup), checked=checked)
 
 
 def _grown_part(rows: pd.DataFrame, since_us: float, peer_median) -> str | None:
@@ -230,7 +239,7 @@ def _host_memory(dev: DeviceEvidence, peers: Sequence[DeviceEvidence], slowdown:
     return ("host_memory" if dev.host_memory >= HOST_MEMORY_FULL else ""), text
 
 
-def _path(by_rank: Mapping[int, pd.DataFrame], devices: Mapping[int, DeviceEvidence]) -> list[SlowRank]:
+def _path(by_rank: Mapping[int, pd.DataFrame], evidence: Devices) -> list[SlowRank]:
     """No rank's own work grew: did the collectives slow for most ranks? Then the path between them did."""
     shifts: dict[int, Shift] = {}
     for rank, rows in by_rank.items():
@@ -244,14 +253,17 @@ def _path(by_rank: Mapping[int, pd.DataFrame], devices: Mapping[int, DeviceEvide
     after = float(np.median([s.after for s in shifts.values()]))
     work = float(np.median([_median_since(g, "work_us", since) for g in by_rank.values()]))
     speedup = (work + after) / (work + before) - 1 if work + before > 0 else 0.0
+    devices = evidence(since)
     head = (f"collectives of {len(shifts)} of {len(by_rank)} ranks slowed from {_ms(before)} to {_ms(after)} while "
             f"every rank's own work stayed normal ({_ms(work)} per collective)")
     for test in (_nvlink, _pcie):
         for rank, dev in sorted(devices.items()):
             cause, text = test(dev, [d for r, d in devices.items() if r != rank], 1.0)
             if cause:
-                return [SlowRank(rank, cause, f"{head}; rank {rank}: {text}", since, max(0.0, speedup))]
-    return [SlowRank(None, "network", f"{head}; no GPU's link counters stand out", since, max(0.0, speedup))]
+                return [SlowRank(rank, dev.node, dev.gpu_index, cause, f"{head}; rank {rank}: {text}", since,
+                                 max(0.0, speedup))]
+    return [SlowRank(None, None, None, "network", f"{head}; no GPU's link counters stand out", since,
+                     max(0.0, speedup))]
 
 
 def _ms(us: float) -> str:
