@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from gpuwatch.collector.alert_hub import SLOW_RANK, AlertHub, list_alerts
+from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.change_point import upward_shift
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.store import open_store
@@ -44,7 +45,7 @@ def test_each_injected_kind_is_named_on_its_rank_soon_after_onset(kind):
 
 def test_a_healthy_job_is_never_blamed_over_a_long_run():
     checks = 0
-    for check in run_job("healthy", 8, [], seconds=2 * 3600, check_every_s=60):
+    for check in run_job("healthy", 4, [], seconds=2 * 3600, check_every_s=60):
         assert find_slow_ranks(*check.evidence("healthy")) == [], f"a cause raised at {check.t} s"
         checks += 1
     assert checks == 120
@@ -121,6 +122,8 @@ def test_jobs_monitor_names_the_cause_live_on_both_engines(kind, tmp_path):
         assert 0.1 < slow["speedup_without"] < 1
         (job,) = [j for j in monitor.jobs(check.now_s * 1e6) if j["job_id"] == "live-job"]
         assert job["slow_ranks"] == [slow]
+        doc = json.loads(BreakdownService().breakdown(q.BreakdownRequest(job_id="live-job"), store).json)
+        assert [(r["rank"], r["cause"]) for r in doc["slow_ranks"]] == [(2, "power")]
         alerts = json.loads(list_alerts(q.AlertsRequest(), store).json)
         (alert,) = [a for a in alerts if a["alertname"] == SLOW_RANK]
         assert alert["rank"] == "2" and "power" in alert["summary"] and "power cap/brake" in alert["summary"]

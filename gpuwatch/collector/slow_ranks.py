@@ -58,3 +58,9 @@ def slow_rank_docs(found: Sequence[SlowRank], rows: pd.DataFrame,
                      "lost_gpu_seconds": round(max(0.0, newest_us - since) / 1e6 * ranks * share, 3),
                      "speedup_without": round(s.speedup_without, 4)})
     return docs
+
+
+def live_slow_ranks(store: Store, job_id: str, window_s: float, delayed: Sequence[int] = ()) -> list[dict[str, Any]]:
+    """The documents of the job's slow ranks over its last ``window_s`` of spans (a live breakdown's)."""
+    rows = store.recent_spans(window_s, job_id)
+    return slow_rank_docs(job_slow_ranks(store, job_id, rows, delayed), rows) if len(rows) else []
