@@ -8,8 +8,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import json
+from pathlib import Path
+
 import pandas as pd
 
+from gpuwatch.agent.nccl_inspector import InspectorReader
 from gpuwatch.agent.nvml import NvmlSampler
 from gpuwatch.collector.slow_evidence import GPU_COLUMNS, device_evidence, rank_intervals
 from gpuwatch.core.batches import BatchBuilder
@@ -50,10 +54,11 @@ class Check:
 
 def run_job(job: str, gpus: int, specs: Sequence[FailSlowSpec], *, seconds: float, window_s: float = 300.0,
             check_every_s: float = 30.0, store: Any = None, node_name: str | None = None,
-            jitter: float = 0.02) -> Iterator[Check]:
+            jitter: float = 0.02, inspector_dir: Path | None = None) -> Iterator[Check]:
     """Run ``job`` on ``gpus`` simulated GPUs (rank r on GPU r) with ``specs`` for ``seconds``, sampling every
     simulated second; every ``check_every_s`` yield a :class:`Check` (having written the rows since the last
-    one to ``store`` as one batch, when given)."""
+    one to ``store`` as one batch, when given). With ``inspector_dir`` the job's collectives reach the spans
+    only as NCCL inspector dump files written there and read back by the agent's reader (no probe)."""
     clock = SteppedClock(START_S)
     node = SimulatedNode(gpus, node=node_name or f"node-{job}", job=job, fail_slow=specs, job_straggler=False,
                          job_jitter=jitter, clock=clock)
@@ -64,6 +69,7 @@ def run_job(job: str, gpus: int, specs: Sequence[FailSlowSpec], *, seconds: floa
         sampler = NvmlSampler(clock=clock)
         devices = sampler.open()
         builder = BatchBuilder(pb.NodeIdentity(node=node.fleet.node), f"agent-{job}", [d.info() for d in devices])
+        reader = InspectorReader(inspector_dir, node.environ) if inspector_dir is not None else None
         try:
             next_check, t, seq = check_every_s, 0.0, 0
             while t < seconds:
@@ -79,6 +85,12 @@ def run_job(job: str, gpus: int, specs: Sequence[FailSlowSpec], *, seconds: floa
                 host_rows.append({"node": node.fleet.node, "ts": pd.Timestamp(ts_ms, unit="ms"), **host})
                 builder.add_host_row(ts_ms, host)
                 table = node.job.spans()
+                if reader is not None:
+                    pids = {g.index: g.processes[0].pid for g in node.fleet.gpus}
+                    write_inspector_records(inspector_dir, table, pids)
+                    table = reader.drain()
+                    del table.node[:]  # the agent names the node
+                    table.node.extend([node.fleet.node] * len(table.start_us))
                 builder.add_spans(table)
                 spans.append(pd.DataFrame({f.name: list(getattr(table, f.name)) for f in table.DESCRIPTOR.fields}))
                 if t < next_check:
@@ -95,3 +107,32 @@ def run_job(job: str, gpus: int, specs: Sequence[FailSlowSpec], *, seconds: floa
                 yield Check(t, clock.now, spans[0], pd.DataFrame(gpu_rows), pd.DataFrame(host_rows))
         finally:
             sampler.close()
+
+
+def write_inspector_records(directory: Path, table: pb.SpanTable, pids: dict[int, int],
+                            verbose: bool = True) -> None:
+    """Append the table's collectives to ``<directory>/<host>-pid<pid>.log`` of each rank's process, one JSON
+    object per line as NCCL's inspector plugin writes them (v4.0 format; with ``event_trace_ts`` if verbose)."""
+    for i, kind in enumerate(table.kind):
+        if kind != "collective":
+            continue
+        rank, start, dur = table.rank[i], table.start_us[i], table.dur_us[i]
+        perf: dict[str, Any] = {"coll": "AllReduce", "coll_sn": table.seq[i], "coll_msg_size_bytes": table.bytes[i],
+                                "coll_exec_time_us": round(dur), "coll_timing_source": "kernel_gpu",
+                                "coll_algobw_gbs": 100.0, "coll_busbw_gbs": 175.0}
+        if verbose:
+            perf["event_trace_sn"] = {"coll_start_sn": 1, "coll_stop_sn": 2, "kernel_events": [
+                {"channel_id": 0, "kernel_start_sn": 3, "kernel_stop_sn": 4, "kernel_record_sn": 4}]}
+            perf["event_trace_ts"] = {"coll_start_ts": round(start) - 5, "coll_stop_ts": round(start) - 2,
+                                      "kernel_events": [{"channel_id": 0, "kernel_start_ts": round(start),
+                                                         "kernel_stop_ts": round(start + dur),
+                                                         "kernel_record_ts": round(start + dur)}]}
+        record = {"header": {"id": "0x7f8c496ae9f661", "comm_name": "world", "rank": rank,
+                             "n_ranks": table.world_size[i], "nnodes": 1},
+                  "metadata": {"inspector_output_format_version": "v4.0", "git_rev": "",
+                               "rec_mechanism": "nccl_profiler_interface",
+                               "dump_timestamp_us": round(start + dur) + 300, "hostname": "sim-host",
+                               "pid": pids[rank]},
+                  "coll_perf": perf}
+        with (directory / f"sim-host-pid{pids[rank]}.log").open("a") as f:
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")

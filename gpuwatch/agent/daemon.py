@@ -148,6 +148,10 @@ class Agent:
         self.clock: Clock = clock if clock is not None else WallClock()
         self.environ = environ
         self.span_sources = list(span_sources)
+        if config.nccl_inspector_dir:  # NCCL's inspector plugin: collective spans from jobs without the probe
+            from gpuwatch.agent.nccl_inspector import InspectorReader
+
+            self.span_sources.append(InspectorReader(config.nccl_inspector_dir, environ, config.job_label or "").drain)
         self.host = host
         self._stop = threading.Event()
         self._events: list[Event] = []

@@ -191,6 +191,8 @@ class AgentSettings(ClientSecurity):
     spool_max_bytes: int = setting(256 * 1024 * 1024, "spool size bound; oldest batches dropped", positive)
     probe_socket: str | None = setting(None, "Unix socket the in-process training probe sends to")
     job_label: str | None = setting(None, "environment variable naming the job (beyond SLURM/torchelastic)")
+    nccl_inspector_dir: str | None = setting(None, "directory of NCCL inspector plugin dumps "
+                                             "(NCCL_INSPECTOR_DUMP_DIR) to send as collective spans")
     metrics_listen: str | None = setting(None, "optional node-local Prometheus endpoint HOST:PORT", address)
     metrics_token_file: str | None = setting(None, "bearer token Prometheus must send to the node-local endpoint")
     metrics_names: str = setting("gpuwatch", "metric names of the node-local endpoint: gpuwatch, or dcgm "
