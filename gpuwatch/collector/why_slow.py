@@ -70,11 +70,13 @@ def find_slow_ranks(intervals: pd.DataFrame, devices: Devices, delayed: Sequence
     if intervals.empty or intervals["rank"].nunique() < 2:
         return []
     by_rank = {int(r): g.sort_values("arrive_us") for r, g in intervals.groupby("rank")}
+    levels = _Levels(by_rank)
+    start = float(intervals["arrive_us"].min())
     slow: dict[int, float] = {}  # slow rank -> onset
     for rank, rows in by_rank.items():
         shift = upward_shift(rows["work_us"].to_numpy())
-        since = float(rows["arrive_us"].iloc[shift.index if shift else 0])
-        if _above_peers(by_rank, rank, since):
+        since = float(rows["arrive_us"].iloc[shift.index]) if shift else start
+        if levels.above_peers(rank, since):
             slow[rank] = since
     found = [_explain(rank, since, by_rank, devices(since)) for rank, since in sorted(slow.items())]
     if not slow:
@@ -91,19 +93,37 @@ def find_slow_ranks(intervals: pd.DataFrame, devices: Devices, delayed: Sequence
     return found
 
 
-def _above_peers(by_rank: Mapping[int, pd.DataFrame], rank: int, since_us: float) -> bool:
-    """Whether the rank's work since ``since_us`` sits above every peer's and above their level by more than
-    MARGIN x the larger of a peer's single-interval noise and the peers' dispersion."""
-    mine = by_rank[rank].loc[by_rank[rank]["arrive_us"] >= since_us, "work_us"]
-    peers = [g.loc[g["arrive_us"] >= since_us, "work_us"] for r, g in by_rank.items() if r != rank]
-    peers = [p for p in peers if len(p)]
-    if len(mine) < 3 or not peers:
-        return False
-    peer_medians = np.array([p.median() for p in peers])
-    level = float(np.median(peer_medians))
-    noise = float(np.median([robust_sigma(p.to_numpy()) for p in peers]))
-    unit = max(noise, robust_sigma(peer_medians), 1e-6 * level)
-    return float(mine.median()) > max(level + MARGIN * unit, float(peer_medians.max()))
+class _Levels:
+    """Each rank's median work and single-interval noise since an onset, computed once per onset (ranks
+    without a change point share the window's start), so a large job costs one pass per distinct onset."""
+
+    def __init__(self, by_rank: Mapping[int, pd.DataFrame]) -> None:
+        self.ranks = list(by_rank)
+        self._arrive = [g["arrive_us"].to_numpy(dtype=float) for g in by_rank.values()]
+        self._work = [g["work_us"].to_numpy(dtype=float) for g in by_rank.values()]
+        self._cache: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def since(self, since_us: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(medians, robust sigmas, interval counts) of every rank's work from ``since_us`` on."""
+        if since_us not in self._cache:
+            parts = [w[np.searchsorted(a, since_us):] for a, w in zip(self._arrive, self._work)]
+            self._cache[since_us] = (np.array([np.median(p) if len(p) else np.nan for p in parts]),
+                                     np.array([robust_sigma(p) for p in parts]), np.array([len(p) for p in parts]))
+        return self._cache[since_us]
+
+    def above_peers(self, rank: int, since_us: float) -> bool:
+        """Whether the rank's work since ``since_us`` sits above every peer's and above their level by more
+        than MARGIN x the larger of a peer's single-interval noise and the peers' dispersion."""
+        medians, sigmas, counts = self.since(since_us)
+        i = self.ranks.index(rank)
+        others = np.arange(len(self.ranks)) != i
+        peers = others & (counts > 0)
+        if counts[i] < 3 or not peers.any():
+            return False
+        peer_medians = medians[peers]
+        level = float(np.median(peer_medians))
+        unit = max(float(np.median(sigmas[peers])), robust_sigma(peer_medians), 1e-6 * level)
+        return float(medians[i]) > max(level + MARGIN * unit, float(peer_medians.max()))
 
 
 def _median_since(rows: pd.DataFrame, column: str, since_us: float) -> float:
