@@ -3,6 +3,8 @@ blamed, a rank that only waits never blamed, and the jobs monitor's slow_ranks o
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -13,7 +15,9 @@ from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.change_point import upward_shift
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.store import open_store
+from gpuwatch.collector.slow_evidence import THERMAL_REASONS, rank_intervals
 from gpuwatch.collector.why_slow import find_slow_ranks
+from gpuwatch.core.recording import open_recording
 from gpuwatch.simulator.fail_slow import KINDS, parse_fail_slow_spec
 from gpuwatch.v1 import query_pb2 as q
 from helpers import STORE_KINDS, store_url
@@ -130,3 +134,48 @@ def test_jobs_monitor_names_the_cause_live_on_both_engines(kind, tmp_path):
     finally:
         hub.stop()
         store.close()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("gpu=1,kind=warm", "kind=warm: must be one of thermal, power"),
+    ("gpu=x,kind=thermal", "gpu=x: must be a GPU index"),
+    ("gpu=1,kind=thermal,after=10m,until=5m", "until=5m must come after after=10m"),
+    ("gpu=1,kind=thermal,factor=0.5", "factor=0.5: must be a number > 1"),
+    ("kind=thermal", "missing gpu"),
+])
+def test_a_bad_fail_slow_spec_is_refused_with_one_line(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_fail_slow_spec(spec)
+
+
+def _agent(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuwatch", "agent", *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_agent_flag_refuses_without_a_job_and_a_gpu_the_node_lacks():
+    run = _agent("--simulate", "2", "--sim-fail-slow", "gpu=1,kind=thermal", "--ticks", "1", "--record", "/nonexistent")
+    assert run.returncode != 0 and "--sim-fail-slow needs --simulate N and --sim-job JOB" in run.stderr
+    assert "Traceback" not in run.stderr
+    run = _agent("--simulate", "2", "--sim-job", "j", "--sim-fail-slow", "gpu=2,kind=thermal", "--ticks", "1")
+    assert run.returncode != 0 and "gpu=2: the node simulates GPUs 0-1" in run.stderr
+
+
+def test_agent_with_a_fail_slow_sends_the_cause_in_its_counters_and_the_rank_slower(tmp_path):
+    rec = tmp_path / "R"
+    run = _agent("--simulate", "2", "--sim-job", "fs-job", "--sim-fail-slow", "gpu=1,kind=host_cpu,after=0",
+                 "--sim-fail-slow", "gpu=0,kind=thermal,after=0", "--sim-speed", "20", "--ticks", "4",
+                 "--interval", "0.2", "--record", str(rec), "--node", "fs-node")
+    assert run.returncode == 0, run.stderr
+    recording = open_recording(rec)
+    gpu = recording.table("gpu_samples")
+    hot = gpu[gpu["gpu_index"] == 0]
+    assert (hot["gpu_clock_event_reasons"].astype(int) & THERMAL_REASONS).all()
+    assert (hot["gpu_sm_clock_hertz"] < gpu[gpu["gpu_index"] == 1]["gpu_sm_clock_hertz"].min()).all()
+    assert (recording.table("host_samples")["host_cpu_utilization_ratio"] > 0.95).all()
+    spans = recording.table("spans")
+    intervals = rank_intervals(spans[spans["job_id"] == "fs-job"])
+    stall = intervals.groupby("rank")["stall_us"].median()
+    compute = intervals.groupby("rank")["compute_us"].median()
+    assert stall[1] > 0.3 * compute[1] and stall[0] < 0.01 * compute[0]  # the starved rank stalls on its host
+    assert compute[0] > 1.3 * compute[1]  # the throttled GPU computes slower
