@@ -34,7 +34,8 @@ def _snapshot(n_jobs: int = 2) -> dict:
     jobs = [
         {"job_id": f"job-{j}", "breakdown": {"compute": 0.55, "comm_wait": 0.25, "host_stall": 0.2, "bogus": 1.0},
          "lost_gpu_seconds_total": 100.0 * j, "rank_lost_ratio": {0: 0.4, 1: 0.5}, "stragglers": {1: 0.012} if j else {},
-         "slow_ranks": [{"rank": 1, "cause": "thermal", "lost_gpu_seconds": 30.0, "speedup_without": 0.25}] if j else []}
+         "slow_ranks": [{"rank": 1, "cause": "thermal", "lost_gpu_seconds": 30.0, "speedup_without": 0.25}]
+         if j else []}
         for j in range(n_jobs)
     ]
     return {
