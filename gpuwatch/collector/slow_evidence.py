@@ -129,23 +129,25 @@ def _evidence(node: str, index: int, rows: pd.DataFrame, whole: pd.DataFrame,
         return float(((reasons & mask) != 0).mean()) if len(reasons) else 0.0
 
     start = rows["ts"].iloc[0]
+    times_all = whole["ts"].to_numpy(dtype=float)
 
-    def since_onset(column: str) -> tuple[pd.Series, float]:
+    def since_onset(column: str) -> tuple[np.ndarray, float]:
         """A column's values from the onset on, one sampling interval early (a field of the reliability
         tier is sampled every 30 s or so: the sample after the onset may not have come yet, and the one just
         before it may already hold the change), and its last value before them (the counter's baseline)."""
-        values = whole[column].dropna()
-        times = whole.loc[values.index, "ts"]
-        cadence = float(times.diff().median()) if len(times) > 1 else 0.0
+        values = whole[column].to_numpy(dtype=float)
+        sampled = ~np.isnan(values)
+        values, times = values[sampled], times_all[sampled]
+        cadence = float(np.median(np.diff(times))) if len(times) > 1 else 0.0
         after = times >= start - cadence
         base = values[~after]
-        return values[after], float(base.iloc[-1]) if len(base) else float(values.iloc[0]) if len(values) else 0.0
+        return values[after], float(base[-1]) if len(base) else float(values[0]) if len(values) else 0.0
 
     def rise(*columns: str) -> float:
         total = 0.0
         for c in columns:
             values, base = since_onset(c)
-            total += max(0.0, float(values.iloc[-1]) - base) if len(values) else 0.0
+            total += max(0.0, float(values[-1]) - base) if len(values) else 0.0
         return total
 
     def low(column: str) -> float:
