@@ -8,7 +8,9 @@ efficiency engine (the same one as `gpuwatch analyze`): breakdown fractions, los
 stragglers as docs/efficiency.md defines them (last to arrive far more often than chance *and*
 busier than the peers; ranks late only because they waited are `delayed`, not flagged). A straggler keeps
 the time the monitor first flagged it (``since``) while it stays flagged. Hangs come from
-:func:`~gpuwatch.collector.live.detect_hangs`. Both become alerts (``SlowRank``, ``JobHang``) through the
+:func:`~gpuwatch.collector.live.detect_hangs`. Each job's ``slow_ranks`` say why a rank is slow, with the
+evidence, onset and cost (:mod:`gpuwatch.collector.slow_ranks`, docs/why-slow.md); the monitor keeps a cause's
+onset while it holds. Stragglers, slow ranks and hangs become alerts (``SlowRank``, ``JobHang``) through the
 :class:`~gpuwatch.collector.alert_hub.AlertHub` and resolve when they clear. The per-step efficiency of
 the spans analysed each round is kept in the store, where it outlives the raw spans' window.
 """
