@@ -80,3 +80,21 @@ def pipeline_worker(rank: int, world: int, port: int, sock: str, out_dir: str) -
         time.sleep(1.0)  # arrive late at the barrier: rank 0 reports its barrier as still running
     dist.barrier()
     finish_rank(probe, out_dir, rank)
+
+
+LOADER_STEPS, LOADER_ONSET, LOADER_SLOW_RANK = 30, 20, 1
+LOADER_DELAY_S = 1.0  # far above what a loaded test machine's scheduling adds to a step (tens of ms)
+
+
+def slow_loader_worker(rank: int, world: int, port: int, sock: str, out_dir: str) -> None:
+    """Data-parallel steps (a small matmul, an all_reduce); from step LOADER_ONSET on, rank LOADER_SLOW_RANK's
+    data loader takes LOADER_DELAY_S more per batch, so its peers wait for it in every all_reduce."""
+    init_rank(rank, world, port)
+    probe = gpuwatch.probe.start(job="dp-loader", endpoint=sock)
+    weights = torch.ones(64, 64)
+    for step in range(LOADER_STEPS):
+        time.sleep(0.01 + (LOADER_DELAY_S if rank == LOADER_SLOW_RANK and step >= LOADER_ONSET else 0.0))  # batch
+        grads = weights @ torch.ones(64, 64)
+        dist.all_reduce(grads)
+        probe.step()
+    finish_rank(probe, out_dir, rank)

@@ -103,6 +103,7 @@ def test_live_breakdown_from_probe_spans(collector):
     doc = fetch_breakdown(stub, "L", per_step=True)
     assert doc.pop("source") == "live"
     assert doc.pop("history") == {"steps": 0, "ranks": 0, "breakdown_us": {}}  # no jobs-monitor round yet
+    assert doc.pop("slow_ranks") == []  # no rank's work stands out (docs/why-slow.md)
     expected = orjson.loads(orjson.dumps(analyze(timelines_from_spans(rows, source="job L probe spans"),
                                                  per_step=True).to_json()))
     assert doc == expected

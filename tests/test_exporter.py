@@ -34,7 +34,9 @@ def _snapshot(n_jobs: int = 2) -> dict:
     jobs = [
         {"job_id": f"job-{j}", "breakdown": {"compute": 0.55, "comm_wait": 0.25, "host_stall": 0.2, "bogus": 1.0},
          "lost_gpu_seconds_total": 100.0 * j, "rank_lost_ratio": {0: 0.4, 1: 0.5},
-         "stragglers": {1: 0.012} if j else {}}
+         "stragglers": {1: 0.012} if j else {},
+         "slow_ranks": [{"rank": 1, "cause": "thermal", "lost_gpu_seconds": 30.0, "speedup_without": 0.25}]
+         if j else []}
         for j in range(n_jobs)
     ]
     return {
@@ -79,6 +81,9 @@ def test_render_values_and_types():
     assert _value(text, "gpuwatch_job_lost_gpu_seconds_total", job_id="job-1") == 100.0
     assert _value(text, "gpuwatch_job_stragglers", job_id="job-0") == 0.0
     assert _value(text, "gpuwatch_job_straggler_lateness_seconds", job_id="job-1", rank="1") == 0.012
+    assert _value(text, "gpuwatch_job_slow_rank_lost_gpu_seconds", job_id="job-1", rank="1", cause="thermal") == 30.0
+    assert _value(text, "gpuwatch_job_slow_rank_speedup_ratio", job_id="job-1", rank="1", cause="thermal") == 0.25
+    assert not [s for s in _samples(text) if s.name.startswith("gpu_") and "cause" in s.labels]  # per job only
     assert _value(text, "gpuwatch_ingest_write_queue_depth") == 3.0
     assert _value(text, "gpuwatch_ingest_commit_seconds_bucket", le="0.005") == 2.0
     assert _value(text, "gpuwatch_ingest_commit_seconds_count") == 3.0

@@ -83,6 +83,12 @@ class WallClock:
 SpanSource = Callable[[], pb.SpanTable]
 
 
+class HostSource(Protocol):
+    """What samples the host metrics each tick (HostSampler, or a simulated host)."""
+
+    def sample(self) -> dict[str, float]: ...
+
+
 def default_spool_dir() -> Path:
     """/var/lib/gpuwatch/spool when this user may write there, else ~/.cache/gpuwatch/spool."""
     probe = SYSTEM_SPOOL
@@ -136,19 +142,25 @@ class Agent:
 
     ``clock`` stamps samples and events (default: the wall clock; intervals stay real seconds whatever it
     is); ``environ`` reads a GPU process's environment by PID to name its job (default: /proc/<pid>/environ);
-    ``span_sources`` are drained into each batch beside the probe socket's spans. A simulated node hands in
+    ``span_sources`` are drained into each batch beside the probe socket's spans; ``host`` samples the host
+    metrics (default: psutil's :class:`HostSampler`). A simulated node hands in
     its own (gpuwatch.simulator.node.SimulatedNode, wired by the application that installs it).
     """
 
     def __init__(self, config: AgentConfig, *, clock: Clock | None = None,
                  environ: Callable[[int], dict[str, str] | None] = read_proc_environ,
-                 span_sources: Sequence[SpanSource] = ()) -> None:
+                 span_sources: Sequence[SpanSource] = (), host: HostSource | None = None) -> None:
         if config.collector is None and config.record is None:
             raise UserError("nothing to send to: give a collector, a recording (--record), or both")
         self.config = config
         self.clock: Clock = clock if clock is not None else WallClock()
         self.environ = environ
         self.span_sources = list(span_sources)
+        if config.nccl_inspector_dir:  # NCCL's inspector plugin: collective spans from jobs without the probe
+            from gpuwatch.agent.nccl_inspector import InspectorReader
+
+            self.span_sources.append(InspectorReader(config.nccl_inspector_dir, environ, config.job_label or "").drain)
+        self.host = host
         self._stop = threading.Event()
         self._events: list[Event] = []
         self._events_lock = threading.Lock()
@@ -185,7 +197,7 @@ class Agent:
             if kubelet is not None:
                 stack.callback(kubelet.close)
             self.owners = OwnerTracker({d.index: d.uuid for d in devices}, kubelet, sampler.mig_parents())
-            host = HostSampler()
+            host = self.host if self.host is not None else HostSampler()
             agent_id = self.spool.agent_id if self.spool else f"record-{cfg.node}"
             builder = BatchBuilder(self._identity(sampler), agent_id, [d.info() for d in devices])
             if cfg.record is not None:
@@ -294,7 +306,7 @@ class Agent:
             return event
         return replace(event, ts_ms=int(self.clock.from_wall(event.ts_ms / 1000) * 1000))
 
-    def _tick(self, sampler: NvmlSampler, host: HostSampler, jobs: JobResolver, builder: BatchBuilder) -> None:
+    def _tick(self, sampler: NvmlSampler, host: HostSource, jobs: JobResolver, builder: BatchBuilder) -> None:
         ts_ms = self._now_ms()
         tick = sampler.sample()
         if tick.slow:

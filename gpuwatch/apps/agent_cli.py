@@ -20,6 +20,8 @@ from gpuwatch.core import settings as config
 from gpuwatch.agent.daemon import Agent, AgentConfig
 from gpuwatch.agent.kubelet import DEFAULT_KUBELET_SOCKET
 from gpuwatch.simulator.degrade import KINDS, FaultSpec, parse_fault_spec
+from gpuwatch.simulator.fail_slow import KINDS as SLOW_KINDS
+from gpuwatch.simulator.fail_slow import FailSlowSpec, parse_fail_slow_spec
 from gpuwatch.simulator.gpu import MODELS
 from gpuwatch.simulator.node import SimulatedNode
 from gpuwatch.core.errors import UserError
@@ -69,6 +71,10 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-job", default=None, metavar="JOB_ID",
                         help="with --simulate: run a synthetic training job JOB_ID on the simulated GPUs (one rank "
                              "per GPU, one of them slow) and send its probe-style spans (docs/simfleet.md)")
+    parser.add_argument("--sim-fail-slow", action="append", default=[], metavar="SPEC",
+                        help="with --simulate and --sim-job, repeatable: make a GPU (or its host) slow but alive, "
+                             f"e.g. gpu=3,kind=thermal,after=5m,until=20m (kinds: {', '.join(SLOW_KINDS)}; optional "
+                             "factor=, default 1.6 times slower); times count from --sim-start (docs/simfleet.md)")
     parser.add_argument("--sim-job-step", type=float, default=1.0, metavar="SECONDS",
                         help="with --sim-job: its step time in simulated seconds, default 1")
 
@@ -108,17 +114,19 @@ def simulated_node(args: argparse.Namespace, node: str) -> SimulatedNode | None:
     """The node --simulate N and the --sim-* flags describe (None without --simulate); UserError naming a bad flag."""
     start = _sim_start(args.sim_start)
     faults = _sim_faults(args)
+    slow = _sim_fail_slow(args)
     if not args.simulate:
         return None
     return SimulatedNode(args.simulate, node=node, model=args.sim_model, speed=args.sim_speed, start=start,
-                         origin=args.sim_origin, faults=faults, job=args.sim_job or None, job_step_s=args.sim_job_step)
+                         origin=args.sim_origin, faults=faults, job=args.sim_job or None, job_step_s=args.sim_job_step,
+                         fail_slow=slow)
 
 
 def simulated_agent(config: AgentConfig, node: SimulatedNode) -> Agent:
     """The agent pointed at ``node`` (installed beneath pynvml by whoever enters it): its clock, process
     environments and synthetic job's spans; batches say ``simulated``; no host kernel log is read for XIDs."""
     config = replace(config, kmsg_path=None, labels={**config.labels, "simulated": "true"})
-    return Agent(config, clock=node.clock, environ=node.environ, span_sources=node.span_sources)
+    return Agent(config, clock=node.clock, environ=node.environ, span_sources=node.span_sources, host=node.host)
 
 
 def _sim_start(text: str | None) -> float | None:
@@ -153,6 +161,21 @@ def _sim_faults(args: argparse.Namespace) -> tuple[FaultSpec, ...]:
             raise UserError(f"--sim-fault {text!r}: {exc}") from None
         if args.simulate and specs[-1].gpu >= args.simulate:
             raise UserError(f"--sim-fault gpu={specs[-1].gpu}: the node simulates GPUs 0-{args.simulate - 1}")
+    return tuple(specs)
+
+
+def _sim_fail_slow(args: argparse.Namespace) -> tuple[FailSlowSpec, ...]:
+    """The --sim-fail-slow specs, checked: they slow a rank of --sim-job on a GPU the node simulates."""
+    if args.sim_fail_slow and not (args.simulate and args.sim_job):
+        raise UserError("--sim-fail-slow needs --simulate N and --sim-job JOB (it slows a rank of that job)")
+    specs = []
+    for text in args.sim_fail_slow:
+        try:
+            specs.append(parse_fail_slow_spec(text))
+        except ValueError as exc:
+            raise UserError(f"--sim-fail-slow {text!r}: {exc}") from None
+        if specs[-1].gpu >= args.simulate:
+            raise UserError(f"--sim-fail-slow gpu={specs[-1].gpu}: the node simulates GPUs 0-{args.simulate - 1}")
     return tuple(specs)
 
 

@@ -72,7 +72,8 @@ def fetch_events(stub: query_pb2_grpc.QueryStub, *, node: str | None = None, kin
 
 
 def fetch_jobs(stub: query_pb2_grpc.QueryStub) -> list[dict[str, Any]]:
-    """One dict per job: job_id, ranks, nodes, steps, step_rate, lost_fraction, stragglers, delayed, hang."""
+    """One dict per job: job_id, ranks, nodes, steps, step_rate, lost_fraction, stragglers, delayed, slow_ranks,
+    hang."""
     return json.loads(stub.Jobs(q.JobsRequest(), timeout=_RPC_TIMEOUT_S).json)
 
 
@@ -163,10 +164,16 @@ LATEST = query_command(fetch_latest, _node_gpu_filters, ("node", "gpu_index", "t
 SERIES = query_command(fetch_series, _series_arguments, ("ts", "value"), "no points")
 EVENTS = query_command(fetch_events, _events_arguments, ("ts", "node", "gpu_index", "kind", "code", "message"),
                        "no events")
+def _slow_ranks_cell(slow_ranks: list[dict[str, Any]]) -> str:
+    """``rank:cause`` of each slow rank (``-:network`` for the path between ranks)."""
+    return ",".join(f"{'-' if r['rank'] is None else r['rank']}:{r['cause']}" for r in slow_ranks)
+
+
 JOBS = query_command(fetch_jobs, table_columns=("job_id", "sources", "ranks", "nodes", "gpus", "steps", "step_rate",
-                                                "lost_fraction", "stragglers", "hang"), empty="no jobs",
-                     # the table counts straggler ranks (--json keeps each one's evidence)
-                     table_row=lambda job: {**job, "stragglers": len(job.get("stragglers") or [])})
+                                                "lost_fraction", "stragglers", "slow_ranks", "hang"), empty="no jobs",
+                     # the table counts straggler ranks and names slow ones rank:cause (--json keeps the evidence)
+                     table_row=lambda job: {**job, "stragglers": len(job.get("stragglers") or []),
+                                            "slow_ranks": _slow_ranks_cell(job.get("slow_ranks") or [])})
 ALERTS = query_command(fetch_alerts, lambda p: p.add_argument("--all", dest="include_resolved", action="store_true",
                                                               help="include resolved alerts"),
                        ("alertname", "status", "starts_at", "ends_at", "summary"), "no alerts")

@@ -8,7 +8,8 @@ of the job's ranks when another one arrives (cross-rank waits and stragglers nee
 result is kept as the JSON document (`breakdown_docs`) and as rows per job, rank and step
 (`breakdowns`; step NULL is the rank's whole window, -1 the slice before its first known step), for SQL
 and dashboards. A live breakdown analyses the job's last ``live_window_s`` of spans (raw spans are kept for
-a bounded window only) and adds the per-step totals the jobs monitor aggregated over the job's life.
+a bounded window only) and adds the per-step totals the jobs monitor aggregated over the job's life, and the
+job's slow ranks with their causes (:mod:`gpuwatch.collector.slow_ranks`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from gpuwatch.efficiency.load import SPAN_ENDINGS, TRACE_ENDINGS, load_file
 from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.collector.live import probe_timelines
+from gpuwatch.collector.slow_ranks import live_slow_ranks
 from gpuwatch.collector.store.base import Store
 from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
@@ -80,7 +82,8 @@ class BreakdownService:
         doc = stored_doc(store, job_id, TRACES)
         if doc is None:
             analysis = _analyze(job_id, live_timelines(store, job_id, self.live_window_s))
-            doc = {**_document(analysis, LIVE), "history": step_history(store, job_id)}
+            doc = {**_document(analysis, LIVE), "history": step_history(store, job_id),
+                   "slow_ranks": live_slow_ranks(store, job_id, self.live_window_s, [d.rank for d in analysis.delayed])}
             store.save_breakdown(job_id, LIVE, breakdown_rows(analysis), _dumps(doc))
         return q.JsonResponse(json=_dumps(doc if request.per_step else without_steps(doc)))
 

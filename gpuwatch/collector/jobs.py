@@ -8,7 +8,9 @@ efficiency engine (the same one as `gpuwatch analyze`): breakdown fractions, los
 stragglers as docs/efficiency.md defines them (last to arrive far more often than chance *and*
 busier than the peers; ranks late only because they waited are `delayed`, not flagged). A straggler keeps
 the time the monitor first flagged it (``since``) while it stays flagged. Hangs come from
-:func:`~gpuwatch.collector.live.detect_hangs`. Both become alerts (``SlowRank``, ``JobHang``) through the
+:func:`~gpuwatch.collector.live.detect_hangs`. Each job's ``slow_ranks`` say why a rank is slow, with the
+evidence, onset and cost (:mod:`gpuwatch.collector.slow_ranks`, docs/why-slow.md); the monitor keeps a cause's
+onset while it holds. Stragglers, slow ranks and hangs become alerts (``SlowRank``, ``JobHang``) through the
 :class:`~gpuwatch.collector.alert_hub.AlertHub` and resolve when they clear. The per-step efficiency of
 the spans analysed each round is kept in the store, where it outlives the raw spans' window.
 """
@@ -30,6 +32,7 @@ from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.result import Analysis
 from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
 from gpuwatch.collector.periodic import PeriodicService
+from gpuwatch.collector.slow_ranks import job_slow_ranks, slow_rank_docs
 from gpuwatch.core.times import iso_utc
 from gpuwatch.collector.store.base import STEP_MARK_KINDS, Store
 from gpuwatch.core.errors import UserError
@@ -77,7 +80,8 @@ def list_jobs(store: Store, now_us: float | None = None, window_s: float = DEFAU
         job["ranks"] = job["ranks"] or int(row["ranks"]) or None
         job["last_sample"] = iso_utc(int(row["last_seen_ms"]))
     for job in jobs.values():
-        job.update({"stragglers": [], "delayed": [], "hang": None, **(flags or {}).get(job["job_id"], {})})
+        job.update({"stragglers": [], "delayed": [], "slow_ranks": [], "hang": None,
+                    **(flags or {}).get(job["job_id"], {})})
     return [jobs[j] for j in sorted(jobs)]
 
 
@@ -147,6 +151,7 @@ class JobsMonitor(PeriodicService):
         self.hang_threshold_s = hang_threshold_s
         self._flags: dict[str, dict[str, Any]] = {}
         self._since: dict[tuple[str, int], int] = {}
+        self._onsets: dict[tuple[str, int | None, str], float] = {}  # (job, rank, cause) -> first onset (us)
         self._lost_s: dict[str, float] = {}
         self._ingested_upto: pd.Timestamp | None = None  # spans ingested up to here count in _lost_s
         self._lock = threading.Lock()
@@ -221,7 +226,9 @@ class JobsMonitor(PeriodicService):
         flagged = {(job_id, s["rank"]) for s in stragglers}
         for key in [k for k in self._since if k[0] == job_id and k not in flagged]:
             del self._since[key]
+        window = rows[rows["start_us"] >= now_us - self.window_s * 1e6]
         return {
+            "slow_ranks": self._slow_ranks(job_id, window, [d.rank for d in doc.delayed] if doc else []),
             "breakdown": doc.job.breakdown_fraction if doc else {},
             "lost_fraction": doc.job.lost_us / doc.job.window_us if doc and doc.job.window_us else None,
             "rank_lost_ratio": {r.rank: r.lost_us / r.window_us for r in doc.ranks if r.window_us} if doc else {},
@@ -231,12 +238,33 @@ class JobsMonitor(PeriodicService):
             "hang": hang,
         }
 
+    def _slow_ranks(self, job_id: str, window: pd.DataFrame, delayed: list[int]) -> list[dict[str, Any]]:
+        """The job's slow ranks with their causes; an onset is remembered while the same cause holds, so a
+        slowdown older than the window keeps its start and its cost since."""
+        try:
+            found = job_slow_ranks(self.bound_store, job_id, window, delayed)
+        except UserError as exc:
+            log.warning("job %s: cannot tell why it is slow: %s", job_id, exc)
+            return []
+        keys = {(job_id, s.rank, s.cause): s.since_us for s in found}
+        for key in [k for k in self._onsets if k[0] == job_id and k not in keys]:
+            del self._onsets[key]
+        for key, since in keys.items():
+            self._onsets[key] = min(since, self._onsets.get(key, since))
+        return slow_rank_docs(found, window, {k[1:]: v for k, v in self._onsets.items() if k[0] == job_id})
+
     def _raise_alerts(self, flags: Mapping[str, Mapping[str, Any]], now_us: float) -> None:
         if self.hub is None:
             return
-        slow = [JobFinding(job_id, f"{job_id}/{s['rank']}", _straggler_summary(job_id, s), s,
+        slow = [JobFinding(job_id, f"{job_id}/{s['rank']}", _straggler_summary(job_id, s, f.get("slow_ranks", [])), s,
                            {"rank": str(s["rank"]), "node": s["node"]})
                 for job_id, f in flags.items() for s in f["stragglers"]]
+        slow += [JobFinding(job_id, f"{job_id}/{r['rank'] if r['rank'] is not None else r['cause']}",
+                            _slow_rank_summary(job_id, r), r,
+                            {"rank": str(r["rank"] if r["rank"] is not None else ""), "node": r["node"] or "",
+                             "cause": r["cause"]})
+                 for job_id, f in flags.items() for r in f.get("slow_ranks", [])
+                 if r["cause"] != "peer" and r["rank"] not in {s["rank"] for s in f["stragglers"]}]
         hung = [JobFinding(job_id, job_id, f["hang"]["summary"], f["hang"]) for job_id, f in flags.items() if f["hang"]]
         now_ms = int(now_us / 1000)
         self.hub.set_job_alerts(SLOW_RANK, slow, now_ms)
@@ -259,8 +287,16 @@ def _node_of(rows: pd.DataFrame, rank: int) -> str:
     return str(nodes.iloc[-1]) if len(nodes) else ""
 
 
-def _straggler_summary(job_id: str, s: Mapping[str, Any]) -> str:
+def _straggler_summary(job_id: str, s: Mapping[str, Any], slow_ranks: list[dict[str, Any]]) -> str:
     busy = f", busy {s['busy_ratio']:.2f}x its peers" if s.get("busy_ratio") else ""
+    why = next((f"; cause {r['cause']}: {r['evidence']}; the job would run {r['speedup_without']:.0%} faster "
+                f"without it" for r in slow_ranks if r["rank"] == s["rank"]), "")
     return (f"rank {s['rank']} of job {job_id} is a straggler: last at {s['last_share']:.0%} of "
             f"{s['collectives']} collectives (chance {s['chance_share']:.0%}), "
-            f"{s['mean_lateness_us'] / 1e3:.1f} ms late on average{busy}, since {s['since']}")
+            f"{s['mean_lateness_us'] / 1e3:.1f} ms late on average{busy}, since {s['since']}{why}")
+
+
+def _slow_rank_summary(job_id: str, r: Mapping[str, Any]) -> str:
+    who = f"rank {r['rank']} of job {job_id} is slow" if r["rank"] is not None else f"job {job_id} is slow"
+    return (f"{who} since {r['since']}: cause {r['cause']}: {r['evidence']}; the job would run "
+            f"{r['speedup_without']:.0%} faster without it ({r['lost_gpu_seconds']:,.0f} GPU seconds lost)")

@@ -60,7 +60,8 @@ def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor
 def _job(flags: Mapping[str, Any]) -> JobSnapshot:
     return {"job_id": flags["job_id"], "breakdown": flags["breakdown"],
             "lost_gpu_seconds_total": flags["lost_gpu_seconds_total"], "rank_lost_ratio": flags["rank_lost_ratio"],
-            "stragglers": {s["rank"]: s["mean_lateness_us"] / 1e6 for s in flags["stragglers"]}}
+            "stragglers": {s["rank"]: s["mean_lateness_us"] / 1e6 for s in flags["stragglers"]},
+            "slow_ranks": flags.get("slow_ranks", [])}
 
 
 class MetricsService:

@@ -87,6 +87,7 @@ class JobSnapshot(TypedDict, total=False):
     lost_gpu_seconds_total: float         # GPU-seconds lost (everything but compute) since the job was seen
     rank_lost_ratio: Mapping[int, float]  # rank -> lost fraction of its window
     stragglers: Mapping[int, float]       # straggler rank -> mean lateness in seconds (empty: none)
+    slow_ranks: Sequence[Mapping[str, Any]]  # the jobs view's slow_ranks (rank None: the path between ranks)
 
 
 class IngestSnapshot(TypedDict, total=False):
@@ -150,6 +151,12 @@ _OWN_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("gpuwatch_job_stragglers", "gauge", "Ranks currently classified as stragglers.", _JOB),
     MetricSpec("gpuwatch_job_straggler_lateness_seconds", "gauge", "A straggler rank's mean lateness at collectives.",
                _RANK),
+    MetricSpec("gpuwatch_job_slow_rank_lost_gpu_seconds", "gauge",
+               "GPU-seconds the job lost to a slow rank since its onset, by cause (rank empty: the network).",
+               _RANK + ("cause",)),
+    MetricSpec("gpuwatch_job_slow_rank_speedup_ratio", "gauge",
+               "How much faster the job would run without a slow rank's slowdown (0.25: 25 %), by cause.",
+               _RANK + ("cause",)),
     MetricSpec("gpuwatch_ingest_batches_total", "counter", "Telemetry batches committed.", ()),
     MetricSpec("gpuwatch_ingest_samples_total", "counter", "Per-GPU sample rows committed.", ()),
     MetricSpec("gpuwatch_ingest_duplicates_total", "counter", "Batches acknowledged as already stored.", ()),
@@ -251,6 +258,10 @@ def _add_job(out: _Families, job: JobSnapshot) -> None:
     out.add("gpuwatch_job_stragglers", (job_id,), len(stragglers))
     for rank, lateness in sorted(stragglers.items()):
         out.add("gpuwatch_job_straggler_lateness_seconds", (job_id, int(rank)), lateness)
+    for slow in job.get("slow_ranks", ()):
+        labels = (job_id, "" if slow["rank"] is None else int(slow["rank"]), slow["cause"])
+        out.add("gpuwatch_job_slow_rank_lost_gpu_seconds", labels, slow["lost_gpu_seconds"])
+        out.add("gpuwatch_job_slow_rank_speedup_ratio", labels, slow["speedup_without"])
 
 
 def _add_prefixed(out: _Families, prefix: str, values: Mapping[str, Any], labels: tuple[str, ...] = ()) -> None:

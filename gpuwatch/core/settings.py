@@ -209,6 +209,8 @@ class AgentSettings(ClientSecurity):
     job_label: str | None = setting(None, "environment variable naming the job (beyond SLURM/torchelastic)")
     kubelet_socket: str | None = setting(None, "the kubelet's pod-resources socket, to name each GPU's pod (default "
                                          "/var/lib/kubelet/pod-resources/kubelet.sock when it exists)")
+    nccl_inspector_dir: str | None = setting(None, "directory of NCCL inspector plugin dumps "
+                                             "(NCCL_INSPECTOR_DUMP_DIR) to send as collective spans")
     metrics_listen: str | None = setting(None, "optional node-local Prometheus endpoint HOST:PORT", address)
     metrics_token_file: str | None = setting(None, "bearer token Prometheus must send to the node-local endpoint")
     metrics_names: str = setting("gpuwatch", "metric names of the node-local endpoint: gpuwatch, or dcgm "

@@ -6,16 +6,21 @@ an ``all_reduce`` of the default process group; one rank computes slower, so its
 collective (the engine's comm_wait). How much slower drifts over simulated hours (a straggler that comes and
 goes, as a noisy neighbour or a throttling GPU makes one), with a phase of its own per job, so a live view
 shows each job's breakdown moving rather than one constant share. The rows are deterministic for a job id
-and step, and come out as a ``SpanTable`` exactly like :meth:`ProbeListener.drain` output.
-Synthetic: no timing here is measured.
+and step, and come out as a ``SpanTable`` exactly like :meth:`ProbeListener.drain` output. Synthetic: no
+timing here is measured.
 """
 from __future__ import annotations
 
 import math
+import random
 import zlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gpuwatch.v1 import telemetry_pb2 as pb
+
+if TYPE_CHECKING:
+    from gpuwatch.simulator.fail_slow import SlowRanks
 
 COLLECTIVES_PER_STEP = 3
 BUCKET_BYTES = 256 * 2**20  # gradient bucket per all_reduce
@@ -30,11 +35,16 @@ class SimJob:
     """``ranks`` ranks of job ``job_id`` on ``node``, one step every ~``step_s`` simulated seconds."""
 
     def __init__(self, job_id: str, node: str, clock: Callable[[], float], *, ranks: int = 8,
-                 step_s: float = 1.0, slow_rank: int | None = None) -> None:
+                 step_s: float = 1.0, slow_rank: int | None = None, straggler: bool = True,
+                 jitter: float = 0.0, slow: SlowRanks | None = None) -> None:
+        """``straggler`` False: no built-in slow rank; ``jitter``: each compute chunk's relative noise (a
+        real job's); ``slow``: injected fail-slow ranks (:mod:`gpuwatch.simulator.fail_slow`)."""
         if ranks < 1 or not step_s > 0:
             raise ValueError("a simulated job needs ranks >= 1 and step_s > 0")
         self.job_id, self.node, self.clock, self.ranks = job_id, node, clock, ranks
-        self.slow_rank = ranks - 1 if slow_rank is None else slow_rank
+        self.slow_rank = (ranks - 1 if slow_rank is None else slow_rank) if straggler else -1
+        self.jitter, self.slow = jitter, slow
+        self._rng = random.Random(f"{job_id}/jitter")
         self.compute_s = step_s * COMPUTE_SHARE / COLLECTIVES_PER_STEP  # per chunk, normal ranks
         self.transfer_s = step_s * TRANSFER_SHARE
         self.step = 0
@@ -46,30 +56,46 @@ class SimJob:
         """The slow rank's compute time relative to its peers at simulated time ``t_s``."""
         return SLOW_FACTOR + SLOW_SWING * math.sin(2 * math.pi * t_s / SLOW_PERIOD_S + self._phase)
 
-    def step_len_s(self, start_s: float) -> float:
-        """A step ends when the slow rank's compute and the transfer of each chunk are done."""
-        return COLLECTIVES_PER_STEP * (self.compute_s * self.slow_factor(start_s) + self.transfer_s)
-
     def spans(self) -> pb.SpanTable:
         """Rows of every step finished on the simulated clock since the last call."""
         rows: dict[str, list] = {f.name: [] for f in pb.SpanTable.DESCRIPTOR.fields}
         now = self.clock()
-        while self._step_start + self.step_len_s(self._step_start) <= now:
-            self._step_start = self._run_step(rows)
+        while True:  # a step is sent once it has ended; one that is still running is drawn again next call
+            seq, rng_state = self.seq, self._rng.getstate()
+            step_rows: dict[str, list] = {name: [] for name in rows}
+            end = self._run_step(step_rows)
+            if end > now:
+                self.seq = seq
+                self._rng.setstate(rng_state)
+                return pb.SpanTable(**rows)
+            for name, values in step_rows.items():
+                rows[name].extend(values)
+            self._step_start = end
             self.step += 1
-        return pb.SpanTable(**rows)
 
     def _run_step(self, rows: dict[str, list]) -> float:
         """Append one step's rows (from ``self._step_start``); returns when the step ends."""
         ready = [self._step_start] * self.ranks
         done = self._step_start
         slow = self.slow_factor(self._step_start)
+        t = self._step_start
         for _ in range(COLLECTIVES_PER_STEP):
             for rank in range(self.ranks):
+                if self.slow is not None:  # the injected host stall and copies come before the rank's compute
+                    ready[rank] += self.slow.stall_s(rank, t, self.compute_s)
+                    copy = self.slow.copy_s(rank, t, self.compute_s)
+                    if copy > 0:
+                        self._row(rows, rank, "memcpy", "h2d_input", ready[rank], copy)
+                        ready[rank] += copy
                 compute = self.compute_s * (slow if rank == self.slow_rank else 1.0)
+                if self.slow is not None:
+                    compute *= self.slow.compute_factor(rank, t)
+                if self.jitter:
+                    compute *= max(0.5, 1.0 + self._rng.gauss(0.0, self.jitter))
                 self._row(rows, rank, "compute", "forward_backward", ready[rank], compute)
                 ready[rank] += compute
-            done = max(ready) + self.transfer_s  # nobody finishes before the last rank arrived
+            transfer = self.transfer_s + (self.slow.transfer_extra_s(t, self.compute_s) if self.slow else 0.0)
+            done = max(ready) + transfer  # nobody finishes before the last rank arrived
             for rank in range(self.ranks):
                 self._row(rows, rank, "collective", "all_reduce", ready[rank], done - ready[rank],
                           group="0", seq=self.seq, nbytes=BUCKET_BYTES)

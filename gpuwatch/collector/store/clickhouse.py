@@ -520,6 +520,13 @@ class ClickHouseStore(GroupWriter):
             ORDER BY node, gpu_index, ts""",
             {"since": since_ms or 0, "until": until_ms or 2**62 // 1000, "nodes": list(nodes or [])})
 
+    def host_samples(self, since_ms: int | None = None, nodes: Sequence[str] | None = None) -> pd.DataFrame:
+        return self._query(f"""
+            SELECT node, ts, {', '.join(fields.HOST_FIELD_NAMES)} FROM host_samples
+            WHERE ts >= fromUnixTimestamp64Milli({{since:Int64}})
+              AND (empty({{nodes:Array(String)}}) OR has({{nodes:Array(String)}}, node))
+            ORDER BY node, ts""", {"since": since_ms or 0, "nodes": list(nodes or [])})
+
     def gpu_minutes(self, since_ms: int, until_ms: int, *, last: Sequence[str], means: Sequence[str],
                     mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
         for c in [*last, *means, *mins, *maxs]:

@@ -372,6 +372,13 @@ class DuckDBStore(GroupWriter):
             ORDER BY node, gpu_index, ts""",
             {"since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms), "nodes": list(nodes) if nodes else None})
 
+    def host_samples(self, since_ms: int | None = None, nodes: Sequence[str] | None = None) -> pd.DataFrame:
+        """Host samples (node, ts and every host field) ordered by node and ts."""
+        return self.query_df(f"""
+            SELECT node, ts, {', '.join(fields.HOST_FIELD_NAMES)} FROM host_samples
+            WHERE ($since IS NULL OR ts >= $since) AND ($nodes IS NULL OR list_contains($nodes, node))
+            ORDER BY node, ts""", {"since": _ms_or_none(since_ms), "nodes": list(nodes) if nodes else None})
+
     def spans(self, job_id: str | None = None, since_us: float | None = None) -> pd.DataFrame:
         """Op-level spans (the SpanTable columns plus ingest ts) ordered by job, rank, start."""
         return self.query_df("""
