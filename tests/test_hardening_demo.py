@@ -9,7 +9,8 @@ from gpuwatch.collector import client
 from gpuwatch.collector.alert_hub import AlertHub, JobFinding
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.server import serve
-from gpuwatch.apps.demo import DemoPlan, collect_view, render_rich, render_text
+from gpuwatch.apps.demo import DemoPlan
+from gpuwatch.apps.demo_view import collect_view, render_rich, render_text
 from gpuwatch.v1 import query_pb2
 from helpers import make_batch, poll
 
