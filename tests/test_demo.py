@@ -11,7 +11,7 @@ from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.apps.demo import DemoPlan, run_demo
 from gpuwatch.apps.demo_report import DemoResult, failure_report, summary_text
 from gpuwatch.apps.demo_view import DemoView, GpuCell, JobRow, NodeRow, render_rich, render_text
-from gpuwatch.apps.replay import replay_offline
+from gpuwatch.apps.replay_offline import replay_offline
 from gpuwatch.core.times import iso_ms
 
 # 2 nodes x 4 GPUs for 20 s at 1500x (5 simulated minutes per 0.2 s tick): ~8 simulated hours, the scripted

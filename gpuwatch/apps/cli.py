@@ -43,9 +43,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "replay a recording or store through failure scoring and alerts, budget-calibrated"),
     "advise": ("gpuwatch.apps.models_cli:ADVISE",
                "checkpoint interval from the failure rate, and what a failure predictor changes"),
-    "replay": ("gpuwatch.apps.replay:REPLAY", "run a recording through the pipeline"),
-    "import": ("gpuwatch.apps.replay:IMPORT", "turn CSV/Parquet telemetry into a recording"),
-    "export": ("gpuwatch.apps.replay:EXPORT", "write a collector store (stopped, or a copy) out as a recording"),
+    "replay": ("gpuwatch.apps.recording_cli:REPLAY", "run a recording through the pipeline"),
+    "import": ("gpuwatch.apps.recording_cli:IMPORT", "turn CSV/Parquet telemetry into a recording"),
+    "export": ("gpuwatch.apps.recording_cli:EXPORT", "write a collector store (stopped, or a copy) out as a recording"),
 }
 
 
