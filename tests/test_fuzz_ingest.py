@@ -1,4 +1,4 @@
-"""Fuzzing the collector's door (issue 10): Hypothesis draws batches with any field in its full wire range,
+"""Fuzzing the collector's door: Hypothesis draws batches with any field in its full wire range,
 and raw or damaged bytes, and sends them over real gRPC. The collector never answers UNKNOWN or crashes,
 and whatever it stores every query reads back (standard JSON included)."""
 import json

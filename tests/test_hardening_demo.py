@@ -1,4 +1,4 @@
-"""The demo's view over partial data from a real collector (issue 10, point 12): a job known from GPU samples
+"""The demo's view over partial data from a real collector: a job known from GPU samples
 before any of its step data arrived, and a job alert with no GPU or risk, go through the Jobs and Alerts
 RPCs into the view, and both renderings come out without an exception."""
 import json
