@@ -33,16 +33,16 @@ if TYPE_CHECKING:
 class Command(NamedTuple):
     """One subcommand: ``add_arguments(parser)`` declares its flags, ``run(args)`` runs it and returns the exit
     status (a :class:`UserError` becomes one line on stderr and status 2). A NamedTuple: every command imports
-    this module, and a dataclass compiles its generated methods at import (0.5 ms; a NamedTuple 0.07 ms)."""
+    this module, and a dataclass compiles its generated methods at import, a cost every start-up would pay."""
 
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     #: A one-shot command whose memory is parsed data and big arrays, without reference cycles (`analyze`).
     #: Where `gpuwatch` is the process (`main()` without argv; never for an in-process caller), it runs with
     #: the cycle collector off, whose passes, triggered as a trace's events are parsed, walk every live
-    #: object (10-15 ms of a 0.2 s run, 50 ms of an 8-rank set; the same peak memory), and the process ends
-    #: as soon as its output is flushed, without the interpreter's teardown (freeing numpy and the traces:
-    #: 15 ms, 40 ms); glibc's malloc keeps what it frees for reuse (`cli._keep_freed_memory`).
+    #: object (time that grows with the trace, for the same peak memory), and the process ends as soon as its
+    #: output is flushed, without the interpreter's teardown (freeing numpy and the traces, also growing with
+    #: them); glibc's malloc keeps what it frees for reuse (`cli._keep_freed_memory`).
     one_shot: bool = False
 
 
@@ -200,8 +200,8 @@ def time_flag(flag: str) -> Callable[[str], int]:
 def json_text(value: Any) -> str:
     """Standard JSON, indented: a non-finite number (from a store written before ingest refused them) is null,
     never the ``Infinity``/``NaN`` tokens that strict parsers reject; numpy numbers as numbers; anything else
-    JSON has no type for (paths, times) as its text. orjson is imported here, when JSON is printed (with the
-    modules it loads, 4 ms of a command's start-up)."""
+    JSON has no type for (paths, times) as its text. orjson is imported here, when JSON is printed: a command
+    that prints none does not pay for loading it and its modules."""
     import orjson
 
     options = (orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
