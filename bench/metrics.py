@@ -19,7 +19,8 @@ import urllib.request
 import numpy as np
 
 from gpuwatch.core import fields
-from gpuwatch.core.prometheus import BREAKDOWN_CATEGORIES, start_metrics_server
+from gpuwatch.core.prometheus import start_metrics_server
+from gpuwatch.core.vocabulary import BREAKDOWN_CATEGORIES
 
 
 def fleet_snapshot(n_gpus: int, n_jobs: int, seed: int = 0) -> dict:

@@ -1,4 +1,4 @@
-"""Chaos (issue 10): three agents stream while the collector is SIGKILLed again and again, one agent is
+"""Chaos: three agents stream while the collector is SIGKILLed again and again, one agent is
 SIGKILLed and restarted on its spool, and another's spool disk fills up and is freed. Afterwards every
 sample is stored once, the agents that were not killed lost nothing, and every dropped batch is counted
 by the agent and reported to the collector."""

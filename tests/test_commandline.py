@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from gpuwatch.apps import cli, commandline, replay
+from gpuwatch.apps import cli, commandline, recording_cli
 from gpuwatch.apps.commandline import Command, duration, parse_time_ms
 from gpuwatch.core.times import parse_duration
 
@@ -57,7 +57,7 @@ def test_a_bad_since_is_one_line_naming_the_flag(capsys):
 def test_replay_takes_the_connection_settings_from_the_environment_like_the_other_commands(monkeypatch):
     monkeypatch.setenv("GPUWATCH_TLS_CA", "/etc/ca.pem")
     monkeypatch.setenv("GPUWATCH_TOKEN_FILE", "/etc/token")
-    args = _parser(replay.REPLAY).parse_args(["rec", "--collector", "c:7700", "--tls-cert", "agent.pem"])
+    args = _parser(recording_cli.REPLAY).parse_args(["rec", "--collector", "c:7700", "--tls-cert", "agent.pem"])
     security = commandline.client_security(args)
     assert (security.tls_ca, security.tls_cert, security.token_file, security.insecure) == \
         ("/etc/ca.pem", "agent.pem", "/etc/token", False)

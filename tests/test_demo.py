@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.apps.demo import (DemoPlan, DemoResult, DemoView, GpuCell, JobRow, NodeRow, failure_report, render_rich,
-                           render_text, run_demo, summary_text)
-from gpuwatch.apps.replay import replay_offline
+from gpuwatch.apps.demo import DemoPlan, run_demo
+from gpuwatch.apps.demo_report import DemoResult, failure_report, summary_text
+from gpuwatch.apps.demo_view import DemoView, GpuCell, JobRow, NodeRow, render_rich, render_text
+from gpuwatch.apps.replay_offline import replay_offline
 from gpuwatch.core.times import iso_ms
 
 # 2 nodes x 4 GPUs for 20 s at 1500x (5 simulated minutes per 0.2 s tick): ~8 simulated hours, the scripted
@@ -177,7 +178,7 @@ def test_bad_demo_flags_are_one_line(tmp_path):
 
 def test_piped_the_view_prints_a_frame_on_change_and_hourly_in_simulated_time_and_the_last_one(capsys):
     """A frame per scoring round (several a second) floods a pipe: 985 lines in 18 s before."""
-    from gpuwatch.apps.demo import PLAIN_EVERY_SIM_S, TerminalView
+    from gpuwatch.apps.demo_view import PLAIN_EVERY_SIM_S, TerminalView
 
     def frame(i: int, alerts: list) -> DemoView:
         gpus = [GpuCell(0, utilization=0.5 + i / 1000, risk=i / 1000)]

@@ -8,14 +8,13 @@ import sys
 
 from gpuwatch.apps.cli import main
 from gpuwatch.apps.analyze_cli import format_table
+from gpuwatch.core.vocabulary import BREAKDOWN_CATEGORIES
 from gpuwatch.efficiency.result import Analysis
 from helpers import KINETO_DATA
 
 DATA = KINETO_DATA
 SAMPLED = os.path.join(DATA, "sampled_2ranks_of128")
-SPEC_ORDER = ("compute", "memcpy", "comm_transfer", "comm_wait", "bubble", "small_kernel_overhead", "host_stall",
-              "idle_other")
-CATEGORIES = set(SPEC_ORDER)
+CATEGORIES = set(BREAKDOWN_CATEGORIES)
 
 
 def test_json_document_keys(capsys, tmp_path):
@@ -108,12 +107,12 @@ def test_table_columns_are_whole_names_in_one_order_and_the_biggest_losses_are_n
     for trace in (SAMPLED, os.path.join(DATA, "control_rank3_of8")):
         assert main(["analyze", trace]) == 0
         header = capsys.readouterr().out.splitlines()[0]
-        assert header.split("|")[1].split() == [c for c in SPEC_ORDER if c != "compute"]
+        assert header.split("|")[1].split() == [c for c in BREAKDOWN_CATEGORIES if c != "compute"]
         assert header.split("|")[0].split()[-1] == "compute"  # compute apart from the losses
     assert main(["analyze", SAMPLED]) == 0
     header, job_row, *rest = capsys.readouterr().out.splitlines()
     cells = [float(c.rstrip("%")) for c in job_row.split("|")[1].split()]
-    lost = [c for c in SPEC_ORDER if c != "compute"]
+    lost = [c for c in BREAKDOWN_CATEGORIES if c != "compute"]
     assert cells == [round(100 * doc["job"]["breakdown_fraction"][c], 2) for c in lost]
     by_size = [c for c in sorted(lost, key=lambda c: -doc["job"]["breakdown_us"][c])
                if doc["job"]["breakdown_us"][c] > 0][:3]

@@ -10,7 +10,7 @@ from gpuwatch.apps import cli
 from gpuwatch.apps.export import export_store
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.recording import open_recording
-from gpuwatch.apps.replay import replay_offline
+from gpuwatch.apps.replay_offline import replay_offline
 from helpers import T0, CollectorProcess, sorted_samples, two_rank_spans, write_small_recording
 
 

@@ -1,5 +1,5 @@
-"""Fuzzing the collector's door (issue 10): Hypothesis draws batches with any field in its full wire range,
-raw or damaged bytes, and Columns damaged from the inside (issue 29), and sends them over real gRPC to a
+"""Fuzzing the collector's door: Hypothesis draws batches with any field in its full wire range,
+raw or damaged bytes, and Columns damaged from the inside, and sends them over real gRPC to a
 collector on each store engine. The collector never answers UNKNOWN or crashes,
 and whatever it stores every query reads back (standard JSON included)."""
 import itertools

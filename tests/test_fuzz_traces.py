@@ -1,4 +1,4 @@
-"""Fuzzing the trace loaders (issue 10): Hypothesis draws Kineto-like traces (any event shape, any number,
+"""Fuzzing the trace loaders: Hypothesis draws Kineto-like traces (any event shape, any number,
 missing or odd fields) and span tables, and raw bytes, and submits them over real gRPC. Every answer is
 the job's breakdown or a clear refusal, never UNKNOWN; a stored trace's breakdown reads back as standard
 JSON."""

@@ -1,4 +1,4 @@
-"""The GPU validation kit (bench/gpu/, issue 16) without a GPU: every part that can run on the simulated fleet
+"""The GPU validation kit (bench/gpu/) without a GPU: every part that can run on the simulated fleet
 beneath pynvml or on CPU torch runs here; the run on a real GPU is skipped unless torch sees CUDA."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Agents against a real collector when things go wrong (issue 10, points 1 and 7): an unstorable batch is
+"""Agents against a real collector when things go wrong: an unstorable batch is
 set aside and counted while the rest flow; a cloned spool is refused with a clear error, `--check` says
 what to do, and `--new-agent-id` sends the clone's data under its own id without losing any of it."""
 import json

@@ -1,4 +1,4 @@
-"""The agent and its recordings when things go wrong (issue 29, points 8-11, 14, 17, 19): drops on a full
+"""The agent and its recordings when things go wrong: drops on a full
 spool disk that survive a restart, one disk-full warning per episode, token files readable by others, a
 plaintext entry in a collector list, an agent whose every batch was refused, a recording agent killed
 mid-run, and recordings with parts missing or empty."""

@@ -1,4 +1,4 @@
-"""The demo's view over partial data from a real collector (issue 10, point 12): a job known from GPU samples
+"""The demo's view over partial data from a real collector: a job known from GPU samples
 before any of its step data arrived, and a job alert with no GPU or risk, go through the Jobs and Alerts
 RPCs into the view, and both renderings come out without an exception."""
 import json
@@ -9,7 +9,8 @@ from gpuwatch.collector import client
 from gpuwatch.collector.alert_hub import AlertHub, JobFinding
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.server import serve
-from gpuwatch.apps.demo import DemoPlan, collect_view, render_rich, render_text
+from gpuwatch.apps.demo import DemoPlan
+from gpuwatch.apps.demo_view import collect_view, render_rich, render_text
 from gpuwatch.v1 import query_pb2
 from helpers import make_batch, poll
 

@@ -1,4 +1,4 @@
-"""Hostile batches at the collector's door (issue 10, points 1-3, 7, 9, 10): every one gets a final status
+"""Hostile batches at the collector's door: every one gets a final status
 that names the problem, nothing is stored that a query cannot read back, idle or cloned clients are
 refused or timed out while real agents and queries keep being served."""
 import json

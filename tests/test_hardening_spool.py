@@ -1,4 +1,4 @@
-"""The spool under damage (issue 10, points 4-6, 8, 10, 11): drop totals that survive their own batches,
+"""The spool under damage: drop totals that survive their own batches,
 a really full disk, a lost state.json, damaged records, private files."""
 import errno
 import json

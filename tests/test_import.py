@@ -10,7 +10,7 @@ from gpuwatch.core.errors import UserError
 from gpuwatch.apps.importer import Columns, import_files
 from gpuwatch.models.dataset import open_source
 from gpuwatch.core.recording import open_recording, ts_ms
-from gpuwatch.apps.replay import replay_offline
+from gpuwatch.apps.replay_offline import replay_offline
 
 T0_S = 1_767_225_600  # 2026-01-01T00:00:00Z
 

@@ -18,8 +18,9 @@ from gpuwatch.efficiency.traces.spans import timelines_from_spans
 from gpuwatch.core.errors import UserError
 from gpuwatch.models.model import load_model
 from gpuwatch.core.recording import RecordingWriter, open_recording
-from gpuwatch.apps.replay import (format_result, node_batches, recording_batches, recording_id, replay_agent_id,
-                             replay_offline)
+from gpuwatch.apps.recording_cli import format_result
+from gpuwatch.apps.replay import node_batches, recording_batches, recording_id, replay_agent_id
+from gpuwatch.apps.replay_offline import replay_offline
 from helpers import (T0, CollectorProcess, degrading_node, sim_batches, sorted_samples, two_rank_spans,
                      write_small_recording)
 

@@ -5,7 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpuwatch.apps.replay import recording_id, replay, replay_offline, score_replayed
+from gpuwatch.apps.replay import recording_id, replay
+from gpuwatch.apps.replay_offline import replay_offline, score_replayed
 from gpuwatch.collector import client
 from gpuwatch.collector.assembly import failure_model
 from gpuwatch.collector.server import serve

@@ -42,9 +42,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "checkpoint interval from the failure rate, and what a failure predictor changes"),
     "fleet": ("gpuwatch.apps.fleet_cli:FLEET",
               "fleet reliability: fault rates, repair times, repeats and lemon GPUs and nodes"),
-    "replay": ("gpuwatch.apps.replay:REPLAY", "run a recording through the pipeline"),
-    "import": ("gpuwatch.apps.replay:IMPORT", "turn CSV/Parquet telemetry into a recording"),
-    "export": ("gpuwatch.apps.replay:EXPORT", "write a collector store (stopped, or a copy) out as a recording"),
+    "replay": ("gpuwatch.apps.recording_cli:REPLAY", "run a recording through the pipeline"),
+    "import": ("gpuwatch.apps.recording_cli:IMPORT", "turn CSV/Parquet telemetry into a recording"),
+    "export": ("gpuwatch.apps.recording_cli:EXPORT", "write a collector store (stopped, or a copy) out as a recording"),
 }
 
 

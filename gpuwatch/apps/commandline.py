@@ -192,8 +192,8 @@ def time_flag(flag: str) -> Callable[[str], int]:
 def json_text(value: Any) -> str:
     """Standard JSON, indented: a non-finite number (from a store written before ingest refused them) is null,
     never the ``Infinity``/``NaN`` tokens that strict parsers reject; numpy numbers as numbers; anything else
-    JSON has no type for (paths, times) as its text. orjson is imported here, when JSON is printed (with the
-    modules it loads, 4 ms of a command's start-up)."""
+    JSON has no type for (paths, times) as its text. orjson is imported here, when JSON is printed: a command
+    that prints none does not pay for loading it and its modules."""
     import orjson
 
     options = (orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY

@@ -20,7 +20,7 @@ from gpuwatch.collector.store.base import Store
 from gpuwatch.core import settings
 from gpuwatch.core.batches import TimeWindow
 from gpuwatch.core.errors import UserError
-from gpuwatch.core.security import check_listen_policy, read_token
+from gpuwatch.core.security import read_token
 
 if TYPE_CHECKING:  # the engines' modules (pandas, the model format) are imported when they are built, so
     # `gpuwatch collector` binds its port before it spends a second importing them (docs/operations.md)
@@ -106,7 +106,6 @@ def start_collector(cfg: settings.Config) -> CollectorServer:
     COLLECTOR_OPTIONS) asks: ingest and queries, the engines with periodic rounds, the cluster lease and,
     with ``metrics_listen``, the Prometheus endpoint. The port is bound first; the engines are built (their
     modules imported) once it is, and started once the store is open."""
-    check_listen_policy(cfg.listen, cfg.tls_cert is not None or cfg.tls_key is not None, cfg.insecure)  # fail fast
     if cfg.model is not None and not Path(cfg.model).is_file():
         raise UserError(f"{cfg.model}: no such model file")
     built: list[Service] = []

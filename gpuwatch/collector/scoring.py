@@ -38,6 +38,7 @@ from gpuwatch.models.model import score, top_signals
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.core.recording import ts_ms
 from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
+from gpuwatch.core.vocabulary import FAIL
 from gpuwatch.core.settings import DEFAULT_SCORE_INTERVAL_S as DEFAULT_INTERVAL_S
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def _with_failure(row: dict[str, Any], failure: Failure | None) -> dict[str, Any
     if failure is None:
         return row if row["failed"] is None else {**row, "failed": None}
     reason = failure.reason
-    return {**row, "health": "fail", "reasons": [reason] + [r for r in row["reasons"] if r != reason],
+    return {**row, "health": FAIL, "reasons": [reason] + [r for r in row["reasons"] if r != reason],
             "failed": {"since_ms": failure.since_ms, "kind": failure.kind, "code": failure.code, "reason": reason}}
 
 

@@ -53,7 +53,7 @@ from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store, StoreClosed, StoreDamaged, WriteResult
 from gpuwatch.core.errors import AgentIdConflict, NotFound, UserError
 from gpuwatch.core.settings import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_INGEST_STREAMS, DEFAULT_QUERY_WORKERS,
-                                     DEFAULT_STREAM_IDLE_S)
+                                     DEFAULT_STREAM_IDLE_S, split_address)
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -586,7 +586,7 @@ class CollectorServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop taking RPCs (open streams get ``grace`` seconds), stop the services, flush, close the store."""
@@ -683,11 +683,6 @@ def serve(
     Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
     Raises UserError when the store is locked by another process or the address cannot be bound.
     """
-    host, _, port_text = listen.rpartition(":")
-    if not host or not port_text.isdigit():
-        raise UserError(f"--listen {listen!r} is not HOST:PORT")
-    tls = tls_cert is not None or tls_key is not None
-    security.check_listen_policy(listen, tls, insecure)  # before anything is opened
     handlers: dict[str, QueryHandler] = dict(DEFAULT_QUERY_HANDLERS)
     gate = StoreGate()
     ingest = IngestService(None, stream_window=stream_window, max_in_flight=max_in_flight,
@@ -702,7 +697,7 @@ def serve(
         loop.close()
         query_pool.shutdown(wait=False)
         raise
-    log.debug("collector bound %s:%d; opening store %s", host, port, redacted(db_path))
+    log.debug("collector bound %s (port %d); opening store %s", listen, port, redacted(db_path))
     started: list[Service] = []
     store: Store | None = None
     try:
@@ -727,6 +722,7 @@ def serve(
         loop.close()
         query_pool.shutdown(wait=False, cancel_futures=True)
         raise
+    host, _ = split_address(listen)  # valid: it was bound
     log.info("collector listening on %s:%d (%s), store %s", host, port,
-             "mutual TLS" if tls_client_ca else "TLS" if tls else "plaintext", redacted(db_path))
+             "mutual TLS" if tls_client_ca else "TLS" if tls_cert or tls_key else "plaintext", redacted(db_path))
     return CollectorServer(server, loop, query_pool, store, host, port, started, ingest)

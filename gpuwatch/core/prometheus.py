@@ -44,14 +44,10 @@ from gpuwatch.core.dcgm_names import dcgm_families
 from gpuwatch.core.settings import split_address
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.security import check_exposure, token_matches
+from gpuwatch.core.vocabulary import BREAKDOWN_CATEGORIES, HEALTH_STATES
 
 log = logging.getLogger(__name__)
 
-# Categories of the efficiency breakdown (docs/efficiency.md): they partition a job's window.
-BREAKDOWN_CATEGORIES: tuple[str, ...] = (
-    "compute", "memcpy", "comm_wait", "comm_transfer", "bubble", "small_kernel_overhead", "host_stall", "idle_other",
-)
-HEALTH_STATES: tuple[str, ...] = ("ok", "warn", "fail")  # gpuwatch.models.rules health states
 DEFAULT_MAX_JOBS = 500  # jobs exported per scrape (most lost time first), to bound job_id cardinality
 
 

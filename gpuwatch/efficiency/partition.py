@@ -11,12 +11,10 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from gpuwatch.core.vocabulary import BREAKDOWN_CATEGORIES
 from gpuwatch.efficiency.timeline import COLLECTIVE, MEMCPY, RankTimeline
 
-CATEGORIES = (
-    "compute", "memcpy", "comm_transfer", "comm_wait", "bubble",
-    "small_kernel_overhead", "host_stall", "idle_other",
-)
+CATEGORIES = BREAKDOWN_CATEGORIES  # indexed by the *_C constants below
 COMPUTE_C, MEMCPY_C, TRANSFER_C, WAIT_C, BUBBLE_C, SMALL_C, HOST_C, OTHER_C = range(8)
 SMALL_GAP_NS = 30_000       # idle gaps shorter than this are launch/dispatch overhead
 SHORT_KERNEL_NS = 10_000    # kernels shorter than this are reported as short kernels

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from gpuwatch.core.vocabulary import FAIL, OK, WARN
 from gpuwatch.models.features import features, pcie_replay_limit_per_min
 
 __all__ = ["RULES", "health", "pcie_replay_limit_per_min", "rule_ratios", "rule_scores", "states"]
 
-OK, WARN, FAIL = "ok", "warn", "fail"
 #: log2 bonus of a FAIL rule: a FAIL finding at its limit scores like a WARN finding 8x over its limit.
 _FAIL_BONUS = 3.0
 _FLOOR = -20.0  # log2 ratio of "nothing found"
