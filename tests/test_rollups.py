@@ -91,20 +91,19 @@ def test_series_reads_rollups_before_the_raw_cutoff_and_raw_rows_after(kind, tmp
 def test_scoring_gives_the_same_alerts_on_rollups_as_on_raw_samples(kind, tmp_path):
     model = load_model(None)
     gpu, events = degrading_node(T0, hours=30, fault_after_h=29, failing_gpu=1)
-    raw, tiered = (open_store(store_url(kind, tmp_path, "raw")), _tiered(kind, tmp_path, raw_s=3600.0))
+    store = _tiered(kind, tmp_path, raw_s=3600.0)  # one store (one chdb engine per process): raw, then tiered
+    times = (T0 + 20 * HOUR_MS, T0 + 28 * HOUR_MS)
     try:
-        for store in (raw, tiered):
-            for batch in sim_batches(gpu, events):
-                store.write(batch)
-        assert tiered.apply_retention(now_ms=T0 + 30 * HOUR_MS)["gpu_samples"] > 0
-        for at in (T0 + 20 * HOUR_MS, T0 + 28 * HOUR_MS):  # both read rollups only: raw starts at 29 h
-            on_raw = {g["gpu_index"]: g for g in score_gpus(raw, model, at)}
-            on_rollups = {g["gpu_index"]: g for g in score_gpus(tiered, model, at)}
-            assert on_raw.keys() == on_rollups.keys() == {0, 1, 2, 3}
-            for index, g in on_raw.items():
-                assert on_rollups[index]["risk"] == pytest.approx(g["risk"], rel=1e-9)
-                assert on_rollups[index]["health"] == g["health"]
-        assert on_raw[1]["risk"] >= model["threshold"]  # the failing GPU alerts at 28 h, on either tier
+        for batch in sim_batches(gpu, events):
+            store.write(batch)
+        on_raw = [{g["gpu_index"]: g for g in score_gpus(store, model, at)} for at in times]
+        assert store.apply_retention(now_ms=T0 + 30 * HOUR_MS)["gpu_samples"] > 0  # raw rows from 29 h on
+        on_rollups = [{g["gpu_index"]: g for g in score_gpus(store, model, at)} for at in times]
+        for raw, rolled in zip(on_raw, on_rollups):
+            assert raw.keys() == rolled.keys() == {0, 1, 2, 3}
+            for index, g in raw.items():
+                assert rolled[index]["risk"] == pytest.approx(g["risk"], rel=1e-9)
+                assert rolled[index]["health"] == g["health"]
+        assert on_rollups[1][1]["risk"] >= model["threshold"]  # the failing GPU alerts at 28 h, on either tier
     finally:
-        raw.close()
-        tiered.close()
+        store.close()

@@ -575,12 +575,14 @@ class ClickHouseStore(GroupWriter):
             return both.sort_values(["node", "gpu_index", "ts"], kind="stable").reset_index(drop=True)
         values = ([f"argMaxIf({c}, ts, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
                   + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
+        # the newest sample's time is aliased apart from ts, which the GROUP BY would otherwise take for it
         return self._query(f"""
-            SELECT node, gpu_index, toStartOfMinute(ts) AS minute, max(ts) AS ts, argMax(job_id, ts) AS job_id,
+            SELECT node, gpu_index, toStartOfMinute(ts) AS minute, max(ts) AS newest, argMax(job_id, ts) AS job_id,
                    argMax(rank, ts) AS rank{''.join(', ' + v for v in values)}
             FROM gpu_samples AS g WHERE g.ts >= fromUnixTimestamp64Milli({{since:Int64}})
               AND g.ts <= fromUnixTimestamp64Milli({{until:Int64}})
-            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""", {"since": since_ms, "until": until_ms})
+            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, newest""",
+            {"since": since_ms, "until": until_ms}).rename(columns={"newest": "ts"})
 
     def newest_sample_ms(self) -> int | None:
         df = self._query("SELECT toInt64(toUnixTimestamp64Milli(max(ts))) AS t, count() AS n FROM gpu_samples")

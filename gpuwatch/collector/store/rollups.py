@@ -74,13 +74,15 @@ class DirtyMinutes:
 
 def aggregates(dialect: str) -> str:
     """The SELECT list aggregating raw ``gpu_samples`` rows of one GPU and minute into a rollup row, the
-    same expressions ``gpu_minutes`` uses on raw rows, so rollups answer it with the same numbers."""
+    same expressions ``gpu_minutes`` uses on raw rows, so rollups answer it with the same numbers. (ClickHouse
+    inserts by position: its newest-sample column is aliased apart from ``ts``, which its GROUP BY would take
+    for the aggregate.)"""
     if dialect == "duckdb":
         last, head = "arg_max({c}, ts)", ("max(ts) AS ts, count(*) AS samples, arg_max(job_id, ts) AS job_id, "
                                           "arg_max(rank, ts) AS rank")
     else:
-        last, head = "argMaxIf({c}, ts, isNotNull({c}))", ("max(ts) AS ts, toInt64(count()) AS samples, "
-                                                           "argMax(job_id, ts) AS job_id, argMax(rank, ts) AS rank")
+        last, head = "argMaxIf({c}, g.ts, isNotNull({c}))", ("max(g.ts) AS newest, toInt64(count()) AS samples, "
+                                                             "argMax(job_id, g.ts) AS job_id, argMax(rank, g.ts) AS rank")
     exprs = {"min": "min({c})", "max": "max({c})", "mean": "avg({c})", "last": last}
     return head + "".join(f", {exprs[s].format(c=f)} AS {name}" for name, f, s in value_columns())
 
@@ -176,7 +178,7 @@ def clickhouse_build_sql() -> str:
     collector wrote twice count once)."""
     names = ", ".join(name for name, _, _ in value_columns())
     return f"""INSERT INTO {ROLLUP_TABLE} (node, gpu_index, minute, ts, samples, job_id, rank, {names}, built_ns)
-        SELECT node, gpu_index, toStartOfMinute(ts) AS minute, {aggregates('clickhouse')},
+        SELECT node, gpu_index, toStartOfMinute(g.ts) AS minute, {aggregates('clickhouse')},
                toUnixTimestamp64Nano(now64(9)) AS built_ns
-        FROM gpu_samples WHERE ts >= fromUnixTimestamp64Milli({{start:Int64}})
-          AND ts < fromUnixTimestamp64Milli({{end:Int64}}) GROUP BY node, gpu_index, minute"""
+        FROM gpu_samples AS g WHERE g.ts >= fromUnixTimestamp64Milli({{start:Int64}})
+          AND g.ts < fromUnixTimestamp64Milli({{end:Int64}}) GROUP BY node, gpu_index, minute"""
