@@ -2,12 +2,20 @@
 read transparently across the raw cutoff by series and scoring."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
 
+from gpuwatch.apps import cli
+from gpuwatch.collector import client
 from gpuwatch.collector.scoring import score_gpus
+from gpuwatch.collector.server import serve
 from gpuwatch.collector.store import open_store, rollups
+from gpuwatch.core.errors import UserError
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+from gpuwatch.core.times import parse_duration
 from gpuwatch.models.model import load_model
 from gpuwatch.simulator.failing_fleet import HOUR_MS
 from helpers import STORE_KINDS, T0, T0_MS, degrading_node, make_batch, sim_batches, store_url
@@ -107,3 +115,30 @@ def test_scoring_gives_the_same_alerts_on_rollups_as_on_raw_samples(kind, tmp_pa
         assert on_rollups[1][1]["risk"] >= model["threshold"]  # the failing GPU alerts at 28 h, on either tier
     finally:
         store.close()
+
+
+def test_series_json_states_each_points_resolution(kind, tmp_path, capsys):
+    server = serve("127.0.0.1:0", store_url(kind, tmp_path, "served"), raw_retention_s=60.0)
+    try:
+        channel = client.channel(server.address)
+        list(client.stream_batches(channel, [make_batch(seq) for seq in range(1, BATCHES + 1)]))
+        channel.close()
+        end = T0_MS + 1000 * (BATCHES * 3 + 2)
+        server.store.apply_retention(now_ms=end)
+        argv = ["series", "--node", "node-1", "--gpu", "1", "--field", "gpu_power_watts", "--since", "100000d",
+                "--json", "--collector", server.address]
+        assert cli.main(argv) == 0
+        points = json.loads(capsys.readouterr().out)
+        cutoff = rollups.floor_minute(end - 60_000)
+        assert [p["resolution_s"] for p in points] == [60 if p["ts_ms"] < cutoff else 1 for p in points]
+        assert {60, 1} <= {p["resolution_s"] for p in points}
+    finally:
+        server.stop()
+
+
+def test_retention_flags_take_durations():
+    cfg = load_config(COLLECTOR_OPTIONS, {}, env={})
+    assert (parse_duration(cfg.raw_retention), parse_duration(cfg.rollup_retention)) == (2 * 86400, 90 * 86400)
+    assert load_config(COLLECTOR_OPTIONS, {"raw_retention": "36h"}, env={}).raw_retention == "36h"
+    with pytest.raises(UserError, match=r"raw_retention .*'2x' is not a duration"):
+        load_config(COLLECTOR_OPTIONS, {"raw_retention": "2x"}, env={})

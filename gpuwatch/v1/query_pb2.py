@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gpuwatch.v1 import telemetry_pb2 as gpuwatch_dot_v1_dot_telemetry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gpuwatch/v1/query.proto\x12\x0bgpuwatch.v1\x1a\x1bgpuwatch/v1/telemetry.proto\"\x12\n\x10ListNodesRequest\"y\n\x0bNodeSummary\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0clast_seen_ms\x18\x04 \x01(\x03\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\x12\x15\n\rlast_sequence\x18\x06 \x01(\x04\"<\n\x11ListNodesResponse\x12\'\n\x05nodes\x18\x01 \x03(\x0b\x32\x18.gpuwatch.v1.NodeSummary\"\x1f\n\x0fListGpusRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xa3\x01\n\nGpuSummary\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x04info\x18\x02 \x01(\x0b\x32\x14.gpuwatch.v1.GpuInfo\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0clast_seen_ms\x18\x04 \x01(\x03\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\"9\n\x10ListGpusResponse\x12%\n\x04gpus\x18\x01 \x03(\x0b\x32\x17.gpuwatch.v1.GpuSummary\"0\n\rLatestRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\x05\"\x9e\x01\n\tLatestRow\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05ts_ms\x18\x03 \x01(\x03\x12\x32\n\x06values\x18\x04 \x03(\x0b\x32\".gpuwatch.v1.LatestRow.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\x0eLatestResponse\x12$\n\x04rows\x18\x01 \x03(\x0b\x32\x16.gpuwatch.v1.LatestRow\"r\n\rSeriesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x10\n\x08since_ms\x18\x04 \x01(\x03\x12\x10\n\x08until_ms\x18\x05 \x01(\x03\x12\r\n\x05limit\x18\x06 \x01(\r\"7\n\x0eSeriesResponse\x12\x11\n\x05ts_ms\x18\x01 \x03(\x03\x42\x02\x10\x01\x12\x12\n\x06values\x18\x02 \x03(\x01\x42\x02\x10\x01\"L\n\rEventsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08since_ms\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\r\"y\n\x0e\x45ventsResponse\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.gpuwatch.v1.EventsResponse.Row\x1a\x36\n\x03Row\x12\x0c\n\x04node\x18\x01 \x01(\t\x12!\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x12.gpuwatch.v1.Event\"\x1c\n\x0cJsonResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"G\n\x12SubmitTraceRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\"B\n\x13SubmitTraceResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\r\x12\x0c\n\x04json\x18\x03 \x01(\t\"4\n\x10\x42reakdownRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08per_step\x18\x02 \x01(\x08\"\r\n\x0bJobsRequest\")\n\rAlertsRequest\x12\x18\n\x10include_resolved\x18\x01 \x01(\x08\x32\xfc\x04\n\x05Query\x12J\n\tListNodes\x12\x1d.gpuwatch.v1.ListNodesRequest\x1a\x1e.gpuwatch.v1.ListNodesResponse\x12G\n\x08ListGpus\x12\x1c.gpuwatch.v1.ListGpusRequest\x1a\x1d.gpuwatch.v1.ListGpusResponse\x12\x41\n\x06Latest\x12\x1a.gpuwatch.v1.LatestRequest\x1a\x1b.gpuwatch.v1.LatestResponse\x12\x41\n\x06Series\x12\x1a.gpuwatch.v1.SeriesRequest\x1a\x1b.gpuwatch.v1.SeriesResponse\x12\x41\n\x06\x45vents\x12\x1a.gpuwatch.v1.EventsRequest\x1a\x1b.gpuwatch.v1.EventsResponse\x12P\n\x0bSubmitTrace\x12\x1f.gpuwatch.v1.SubmitTraceRequest\x1a .gpuwatch.v1.SubmitTraceResponse\x12\x45\n\tBreakdown\x12\x1d.gpuwatch.v1.BreakdownRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12;\n\x04Jobs\x12\x18.gpuwatch.v1.JobsRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12?\n\x06\x41lerts\x12\x1a.gpuwatch.v1.AlertsRequest\x1a\x19.gpuwatch.v1.JsonResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gpuwatch/v1/query.proto\x12\x0bgpuwatch.v1\x1a\x1bgpuwatch/v1/telemetry.proto\"\x12\n\x10ListNodesRequest\"y\n\x0bNodeSummary\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0clast_seen_ms\x18\x04 \x01(\x03\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\x12\x15\n\rlast_sequence\x18\x06 \x01(\x04\"<\n\x11ListNodesResponse\x12\'\n\x05nodes\x18\x01 \x03(\x0b\x32\x18.gpuwatch.v1.NodeSummary\"\x1f\n\x0fListGpusRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xa3\x01\n\nGpuSummary\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x04info\x18\x02 \x01(\x0b\x32\x14.gpuwatch.v1.GpuInfo\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0clast_seen_ms\x18\x04 \x01(\x03\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\"9\n\x10ListGpusResponse\x12%\n\x04gpus\x18\x01 \x03(\x0b\x32\x17.gpuwatch.v1.GpuSummary\"0\n\rLatestRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\x05\"\x9e\x01\n\tLatestRow\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05ts_ms\x18\x03 \x01(\x03\x12\x32\n\x06values\x18\x04 \x03(\x0b\x32\".gpuwatch.v1.LatestRow.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\x0eLatestResponse\x12$\n\x04rows\x18\x01 \x03(\x0b\x32\x16.gpuwatch.v1.LatestRow\"r\n\rSeriesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x10\n\x08since_ms\x18\x04 \x01(\x03\x12\x10\n\x08until_ms\x18\x05 \x01(\x03\x12\r\n\x05limit\x18\x06 \x01(\r\"Q\n\x0eSeriesResponse\x12\x11\n\x05ts_ms\x18\x01 \x03(\x03\x42\x02\x10\x01\x12\x12\n\x06values\x18\x02 \x03(\x01\x42\x02\x10\x01\x12\x18\n\x0cresolution_s\x18\x03 \x03(\rB\x02\x10\x01\"L\n\rEventsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08since_ms\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\r\"y\n\x0e\x45ventsResponse\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.gpuwatch.v1.EventsResponse.Row\x1a\x36\n\x03Row\x12\x0c\n\x04node\x18\x01 \x01(\t\x12!\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x12.gpuwatch.v1.Event\"\x1c\n\x0cJsonResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"G\n\x12SubmitTraceRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\"B\n\x13SubmitTraceResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\r\x12\x0c\n\x04json\x18\x03 \x01(\t\"4\n\x10\x42reakdownRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08per_step\x18\x02 \x01(\x08\"\r\n\x0bJobsRequest\")\n\rAlertsRequest\x12\x18\n\x10include_resolved\x18\x01 \x01(\x08\x32\xfc\x04\n\x05Query\x12J\n\tListNodes\x12\x1d.gpuwatch.v1.ListNodesRequest\x1a\x1e.gpuwatch.v1.ListNodesResponse\x12G\n\x08ListGpus\x12\x1c.gpuwatch.v1.ListGpusRequest\x1a\x1d.gpuwatch.v1.ListGpusResponse\x12\x41\n\x06Latest\x12\x1a.gpuwatch.v1.LatestRequest\x1a\x1b.gpuwatch.v1.LatestResponse\x12\x41\n\x06Series\x12\x1a.gpuwatch.v1.SeriesRequest\x1a\x1b.gpuwatch.v1.SeriesResponse\x12\x41\n\x06\x45vents\x12\x1a.gpuwatch.v1.EventsRequest\x1a\x1b.gpuwatch.v1.EventsResponse\x12P\n\x0bSubmitTrace\x12\x1f.gpuwatch.v1.SubmitTraceRequest\x1a .gpuwatch.v1.SubmitTraceResponse\x12\x45\n\tBreakdown\x12\x1d.gpuwatch.v1.BreakdownRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12;\n\x04Jobs\x12\x18.gpuwatch.v1.JobsRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12?\n\x06\x41lerts\x12\x1a.gpuwatch.v1.AlertsRequest\x1a\x19.gpuwatch.v1.JsonResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERIESRESPONSE'].fields_by_name['ts_ms']._serialized_options = b'\020\001'
   _globals['_SERIESRESPONSE'].fields_by_name['values']._loaded_options = None
   _globals['_SERIESRESPONSE'].fields_by_name['values']._serialized_options = b'\020\001'
+  _globals['_SERIESRESPONSE'].fields_by_name['resolution_s']._loaded_options = None
+  _globals['_SERIESRESPONSE'].fields_by_name['resolution_s']._serialized_options = b'\020\001'
   _globals['_LISTNODESREQUEST']._serialized_start=69
   _globals['_LISTNODESREQUEST']._serialized_end=87
   _globals['_NODESUMMARY']._serialized_start=89
@@ -61,25 +63,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERIESREQUEST']._serialized_start=799
   _globals['_SERIESREQUEST']._serialized_end=913
   _globals['_SERIESRESPONSE']._serialized_start=915
-  _globals['_SERIESRESPONSE']._serialized_end=970
-  _globals['_EVENTSREQUEST']._serialized_start=972
-  _globals['_EVENTSREQUEST']._serialized_end=1048
-  _globals['_EVENTSRESPONSE']._serialized_start=1050
-  _globals['_EVENTSRESPONSE']._serialized_end=1171
-  _globals['_EVENTSRESPONSE_ROW']._serialized_start=1117
-  _globals['_EVENTSRESPONSE_ROW']._serialized_end=1171
-  _globals['_JSONRESPONSE']._serialized_start=1173
-  _globals['_JSONRESPONSE']._serialized_end=1201
-  _globals['_SUBMITTRACEREQUEST']._serialized_start=1203
-  _globals['_SUBMITTRACEREQUEST']._serialized_end=1274
-  _globals['_SUBMITTRACERESPONSE']._serialized_start=1276
-  _globals['_SUBMITTRACERESPONSE']._serialized_end=1342
-  _globals['_BREAKDOWNREQUEST']._serialized_start=1344
-  _globals['_BREAKDOWNREQUEST']._serialized_end=1396
-  _globals['_JOBSREQUEST']._serialized_start=1398
-  _globals['_JOBSREQUEST']._serialized_end=1411
-  _globals['_ALERTSREQUEST']._serialized_start=1413
-  _globals['_ALERTSREQUEST']._serialized_end=1454
-  _globals['_QUERY']._serialized_start=1457
-  _globals['_QUERY']._serialized_end=2093
+  _globals['_SERIESRESPONSE']._serialized_end=996
+  _globals['_EVENTSREQUEST']._serialized_start=998
+  _globals['_EVENTSREQUEST']._serialized_end=1074
+  _globals['_EVENTSRESPONSE']._serialized_start=1076
+  _globals['_EVENTSRESPONSE']._serialized_end=1197
+  _globals['_EVENTSRESPONSE_ROW']._serialized_start=1143
+  _globals['_EVENTSRESPONSE_ROW']._serialized_end=1197
+  _globals['_JSONRESPONSE']._serialized_start=1199
+  _globals['_JSONRESPONSE']._serialized_end=1227
+  _globals['_SUBMITTRACEREQUEST']._serialized_start=1229
+  _globals['_SUBMITTRACEREQUEST']._serialized_end=1300
+  _globals['_SUBMITTRACERESPONSE']._serialized_start=1302
+  _globals['_SUBMITTRACERESPONSE']._serialized_end=1368
+  _globals['_BREAKDOWNREQUEST']._serialized_start=1370
+  _globals['_BREAKDOWNREQUEST']._serialized_end=1422
+  _globals['_JOBSREQUEST']._serialized_start=1424
+  _globals['_JOBSREQUEST']._serialized_end=1437
+  _globals['_ALERTSREQUEST']._serialized_start=1439
+  _globals['_ALERTSREQUEST']._serialized_end=1480
+  _globals['_QUERY']._serialized_start=1483
+  _globals['_QUERY']._serialized_end=2119
 # @@protoc_insertion_point(module_scope)

@@ -441,11 +441,11 @@ class ClickHouseStore(GroupWriter):
         cutoff = self._raw_cutoff_ms()
         rolled = pd.DataFrame({"ts_ms": [], "value": []})
         if cutoff is not None and (since_ms is None or since_ms < cutoff):
+            value = rollups.column(field, rollups.series_stat(field))
             rolled = self._query(f"""
-                SELECT toInt64(toUnixTimestamp64Milli(minute)) AS ts_ms,
-                       {rollups.column(field, rollups.series_stat(field))} AS value
+                SELECT toInt64(toUnixTimestamp64Milli(minute)) AS ts_ms, {value} AS value
                 FROM {rollups.ROLLUP_TABLE} WHERE node = {{node:String}} AND gpu_index = {{gpu:Int32}}
-                  AND isNotNull({rollups.column(field, rollups.series_stat(field))}) AND minute >= fromUnixTimestamp64Milli({{since:Int64}})
+                  AND isNotNull({value}) AND minute >= fromUnixTimestamp64Milli({{since:Int64}})
                   AND minute < fromUnixTimestamp64Milli({{cutoff:Int64}})
                   AND minute <= fromUnixTimestamp64Milli({{until:Int64}}) ORDER BY minute""",
                 {"node": node, "gpu": gpu_index, "since": since_ms or 0, "cutoff": cutoff,

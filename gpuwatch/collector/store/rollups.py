@@ -81,8 +81,9 @@ def aggregates(dialect: str) -> str:
         last, head = "arg_max({c}, ts)", ("max(ts) AS ts, count(*) AS samples, arg_max(job_id, ts) AS job_id, "
                                           "arg_max(rank, ts) AS rank")
     else:
-        last, head = "argMaxIf({c}, g.ts, isNotNull({c}))", ("max(g.ts) AS newest, toInt64(count()) AS samples, "
-                                                             "argMax(job_id, g.ts) AS job_id, argMax(rank, g.ts) AS rank")
+        last = "argMaxIf({c}, g.ts, isNotNull({c}))"
+        head = ("max(g.ts) AS newest, toInt64(count()) AS samples, argMax(job_id, g.ts) AS job_id, "
+                "argMax(rank, g.ts) AS rank")
     exprs = {"min": "min({c})", "max": "max({c})", "mean": "avg({c})", "last": last}
     return head + "".join(f", {exprs[s].format(c=f)} AS {name}" for name, f, s in value_columns())
 
