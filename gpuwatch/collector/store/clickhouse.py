@@ -35,6 +35,7 @@ from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
 from gpuwatch.collector.store import rollups
 from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S
+from gpuwatch.collector.store.inventory import InventoryCache
 from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
 from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
@@ -183,6 +184,7 @@ class ClickHouseStore(GroupWriter):
         self.raw_retention_s = raw_retention_s
         self.rollup_retention_s = rollup_retention_s
         self._dirty = rollups.DirtyMinutes()
+        self._inventory = InventoryCache()
         self.path = url
         self._connect_args, self.database = _connection(url)
         self._settings = {"final": 1, "max_memory_usage": _bytes(memory_limit),
@@ -259,12 +261,15 @@ class ClickHouseStore(GroupWriter):
         for name, table in tables.items():
             self._insert(name, _plain_strings(table))
         messages = [b.message for b in batches]
-        self._insert("gpus", self._gpus_frame(messages, now))
+        inventory = self._inventory.to_write(batches)
+        self._insert("gpus", self._gpus_frame({key: gpu for key, (_, gpu) in inventory.items()}, now))
         self._insert("agents", _agents_frame(messages, now))
         self._insert("ingested", ingested)
+        self._inventory.written(inventory)
 
-    def _gpus_frame(self, batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.DataFrame:
-        latest = {(b.node.node, g.index): g for b in batches for g in b.gpus}
+    def _gpus_frame(self, entries: dict[tuple[str, int], pb.GpuInfo], now: dt.datetime) -> pd.DataFrame:
+        """The inventory rows to upsert for ``entries`` (new, changed or due for refresh), first_seen kept."""
+        latest = entries
         if not latest:
             return pd.DataFrame()
         known = self._query("SELECT node, `index`, first_seen FROM gpus WHERE has({nodes:Array(String)}, node)",

@@ -30,6 +30,7 @@ from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
 from gpuwatch.collector.store import rollups
 from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS
+from gpuwatch.collector.store.inventory import InventoryCache
 from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
 from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
                                              fingerprint)
@@ -113,9 +114,6 @@ MIGRATIONS: list[str] = [
     "ALTER TABLE ingested ADD COLUMN IF NOT EXISTS fingerprint VARCHAR",
 ]
 
-# Seconds after which an unchanged inventory entry is written again (its gpus.last_seen refreshed).
-INVENTORY_REFRESH_S = 60.0
-
 # Tables that retention trims, with the timestamp column it compares.
 RETENTION: dict[str, str] = {
     "gpu_samples": "ts", "host_samples": "ts", "events": "ts", "spans": "ts", "ingested": "ingested_at",
@@ -166,9 +164,7 @@ class DuckDBStore(GroupWriter):
             _private(path)
         self.path = path
         self._cursor_lock = threading.Lock()
-        # (node, GPU index) -> (the inventory entry as last written, monotonic time written): unchanged entries
-        # are rewritten only every INVENTORY_REFRESH_S, not in every transaction
-        self._inventory: dict[tuple[str, int], tuple[bytes, float]] = {}
+        self._inventory = InventoryCache()
         super().__init__(
             dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()),
             retention_days=retention_days, span_retention_s=span_retention_s,
@@ -249,7 +245,7 @@ class DuckDBStore(GroupWriter):
         """Insert ``batches`` in one transaction; nothing of them is stored if any part fails."""
         if not batches:
             return
-        inventory = self._inventory_to_write(batches)
+        inventory = self._inventory.to_write(batches)
         self._con.begin()
         try:
             _insert_group(self._con, batches, inventory)
@@ -259,20 +255,7 @@ class DuckDBStore(GroupWriter):
             raise
         if self.raw_retention_s:
             self._dirty.note(batches)
-        written = time.monotonic()
-        self._inventory.update({key: (entry, written) for key, (entry, _) in inventory.items()})
-
-    def _inventory_to_write(self, batches: list[ColumnarBatch]) -> dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]:
-        """The newest inventory entry per (node, GPU) of the group that is new, changed or due for refresh."""
-        latest = {(b.message.node.node, g.index): g for b in batches for g in b.message.gpus}
-        stale = time.monotonic() - INVENTORY_REFRESH_S
-        out = {}
-        for key, gpu in latest.items():
-            entry = gpu.SerializeToString()
-            known = self._inventory.get(key)
-            if known is None or known[0] != entry or known[1] < stale:
-                out[key] = (entry, gpu)
-        return out
+        self._inventory.written(inventory)
 
     def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
         return _stored_keys(self._con, keys)
