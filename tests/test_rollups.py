@@ -79,8 +79,13 @@ def test_series_reads_rollups_before_the_raw_cutoff_and_raw_rows_after(kind, tmp
         before = store.series("node-1", 0, "gpu_power_watts")
         assert set(before["resolution_s"]) == {1}
         end = int(before["ts_ms"].max())
+        minutes = {"last": FIELDS[:1], "means": FIELDS[1:], "mins": [], "maxs": []}
+        scorer_before = store.gpu_minutes(T0_MS, end, **minutes)
         deleted = store.apply_retention(now_ms=end + 1)  # raw rows kept for the last minute only
         assert deleted["gpu_samples"] > 0
+        scorer_after = store.gpu_minutes(T0_MS, end, **minutes)  # rollups, then raw rows: the same minutes
+        assert len(scorer_after) == len(scorer_before) == 8
+        np.testing.assert_allclose(scorer_after[FIELDS].to_numpy(float), scorer_before[FIELDS].to_numpy(float))
         after = store.series("node-1", 0, "gpu_power_watts")
         cutoff = rollups.floor_minute(end + 1 - 60_000)
         old, new = after[after["ts_ms"] < cutoff], after[after["ts_ms"] >= cutoff]
