@@ -6,10 +6,13 @@ clock starts so the collector, not the senders, is the bottleneck. Prints metric
 (= stored: acks come after commit), batches/s, the collector's CPU seconds per batch (user + sys of its
 process: a measure of its own cost that other load on the machine inflates far less than wall time), the
 senders' own CPU per batch (what the load generator takes from the same cores), and checks the row counts
-in the store at the end.
+in the store at the end, with the store's bytes on disk per value stored (DuckDB: the file after a checkpoint;
+ClickHouse: the active parts after merging).
 Target on a 2-core machine: >= 500,000 metric values/s. Then runs bench/agent_cost.py if it exists.
+``--store duckdb|chdb`` picks the engine; ``--compare ROUNDS`` runs both engines alternately, each run in a
+process of its own (one chdb engine per process), and prints them side by side.
 
-    python bench/ingest.py [--senders 4] [--batches 600] [--collector HOST:PORT]
+    python bench/ingest.py [--senders 4] [--batches 600] [--store duckdb|chdb] [--compare 3] [--collector HOST:PORT]
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +92,44 @@ def _thread_cpu() -> Counter:
     return out
 
 
+def disk_bytes(store: Any) -> int:
+    """What the store holds on disk: the DuckDB file after a checkpoint, or ClickHouse's active parts after
+    merging them (what a store settles to; parts not yet merged hold duplicates and unmerged blocks)."""
+    if store.path.startswith("chdb://"):
+        for table in store.query_df(f"SELECT name FROM system.tables WHERE database = '{store.database}'")["name"]:
+            store._command(f"OPTIMIZE TABLE {store.database}.{table} FINAL")
+        df = store.query_df(f"SELECT sum(bytes_on_disk) AS b FROM system.parts WHERE active AND "
+                            f"database = '{store.database}'")
+        return int(df["b"].iloc[0])
+    store.run_write(lambda con: con.execute("CHECKPOINT"))
+    return os.path.getsize(store.path)
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Both engines, alternately, each run in a fresh process; the side-by-side ranges at the end."""
+    results: dict[str, list[dict[str, float]]] = {"duckdb": [], "chdb": []}
+    for _ in range(args.compare):
+        for engine in results:
+            out = subprocess.run([sys.executable, __file__, "--store", engine, "--no-agent-cost",
+                                  "--senders", str(args.senders), "--batches", str(args.batches),
+                                  "--gpus", str(args.gpus), "--ticks", str(args.ticks), "--window", str(args.window)],
+                                 capture_output=True, text=True)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(out.stdout + out.stderr)
+                return 1
+            print(line, flush=True)
+            results[engine].append({k: float(v) for k, v in (w.split("=") for w in line.split()[2:])})
+    print(f"{'':24}{'DuckDB':>20}{'chdb':>20}{'chdb / DuckDB':>16}")
+    for key in ("cpu_s_per_M_values", "bytes_per_value", "values_per_s"):
+        low = {e: min(r[key] for r in rs) for e, rs in results.items()}
+        high = {e: max(r[key] for r in rs) for e, rs in results.items()}
+        ratio = sorted(c / d for c in (r[key] for r in results["chdb"]) for d in (r[key] for r in results["duckdb"]))
+        print(f"{key:24}{low['duckdb']:>9.3g} – {high['duckdb']:<8.3g}{low['chdb']:>9.3g} – {high['chdb']:<8.3g}"
+              f"{ratio[len(ratio) // 2]:>12.2f}x (median)")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--senders", type=int, default=4)
@@ -97,7 +139,12 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=64, help="unacked batches in flight per stream")
     parser.add_argument("--collector", help="an already running collector (default: start one in this process)")
     parser.add_argument("--no-agent-cost", action="store_true", help="skip bench/agent_cost.py at the end")
+    parser.add_argument("--store", choices=("duckdb", "chdb"), default="duckdb", help="the collector's engine")
+    parser.add_argument("--compare", type=int, metavar="ROUNDS", help="run DuckDB and chdb alternately ROUNDS "
+                        "times each and print CPU and bytes per value side by side")
     args = parser.parse_args()
+    if args.compare:
+        return compare(args)
 
     tmp = tempfile.TemporaryDirectory()
     server = None
@@ -105,7 +152,9 @@ def main() -> int:
         address = args.collector
     else:
         from gpuwatch.collector.server import serve
-        server = serve("127.0.0.1:0", os.path.join(tmp.name, "bench.duckdb"))
+        url = (os.path.join(tmp.name, "bench.duckdb") if args.store == "duckdb"
+               else f"chdb://{os.path.join(tmp.name, 'bench-chdb')}")
+        server = serve("127.0.0.1:0", url)
         address = server.address
 
     ctx = mp.get_context("spawn")
@@ -146,6 +195,9 @@ def main() -> int:
         ok = (stored_gpu, stored_host) == (gpu_rows, host_rows)
         print(f"stored: gpu_samples {stored_gpu} (expected {gpu_rows}), host_samples {stored_host} "
               f"(expected {host_rows}) -> {'OK' if ok else 'MISMATCH'}")
+        disk = disk_bytes(server.store)
+        print(f"RESULT {args.store} cpu_s_per_M_values={cpu / values * 1e6:.3f} bytes_per_value={disk / values:.2f} "
+              f"values_per_s={values / elapsed:.0f} load={os.getloadavg()[0]:.1f}", flush=True)
         server.stop()
         if not ok:
             return 1

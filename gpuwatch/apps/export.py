@@ -2,8 +2,10 @@
 
 The store's telemetry tables have the recording's columns, so export is a read per node and table; the
 result replays, trains and imports like any other recording (store -> recording -> replay round-trips).
-The store is opened read-only, which DuckDB allows only while no collector holds the file: export a
-stopped collector's store, or a copy of a running one's.
+Minutes whose raw GPU samples expired under tiered retention (``--raw-retention``) are exported from their
+per-minute rollups: one row per GPU and minute at its newest sample's time, gauges as the minute's mean and
+counters as its last value. The store is opened read-only, which DuckDB allows only while no collector holds
+the file: export a stopped collector's store, or a copy of a running one's.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
+from gpuwatch.collector.store import rollups
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
 from gpuwatch.core.progress import Progress
@@ -30,6 +33,10 @@ _SELECTS: dict[str, tuple[str, str]] = {
     "host_samples": (", ".join(["node", "ts", *HOST_FIELD_NAMES]), "ts"),
     "events": ("node, gpu_index, ts, kind, code, message, CAST(attrs AS VARCHAR) AS attrs", "ts"),
 }
+# GPU samples of the minutes before the raw cutoff: their rollups, in the recording's columns.
+_ROLLED_UP = ", ".join(["node", "gpu_index", "ts", "coalesce(job_id, '') AS job_id", "coalesce(rank, -1) AS rank",
+                        "-1 AS local_rank", *(f"{rollups.column(f, rollups.series_stat(f))} AS {f}"
+                                              for f in GPU_FIELD_NAMES)])
 _ORDER = {"gpu_samples": "gpu_index, ts", "host_samples": "ts", "events": "ts"}
 _SPANS = "job_id, rank, step, kind, name, start_us, dur_us, process_group, seq, bytes, world_size, node, peer"
 _GPUS = ('node, "index", uuid, name, pci_bus_id, serial, memory_total_bytes::BIGINT AS memory_total_bytes, '
@@ -50,7 +57,9 @@ def export_store(db_path: str | os.PathLike, out: str | os.PathLike, *, since_ms
     window = {"since": _datetime(since_ms), "until": _datetime(until_ms)}
     in_range = "($since IS NULL OR {col} >= $since) AND ($until IS NULL OR {col} <= $until)"
     rows = {"gpu_samples": 0, "host_samples": 0, "events": 0, "spans": 0, "gpus": 0}
+    rolled_up = 0
     try:
+        cutoff = _raw_cutoff(con)
         nodes = [r[0] for r in con.execute(
             "SELECT node FROM gpu_samples UNION SELECT node FROM host_samples UNION SELECT node FROM events "
             "UNION SELECT node FROM gpus ORDER BY 1").fetchall()]
@@ -60,8 +69,16 @@ def export_store(db_path: str | os.PathLike, out: str | os.PathLike, *, since_ms
             exported = set()
             for node in nodes:
                 for table, (columns, ts) in _SELECTS.items():
-                    df = _fetch(con, f"SELECT {columns} FROM {table} WHERE node = $node AND "
-                                f"{in_range.format(col=ts)} ORDER BY {_ORDER[table]}", {**window, "node": node})
+                    sql = f"SELECT {columns} FROM {table} WHERE node = $node AND {in_range.format(col=ts)}"
+                    params = {**window, "node": node}
+                    if table == "gpu_samples" and cutoff is not None:
+                        sql = (f"SELECT {_ROLLED_UP}, true AS rolled FROM {rollups.ROLLUP_TABLE} WHERE node = $node "
+                               f"AND minute < $cutoff AND {in_range.format(col='ts')} UNION ALL "
+                               f"SELECT {columns}, false AS rolled FROM ({sql})")
+                        params["cutoff"] = cutoff
+                    df = _fetch(con, f"{sql} ORDER BY {_ORDER[table]}", params)
+                    if "rolled" in df:
+                        rolled_up += int(df.pop("rolled").sum())
                     writer.append(table, df)
                     rows[table] += len(df)
                     exported.update(df["node"])
@@ -75,7 +92,15 @@ def export_store(db_path: str | os.PathLike, out: str | os.PathLike, *, since_ms
             rows.update(spans=len(spans), gpus=len(gpus))
     finally:
         con.close()
-    return {"out": str(out), "store": str(db_path), "nodes": sorted(exported), "rows": rows}
+    return {"out": str(out), "store": str(db_path), "nodes": sorted(exported), "rows": rows,
+            "gpu_rows_from_rollups": rolled_up}
+
+
+def _raw_cutoff(con: duckdb.DuckDBPyConnection) -> dt.datetime | None:
+    """The tiered store's raw cutoff (None: every sample is raw, or a store from before tiered retention)."""
+    tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    cutoff = rollups.duckdb_cutoff(con) if rollups.STATE_TABLE in tables else None
+    return None if cutoff is None else _datetime(cutoff)
 
 
 def _connect(path: Path) -> duckdb.DuckDBPyConnection:

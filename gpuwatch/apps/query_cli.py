@@ -56,10 +56,13 @@ def fetch_latest(stub: query_pb2_grpc.QueryStub, *, node: str | None = None, gpu
 def fetch_series(stub: query_pb2_grpc.QueryStub, *, node: str, gpu: int, field: str, since_ms: int | None = None,
                  limit: int | None = None) -> list[dict[str, Any]]:
     """One dict per point of ``field`` on GPU ``gpu`` of ``node`` (from ``since_ms``; the newest ``limit``):
-    ts (ISO UTC), ts_ms, value."""
+    ts (ISO UTC), ts_ms, value and resolution_s (seconds the point stands for: the sample interval for raw
+    samples, 60 for per-minute rollups; None from a collector that does not say)."""
     request = q.SeriesRequest(node=node, gpu_index=gpu, field=field, limit=limit or 0, since_ms=since_ms or 0)
     reply = stub.Series(request, timeout=_RPC_TIMEOUT_S)
-    return [{"ts": iso_utc(t), "ts_ms": t, "value": v} for t, v in zip(reply.ts_ms, reply.values)]
+    resolutions = list(reply.resolution_s) or [None] * len(reply.ts_ms)
+    return [{"ts": iso_utc(t), "ts_ms": t, "value": v, "resolution_s": r}
+            for t, v, r in zip(reply.ts_ms, reply.values, resolutions)]
 
 
 def fetch_events(stub: query_pb2_grpc.QueryStub, *, node: str | None = None, kind: str | None = None,

@@ -21,6 +21,7 @@ from gpuwatch.core import settings
 from gpuwatch.core.batches import TimeWindow
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.security import read_token
+from gpuwatch.core.times import parse_duration
 
 if TYPE_CHECKING:  # the engines' modules (pandas, the model format) are imported when they are built, so
     # `gpuwatch collector` binds its port before it spends a second importing them (docs/operations.md)
@@ -120,6 +121,8 @@ def start_collector(cfg: settings.Config) -> CollectorServer:
                      max_ingest_streams=cfg.max_ingest_streams,
                      time_window=TimeWindow(cfg.max_sample_age_days, cfg.max_sample_ahead_days),
                      memory_limit=cfg.memory_limit, span_retention_s=cfg.span_retention or None,
+                     raw_retention_s=parse_duration(cfg.raw_retention) or None,
+                     rollup_retention_s=parse_duration(cfg.rollup_retention) or None,
                      clickhouse_cluster=cfg.clickhouse_cluster,
                      services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
                      token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)

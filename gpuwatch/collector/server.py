@@ -457,7 +457,8 @@ def series(request: q.SeriesRequest, store: Store) -> q.SeriesResponse:
         raise UserError("a series needs node and field")
     df = store.series(request.node, request.gpu_index, request.field, since_ms=request.since_ms or None,
                       until_ms=request.until_ms or None, limit=request.limit or None)
-    return q.SeriesResponse(ts_ms=df["ts_ms"].tolist(), values=df["value"].tolist())
+    return q.SeriesResponse(ts_ms=df["ts_ms"].tolist(), values=df["value"].tolist(),
+                            resolution_s=df["resolution_s"].tolist() if "resolution_s" in df else [])
 
 
 def events(request: q.EventsRequest, store: Store) -> q.EventsResponse:

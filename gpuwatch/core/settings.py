@@ -115,6 +115,13 @@ def non_negative(value: float) -> None:
         raise ValueError(f"must not be negative, got {value}")
 
 
+def duration(value: str) -> None:
+    """A duration such as 90s, 5m, 1.5h, 2d (gpuwatch.core.times.parse_duration)."""
+    from gpuwatch.core.times import parse_duration
+
+    parse_duration(value)
+
+
 def http_url(value: str) -> None:
     parsed = urlparse(value)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -237,6 +244,11 @@ class CollectorSettings:
                                     "keeps all)", non_negative)
     retention_days: float = setting(30.0, "delete samples and events older than this (0 keeps everything)",
                                     non_negative)
+    raw_retention: str = setting("2d", "DUR raw GPU samples are kept (e.g. 2d); older minutes are answered from "
+                                 "per-minute rollups (min, max, mean, last per field); 0 keeps raw samples for "
+                                 "--retention-days and builds no rollups", duration)
+    rollup_retention: str = setting("90d", "DUR the per-minute rollups of GPU samples are kept (0 keeps them)",
+                                    duration)
     max_workers: int = setting(DEFAULT_QUERY_WORKERS, "threads answering queries (ingest runs on the event loop, "
                                "not on these)", positive)
     max_in_flight: int = setting(DEFAULT_MAX_IN_FLIGHT, "batches received and not yet committed, all agents "

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gpuwatch.v1 import telemetry_pb2 as gpuwatch_dot_v1_dot_telemetry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gpuwatch/v1/query.proto\x12\x0bgpuwatch.v1\x1a\x1bgpuwatch/v1/telemetry.proto\"\x12\n\x10ListNodesRequest\"y\n\x0bNodeSummary\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0clast_seen_ms\x18\x04 \x01(\x03\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\x12\x15\n\rlast_sequence\x18\x06 \x01(\x04\"<\n\x11ListNodesResponse\x12\'\n\x05nodes\x18\x01 \x03(\x0b\x32\x18.gpuwatch.v1.NodeSummary\"\x1f\n\x0fListGpusRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xd6\x01\n\nGpuSummary\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x04info\x18\x02 \x01(\x0b\x32\x14.gpuwatch.v1.GpuInfo\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0clast_seen_ms\x18\x04 \x01(\x03\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x11\n\tnamespace\x18\t \x01(\t\x12\x0b\n\x03pod\x18\n \x01(\t\x12\x11\n\tcontainer\x18\x0b \x01(\t\"9\n\x10ListGpusResponse\x12%\n\x04gpus\x18\x01 \x03(\x0b\x32\x17.gpuwatch.v1.GpuSummary\"0\n\rLatestRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\x05\"\x9e\x01\n\tLatestRow\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05ts_ms\x18\x03 \x01(\x03\x12\x32\n\x06values\x18\x04 \x03(\x0b\x32\".gpuwatch.v1.LatestRow.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\x0eLatestResponse\x12$\n\x04rows\x18\x01 \x03(\x0b\x32\x16.gpuwatch.v1.LatestRow\"r\n\rSeriesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x10\n\x08since_ms\x18\x04 \x01(\x03\x12\x10\n\x08until_ms\x18\x05 \x01(\x03\x12\r\n\x05limit\x18\x06 \x01(\r\"7\n\x0eSeriesResponse\x12\x11\n\x05ts_ms\x18\x01 \x03(\x03\x42\x02\x10\x01\x12\x12\n\x06values\x18\x02 \x03(\x01\x42\x02\x10\x01\"L\n\rEventsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08since_ms\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\r\"y\n\x0e\x45ventsResponse\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.gpuwatch.v1.EventsResponse.Row\x1a\x36\n\x03Row\x12\x0c\n\x04node\x18\x01 \x01(\t\x12!\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x12.gpuwatch.v1.Event\"\x1c\n\x0cJsonResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"G\n\x12SubmitTraceRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\"B\n\x13SubmitTraceResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\r\x12\x0c\n\x04json\x18\x03 \x01(\t\"4\n\x10\x42reakdownRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08per_step\x18\x02 \x01(\x08\"\r\n\x0bJobsRequest\")\n\rAlertsRequest\x12\x18\n\x10include_resolved\x18\x01 \x01(\x08\">\n\x0cUsageRequest\x12\n\n\x02\x62y\x18\x01 \x01(\t\x12\x10\n\x08since_ms\x18\x02 \x01(\x03\x12\x10\n\x08until_ms\x18\x03 \x01(\x03\x32\xbb\x05\n\x05Query\x12J\n\tListNodes\x12\x1d.gpuwatch.v1.ListNodesRequest\x1a\x1e.gpuwatch.v1.ListNodesResponse\x12G\n\x08ListGpus\x12\x1c.gpuwatch.v1.ListGpusRequest\x1a\x1d.gpuwatch.v1.ListGpusResponse\x12\x41\n\x06Latest\x12\x1a.gpuwatch.v1.LatestRequest\x1a\x1b.gpuwatch.v1.LatestResponse\x12\x41\n\x06Series\x12\x1a.gpuwatch.v1.SeriesRequest\x1a\x1b.gpuwatch.v1.SeriesResponse\x12\x41\n\x06\x45vents\x12\x1a.gpuwatch.v1.EventsRequest\x1a\x1b.gpuwatch.v1.EventsResponse\x12P\n\x0bSubmitTrace\x12\x1f.gpuwatch.v1.SubmitTraceRequest\x1a .gpuwatch.v1.SubmitTraceResponse\x12\x45\n\tBreakdown\x12\x1d.gpuwatch.v1.BreakdownRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12;\n\x04Jobs\x12\x18.gpuwatch.v1.JobsRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12?\n\x06\x41lerts\x12\x1a.gpuwatch.v1.AlertsRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12=\n\x05Usage\x12\x19.gpuwatch.v1.UsageRequest\x1a\x19.gpuwatch.v1.JsonResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gpuwatch/v1/query.proto\x12\x0bgpuwatch.v1\x1a\x1bgpuwatch/v1/telemetry.proto\"\x12\n\x10ListNodesRequest\"y\n\x0bNodeSummary\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0clast_seen_ms\x18\x04 \x01(\x03\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\x12\x15\n\rlast_sequence\x18\x06 \x01(\x04\"<\n\x11ListNodesResponse\x12\'\n\x05nodes\x18\x01 \x03(\x0b\x32\x18.gpuwatch.v1.NodeSummary\"\x1f\n\x0fListGpusRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\xd6\x01\n\nGpuSummary\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x04info\x18\x02 \x01(\x0b\x32\x14.gpuwatch.v1.GpuInfo\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0clast_seen_ms\x18\x04 \x01(\x03\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x11\n\tnamespace\x18\t \x01(\t\x12\x0b\n\x03pod\x18\n \x01(\t\x12\x11\n\tcontainer\x18\x0b \x01(\t\"9\n\x10ListGpusResponse\x12%\n\x04gpus\x18\x01 \x03(\x0b\x32\x17.gpuwatch.v1.GpuSummary\"0\n\rLatestRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\x05\"\x9e\x01\n\tLatestRow\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05ts_ms\x18\x03 \x01(\x03\x12\x32\n\x06values\x18\x04 \x03(\x0b\x32\".gpuwatch.v1.LatestRow.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\x0eLatestResponse\x12$\n\x04rows\x18\x01 \x03(\x0b\x32\x16.gpuwatch.v1.LatestRow\"r\n\rSeriesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x10\n\x08since_ms\x18\x04 \x01(\x03\x12\x10\n\x08until_ms\x18\x05 \x01(\x03\x12\r\n\x05limit\x18\x06 \x01(\r\"Q\n\x0eSeriesResponse\x12\x11\n\x05ts_ms\x18\x01 \x03(\x03\x42\x02\x10\x01\x12\x12\n\x06values\x18\x02 \x03(\x01\x42\x02\x10\x01\x12\x18\n\x0cresolution_s\x18\x03 \x03(\rB\x02\x10\x01\"L\n\rEventsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08since_ms\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\r\"y\n\x0e\x45ventsResponse\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.gpuwatch.v1.EventsResponse.Row\x1a\x36\n\x03Row\x12\x0c\n\x04node\x18\x01 \x01(\t\x12!\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x12.gpuwatch.v1.Event\"\x1c\n\x0cJsonResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"G\n\x12SubmitTraceRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\"B\n\x13SubmitTraceResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\r\x12\x0c\n\x04json\x18\x03 \x01(\t\"4\n\x10\x42reakdownRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08per_step\x18\x02 \x01(\x08\"\r\n\x0bJobsRequest\")\n\rAlertsRequest\x12\x18\n\x10include_resolved\x18\x01 \x01(\x08\">\n\x0cUsageRequest\x12\n\n\x02\x62y\x18\x01 \x01(\t\x12\x10\n\x08since_ms\x18\x02 \x01(\x03\x12\x10\n\x08until_ms\x18\x03 \x01(\x03\x32\xbb\x05\n\x05Query\x12J\n\tListNodes\x12\x1d.gpuwatch.v1.ListNodesRequest\x1a\x1e.gpuwatch.v1.ListNodesResponse\x12G\n\x08ListGpus\x12\x1c.gpuwatch.v1.ListGpusRequest\x1a\x1d.gpuwatch.v1.ListGpusResponse\x12\x41\n\x06Latest\x12\x1a.gpuwatch.v1.LatestRequest\x1a\x1b.gpuwatch.v1.LatestResponse\x12\x41\n\x06Series\x12\x1a.gpuwatch.v1.SeriesRequest\x1a\x1b.gpuwatch.v1.SeriesResponse\x12\x41\n\x06\x45vents\x12\x1a.gpuwatch.v1.EventsRequest\x1a\x1b.gpuwatch.v1.EventsResponse\x12P\n\x0bSubmitTrace\x12\x1f.gpuwatch.v1.SubmitTraceRequest\x1a .gpuwatch.v1.SubmitTraceResponse\x12\x45\n\tBreakdown\x12\x1d.gpuwatch.v1.BreakdownRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12;\n\x04Jobs\x12\x18.gpuwatch.v1.JobsRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12?\n\x06\x41lerts\x12\x1a.gpuwatch.v1.AlertsRequest\x1a\x19.gpuwatch.v1.JsonResponse\x12=\n\x05Usage\x12\x19.gpuwatch.v1.UsageRequest\x1a\x19.gpuwatch.v1.JsonResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERIESRESPONSE'].fields_by_name['ts_ms']._serialized_options = b'\020\001'
   _globals['_SERIESRESPONSE'].fields_by_name['values']._loaded_options = None
   _globals['_SERIESRESPONSE'].fields_by_name['values']._serialized_options = b'\020\001'
+  _globals['_SERIESRESPONSE'].fields_by_name['resolution_s']._loaded_options = None
+  _globals['_SERIESRESPONSE'].fields_by_name['resolution_s']._serialized_options = b'\020\001'
   _globals['_LISTNODESREQUEST']._serialized_start=69
   _globals['_LISTNODESREQUEST']._serialized_end=87
   _globals['_NODESUMMARY']._serialized_start=89
@@ -61,27 +63,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERIESREQUEST']._serialized_start=850
   _globals['_SERIESREQUEST']._serialized_end=964
   _globals['_SERIESRESPONSE']._serialized_start=966
-  _globals['_SERIESRESPONSE']._serialized_end=1021
-  _globals['_EVENTSREQUEST']._serialized_start=1023
-  _globals['_EVENTSREQUEST']._serialized_end=1099
-  _globals['_EVENTSRESPONSE']._serialized_start=1101
-  _globals['_EVENTSRESPONSE']._serialized_end=1222
-  _globals['_EVENTSRESPONSE_ROW']._serialized_start=1168
-  _globals['_EVENTSRESPONSE_ROW']._serialized_end=1222
-  _globals['_JSONRESPONSE']._serialized_start=1224
-  _globals['_JSONRESPONSE']._serialized_end=1252
-  _globals['_SUBMITTRACEREQUEST']._serialized_start=1254
-  _globals['_SUBMITTRACEREQUEST']._serialized_end=1325
-  _globals['_SUBMITTRACERESPONSE']._serialized_start=1327
-  _globals['_SUBMITTRACERESPONSE']._serialized_end=1393
-  _globals['_BREAKDOWNREQUEST']._serialized_start=1395
-  _globals['_BREAKDOWNREQUEST']._serialized_end=1447
-  _globals['_JOBSREQUEST']._serialized_start=1449
-  _globals['_JOBSREQUEST']._serialized_end=1462
-  _globals['_ALERTSREQUEST']._serialized_start=1464
-  _globals['_ALERTSREQUEST']._serialized_end=1505
-  _globals['_USAGEREQUEST']._serialized_start=1507
-  _globals['_USAGEREQUEST']._serialized_end=1569
-  _globals['_QUERY']._serialized_start=1572
-  _globals['_QUERY']._serialized_end=2271
+  _globals['_SERIESRESPONSE']._serialized_end=1047
+  _globals['_EVENTSREQUEST']._serialized_start=1049
+  _globals['_EVENTSREQUEST']._serialized_end=1125
+  _globals['_EVENTSRESPONSE']._serialized_start=1127
+  _globals['_EVENTSRESPONSE']._serialized_end=1248
+  _globals['_EVENTSRESPONSE_ROW']._serialized_start=1194
+  _globals['_EVENTSRESPONSE_ROW']._serialized_end=1248
+  _globals['_JSONRESPONSE']._serialized_start=1250
+  _globals['_JSONRESPONSE']._serialized_end=1278
+  _globals['_SUBMITTRACEREQUEST']._serialized_start=1280
+  _globals['_SUBMITTRACEREQUEST']._serialized_end=1351
+  _globals['_SUBMITTRACERESPONSE']._serialized_start=1353
+  _globals['_SUBMITTRACERESPONSE']._serialized_end=1419
+  _globals['_BREAKDOWNREQUEST']._serialized_start=1421
+  _globals['_BREAKDOWNREQUEST']._serialized_end=1473
+  _globals['_JOBSREQUEST']._serialized_start=1475
+  _globals['_JOBSREQUEST']._serialized_end=1488
+  _globals['_ALERTSREQUEST']._serialized_start=1490
+  _globals['_ALERTSREQUEST']._serialized_end=1531
+  _globals['_USAGEREQUEST']._serialized_start=1533
+  _globals['_USAGEREQUEST']._serialized_end=1595
+  _globals['_QUERY']._serialized_start=1598
+  _globals['_QUERY']._serialized_end=2297
 # @@protoc_insertion_point(module_scope)

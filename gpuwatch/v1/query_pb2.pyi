@@ -121,12 +121,14 @@ class SeriesRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ..., gpu_index: _Optional[int] = ..., field: _Optional[str] = ..., since_ms: _Optional[int] = ..., until_ms: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class SeriesResponse(_message.Message):
-    __slots__ = ("ts_ms", "values")
+    __slots__ = ("ts_ms", "values", "resolution_s")
     TS_MS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    RESOLUTION_S_FIELD_NUMBER: _ClassVar[int]
     ts_ms: _containers.RepeatedScalarFieldContainer[int]
     values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, ts_ms: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+    resolution_s: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ts_ms: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ..., resolution_s: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("node", "kind", "since_ms", "limit")

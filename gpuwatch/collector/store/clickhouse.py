@@ -35,7 +35,9 @@ import pyarrow as pa
 
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
+from gpuwatch.collector.store import rollups
 from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S
+from gpuwatch.collector.store.inventory import InventoryCache
 from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, size_bytes
 from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
@@ -119,6 +121,7 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
                    "inserted_ns Int64 DEFAULT toUnixTimestamp64Nano(now64(9))",
                    "{engine} ORDER BY (name, term, claimed_ms, holder) TTL toDateTime(intDiv(claimed_ms, 1000)) + "
                    "INTERVAL 1 DAY"),
+        **rollups.clickhouse_ddl(),  # the tiers of GPU samples (collector/store/rollups.py)
     }
 
 
@@ -175,7 +178,15 @@ class ClickHouseStore(GroupWriter):
         span_retention_s: float | None = DEFAULT_SPAN_RETENTION_S,
         span_trim_interval_s: float = DEFAULT_SPAN_TRIM_INTERVAL_S,
         clickhouse_cluster: str | None = None,
+        raw_retention_s: float | None = None,
+        rollup_retention_s: float | None = None,
     ) -> None:
+        # GPU samples tiered: raw rows for raw_retention_s, then per-minute rollups for rollup_retention_s
+        # (None: raw rows follow retention_days and no rollups are built)
+        self.raw_retention_s = raw_retention_s
+        self.rollup_retention_s = rollup_retention_s
+        self._dirty = rollups.DirtyMinutes()
+        self._inventory = InventoryCache()
         self.path = url
         self._connect_args, self.database = _connection(url)
         self._settings = {"final": 1, "max_memory_usage": _bytes(memory_limit),
@@ -275,18 +286,23 @@ class ClickHouseStore(GroupWriter):
         that a resend writes again identically, which the ReplacingMergeTree keys (and final reads) fold."""
         if not batches:
             return
+        if self.raw_retention_s:  # noted first: a minute rebuilt from rows that then failed to land is harmless
+            self._dirty.note(batches)
         now = ms_to_datetime(int(time.time() * 1000))
         tables = batch_tables(batches, now)
         ingested = tables.pop("ingested")
         for name, table in tables.items():
             self._insert(name, _plain_strings(table))
         messages = [b.message for b in batches]
-        self._insert("gpus", self._gpus_frame(messages, now))
+        inventory = self._inventory.to_write(batches)
+        self._insert("gpus", self._gpus_frame({key: gpu for key, (_, gpu) in inventory.items()}, now))
         self._insert("agents", _agents_frame(messages, now))
         self._insert("ingested", ingested)
+        self._inventory.written(inventory)
 
-    def _gpus_frame(self, batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.DataFrame:
-        latest = {(b.node.node, g.index): g for b in batches for g in b.gpus}
+    def _gpus_frame(self, entries: dict[tuple[str, int], pb.GpuInfo], now: dt.datetime) -> pd.DataFrame:
+        """The inventory rows to upsert for ``entries`` (new, changed or due for refresh), first_seen kept."""
+        latest = entries
         if not latest:
             return pd.DataFrame()
         known = self._query("SELECT node, `index`, first_seen FROM gpus WHERE has({nodes:Array(String)}, node)",
@@ -301,16 +317,19 @@ class ClickHouseStore(GroupWriter):
     def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
         if not keys:
             return {}
-        rows = self._query("""
+        # one query per group, read as Arrow: its usual answer (fresh batches) is empty, which _query would ask twice
+        rows = self._client().query_arrow("""
             SELECT agent_id, sequence, any(fingerprint) AS fingerprint FROM ingested
             WHERE (agent_id, sequence) IN (SELECT tupleElement(k, 1), tupleElement(k, 2)
                                            FROM (SELECT arrayJoin({keys:Array(Tuple(String, UInt64))}) AS k))
-            GROUP BY agent_id, sequence""", {"keys": [(a, int(s)) for a, s in keys]})
-        return {(r.agent_id, int(r.sequence)): None if pd.isna(r.fingerprint) else r.fingerprint
-                for r in rows.itertuples()}
+            GROUP BY agent_id, sequence""", parameters={"keys": [(a, int(s)) for a, s in keys]})
+        return {(r["agent_id"], int(r["sequence"])): r["fingerprint"] for r in rows.to_pylist()}
 
     def _housekeeping(self, retention: bool, trim: bool) -> None:
-        # retention is the tables' TTL; only the raw spans' window is trimmed here
+        # retention is the tables' TTL; only the raw spans' window is trimmed here, and GPU samples tiered
+        self._build_rollups()
+        if retention and self.raw_retention_s:
+            self._expire_tiers(None)
         if trim and self.span_retention_s:
             self._trim(self.span_retention_s)
 
@@ -343,10 +362,53 @@ class ClickHouseStore(GroupWriter):
         return f"{table}_local ON CLUSTER {self.cluster}" if self.cluster else table
 
     # ---- writes other than ingest ----------------------------------------------------------------------
+    def build_rollups(self, timeout: float | None = None) -> None:
+        """Bring the rollups up to date with every batch committed so far (the writer does it every
+        span-trim interval; tests and benchmarks call this)."""
+        self.run_write(lambda _: self._build_rollups(), timeout)
+
+    def _raw_cutoff_ms(self) -> int | None:
+        df = self._query(f"SELECT max(cutoff_ms) AS c, count() AS n FROM {rollups.STATE_TABLE} WHERE name = 'raw'")
+        return int(df["c"].iloc[0]) if int(df["n"].iloc[0]) else None
+
+    def _build_rollups(self, minutes: tuple[int, int] | None = None) -> None:
+        if not self.raw_retention_s:
+            return
+        minutes = minutes or self._dirty.take(self._raw_cutoff_ms())
+        if minutes is not None:
+            self._command(rollups.clickhouse_build_sql(), {"start": minutes[0], "end": minutes[1]})
+
+    def _expire_tiers(self, now_ms: int | None) -> dict[str, int]:
+        """Roll up every minute before the new raw cutoff, record the cutoff, then delete the raw rows before
+        it (a crash in between leaves raw rows that reads no longer use and the next run deletes)."""
+        assert self.raw_retention_s
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        cutoff = rollups.floor_minute(now - int(self.raw_retention_s * 1000))
+        self._build_rollups()
+        old = self._raw_cutoff_ms()
+        deleted = {"gpu_samples": 0, rollups.ROLLUP_TABLE: 0}
+        if old is None or cutoff > old:
+            self._build_rollups((old if old is not None else 0, cutoff))
+            self._insert(rollups.STATE_TABLE, pd.DataFrame({"name": ["raw"], "cutoff_ms": [cutoff]}))
+        checks = [("gpu_samples", "ts", cutoff)]
+        if self.rollup_retention_s:
+            checks.append((rollups.ROLLUP_TABLE, "minute", now - int(self.rollup_retention_s * 1000)))
+        for table, column, before in checks:
+            where = f"{column} < fromUnixTimestamp64Milli({{before:Int64}})"
+            found = int(self._query(f"SELECT count() AS n FROM {table} WHERE {where}", {"before": before})["n"].iloc[0])
+            if found:
+                self._command(f"DELETE FROM {self._table_for_delete(table)} WHERE {where}", {"before": before})
+            deleted[table] = found
+        log.info("tiered retention: raw GPU samples before %s rolled up and deleted %s",
+                 ms_to_datetime(cutoff).isoformat(), deleted)
+        return deleted
+
     def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
-        """Delete rows older than ``retention_days`` before ``now_ms`` at once (the TTL does it on merges)."""
+        """Delete rows older than ``retention_days`` before ``now_ms`` at once (the TTL does it on merges), and
+        raw GPU samples past ``raw_retention_s`` once rolled up."""
+        tiered = self.run_write(lambda _: self._expire_tiers(now_ms), timeout) if self.raw_retention_s else {}
         if not self.retention_days:
-            return {}
+            return tiered
         cutoff = ms_to_datetime(self._retention_cutoff_ms(now_ms))
 
         def delete(_: Any) -> dict[str, int]:
@@ -361,7 +423,8 @@ class ClickHouseStore(GroupWriter):
                     self._command(f"DELETE FROM {self._table_for_delete(table)} WHERE {where}", params)
             return deleted
 
-        return self.run_write(delete, timeout)
+        deleted = self.run_write(delete, timeout)
+        return {**deleted, **{k: deleted.get(k, 0) + v for k, v in tiered.items()}}
 
     def trim_spans(self, timeout: float | None = None) -> int:
         """Delete raw spans older than ``span_retention_s`` before their job's newest span."""
@@ -413,6 +476,19 @@ class ClickHouseStore(GroupWriter):
     def series(self, node: str, gpu_index: int, field: str, since_ms: int | None = None,
                until_ms: int | None = None, limit: int | None = None) -> pd.DataFrame:
         _check_field(field)
+        cutoff = self._raw_cutoff_ms()
+        rolled = pd.DataFrame({"ts_ms": [], "value": []})
+        if cutoff is not None and (since_ms is None or since_ms < cutoff):
+            value = rollups.column(field, rollups.series_stat(field))
+            rolled = self._query(f"""
+                SELECT toInt64(toUnixTimestamp64Milli(minute)) AS ts_ms, {value} AS value
+                FROM {rollups.ROLLUP_TABLE} WHERE node = {{node:String}} AND gpu_index = {{gpu:Int32}}
+                  AND isNotNull({value}) AND minute >= fromUnixTimestamp64Milli({{since:Int64}})
+                  AND minute < fromUnixTimestamp64Milli({{cutoff:Int64}})
+                  AND minute <= fromUnixTimestamp64Milli({{until:Int64}}) ORDER BY minute""",
+                {"node": node, "gpu": gpu_index, "since": since_ms or 0, "cutoff": cutoff,
+                 "until": until_ms or 2**62 // 1000})
+            since_ms = max(since_ms or 0, cutoff)
         df = self._query(f"""
             SELECT toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, {field} AS value FROM gpu_samples
             WHERE node = {{node:String}} AND gpu_index = {{gpu:Int32}} AND isNotNull({field})
@@ -420,9 +496,9 @@ class ClickHouseStore(GroupWriter):
             ORDER BY ts DESC LIMIT {{limit:UInt64}}""",
             {"node": node, "gpu": gpu_index, "since": since_ms or 0, "until": until_ms or 2**62 // 1000,
              "limit": limit or 2**62})
-        if df.empty:
+        if df.empty and rolled.empty:
             self._check_gpu(node, gpu_index)
-        return df.iloc[::-1].reset_index(drop=True)
+        return rollups.join_series(rolled, df.iloc[::-1].reset_index(drop=True), limit)
 
     def _check_gpu(self, node: str, gpu_index: int | None = None) -> None:
         known = self._records("""
@@ -531,16 +607,27 @@ class ClickHouseStore(GroupWriter):
                     mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
         for c in [*last, *means, *mins, *maxs]:
             _check_field(c)
-        # ClickHouse resolves a name to a SELECT alias before a column: the sample time is read as ``t`` (and
-        # only named ``ts`` in the result), or ``max(ts) AS ts`` would be found inside toStartOfMinute(ts).
-        values = ([f"argMaxIf({c}, t, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
+        cutoff = self._raw_cutoff_ms()
+        if cutoff is not None and since_ms < cutoff:  # minutes whose raw rows expired: their rollups
+            rolled = self._query(f"""
+                SELECT node, gpu_index, minute, ts, job_id, rank{rollups.minute_columns(last, means, mins, maxs)}
+                FROM {rollups.ROLLUP_TABLE} WHERE minute >= fromUnixTimestamp64Milli({{since:Int64}})
+                  AND minute < fromUnixTimestamp64Milli({{cutoff:Int64}})
+                  AND ts <= fromUnixTimestamp64Milli({{until:Int64}})""",
+                {"since": rollups.floor_minute(since_ms), "cutoff": cutoff, "until": until_ms})
+            raw = self.gpu_minutes(max(since_ms, cutoff), until_ms, last=last, means=means, mins=mins, maxs=maxs)
+            both = pd.concat([p for p in (rolled, raw) if len(p)] or [raw], ignore_index=True)
+            return both.sort_values(["node", "gpu_index", "ts"], kind="stable").reset_index(drop=True)
+        values = ([f"argMaxIf({c}, ts, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
                   + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
+        # the newest sample's time is aliased apart from ts, which the GROUP BY would otherwise take for it
         return self._query(f"""
-            SELECT node, gpu_index, toStartOfMinute(t) AS minute, max(t) AS ts, argMax(job_id, t) AS job_id,
-                   argMax(rank, t) AS rank{''.join(', ' + v for v in values)}
-            FROM (SELECT *, ts AS t FROM gpu_samples WHERE ts >= fromUnixTimestamp64Milli({{since:Int64}})
-                    AND ts <= fromUnixTimestamp64Milli({{until:Int64}}))
-            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""", {"since": since_ms, "until": until_ms})
+            SELECT node, gpu_index, toStartOfMinute(ts) AS minute, max(ts) AS newest, argMax(job_id, ts) AS job_id,
+                   argMax(rank, ts) AS rank{''.join(', ' + v for v in values)}
+            FROM gpu_samples AS g WHERE g.ts >= fromUnixTimestamp64Milli({{since:Int64}})
+              AND g.ts <= fromUnixTimestamp64Milli({{until:Int64}})
+            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, newest""",
+            {"since": since_ms, "until": until_ms}).rename(columns={"newest": "ts"})
 
     def newest_sample_ms(self) -> int | None:
         df = self._query("SELECT toInt64(toUnixTimestamp64Milli(max(ts))) AS t, count() AS n FROM gpu_samples")

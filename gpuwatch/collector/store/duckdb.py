@@ -28,7 +28,9 @@ import pyarrow.compute as pc
 
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
+from gpuwatch.collector.store import rollups
 from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS, StoreDamaged
+from gpuwatch.collector.store.inventory import InventoryCache
 from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
 from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
                                              fingerprint)
@@ -104,14 +106,14 @@ DDL: list[str] = [
     name VARCHAR PRIMARY KEY, holder VARCHAR NOT NULL, expires_ms BIGINT NOT NULL)""",
 ]
 
+# the tiers of GPU samples: per-minute rollups and the raw cutoff (collector/store/rollups.py)
+DDL.extend(rollups.duckdb_ddl())
+
 # Run after DDL on every open: columns added since a table was first created.
 MIGRATIONS: list[str] = [
     # What a batch held, in brief (_fingerprint): a resend matches it, a cloned agent's batch does not.
     "ALTER TABLE ingested ADD COLUMN IF NOT EXISTS fingerprint VARCHAR",
 ]
-
-# Seconds after which an unchanged inventory entry is written again (its gpus.last_seen refreshed).
-INVENTORY_REFRESH_S = 60.0
 
 # Tables that retention trims, with the timestamp column it compares.
 RETENTION: dict[str, str] = {
@@ -143,7 +145,14 @@ class DuckDBStore(GroupWriter):
         memory_limit: str = DEFAULT_MEMORY_LIMIT,
         span_retention_s: float | None = DEFAULT_SPAN_RETENTION_S,
         span_trim_interval_s: float = DEFAULT_SPAN_TRIM_INTERVAL_S,
+        raw_retention_s: float | None = None,
+        rollup_retention_s: float | None = None,
     ) -> None:
+        # GPU samples tiered: raw rows for raw_retention_s, then per-minute rollups for rollup_retention_s
+        # (None: raw rows follow retention_days and no rollups are built)
+        self.raw_retention_s = raw_retention_s
+        self.rollup_retention_s = rollup_retention_s
+        self._dirty = rollups.DirtyMinutes()
         try:
             self._con = duckdb.connect(path, config={"memory_limit": memory_limit})
         except duckdb.IOException as exc:
@@ -159,9 +168,7 @@ class DuckDBStore(GroupWriter):
         self.path = path
         self.damaged = ""  # why the file was found unreadable since it opened; then no batch is taken
         self._cursor_lock = threading.Lock()
-        # (node, GPU index) -> (the inventory entry as last written, monotonic time written): unchanged entries
-        # are rewritten only every INVENTORY_REFRESH_S, not in every transaction
-        self._inventory: dict[tuple[str, int], tuple[bytes, float]] = {}
+        self._inventory = InventoryCache()
         super().__init__(
             dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()),
             retention_days=retention_days, span_retention_s=span_retention_s,
@@ -170,11 +177,50 @@ class DuckDBStore(GroupWriter):
 
     # ----------------------------------------------------------------------------------------- writes
     def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
-        """Delete rows older than ``retention_days`` before ``now_ms``; return rows deleted per table."""
+        """Delete rows older than ``retention_days`` before ``now_ms``, and raw GPU samples past
+        ``raw_retention_s`` once rolled up; return rows deleted per table."""
+        tiered = self.run_write(lambda con: self._expire_tiers(now_ms), timeout) if self.raw_retention_s else {}
         if not self.retention_days:
-            return {}
+            return tiered
         cutoff = ms_to_datetime(self._retention_cutoff_ms(now_ms))
-        return self.run_write(lambda con: _delete_before(con, cutoff), timeout)
+        deleted = self.run_write(lambda con: _delete_before(con, cutoff), timeout)
+        return {**deleted, **{k: deleted.get(k, 0) + v for k, v in tiered.items()}}
+
+    def build_rollups(self, timeout: float | None = None) -> None:
+        """Bring the rollups up to date with every batch committed so far (the writer does it every
+        span-trim interval; tests and benchmarks call this)."""
+        self.run_write(lambda con: self._build_rollups(), timeout)
+
+    def _build_rollups(self) -> None:
+        if not self.raw_retention_s:
+            return
+        minutes = self._dirty.take(rollups.duckdb_cutoff(self._con))
+        if minutes is None:
+            return
+        self._con.begin()
+        try:
+            rollups.duckdb_build(self._con, *minutes)
+            self._con.commit()
+        except BaseException:
+            _rollback_keeping_cause(self._con)
+            raise
+
+    def _expire_tiers(self, now_ms: int | None) -> dict[str, int]:
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        assert self.raw_retention_s
+        cutoff = rollups.floor_minute(now - int(self.raw_retention_s * 1000))
+        keep = now - int(self.rollup_retention_s * 1000) if self.rollup_retention_s else None
+        self._build_rollups()
+        self._con.begin()
+        try:
+            deleted = rollups.duckdb_expire(self._con, cutoff, keep)
+            self._con.commit()
+        except BaseException:
+            _rollback_keeping_cause(self._con)
+            raise
+        log.info("tiered retention: raw GPU samples before %s rolled up and deleted %s",
+                 ms_to_datetime(cutoff).isoformat(), deleted)
+        return deleted
 
     def trim_spans(self, timeout: float | None = None) -> int:
         """Delete the raw spans older than ``span_retention_s`` before their job's newest span (the job's own
@@ -185,6 +231,9 @@ class DuckDBStore(GroupWriter):
         return self.run_write(lambda con: _trim_spans(con, retention), timeout)
 
     def _housekeeping(self, retention: bool, trim: bool) -> None:
+        self._build_rollups()
+        if retention and self.raw_retention_s:
+            self._expire_tiers(None)
         if retention and self.retention_days:
             _delete_before(self._con, ms_to_datetime(self._retention_cutoff_ms()))
         if trim and self.span_retention_s:
@@ -202,7 +251,7 @@ class DuckDBStore(GroupWriter):
             return
         if self.damaged:
             raise StoreDamaged(self.damaged)
-        inventory = self._inventory_to_write(batches)
+        inventory = self._inventory.to_write(batches)
         self._con.begin()
         try:
             _insert_group(self._con, batches, inventory)
@@ -211,22 +260,11 @@ class DuckDBStore(GroupWriter):
             _rollback_keeping_cause(self._con)
             self._note_damage(exc)
             raise
-        written = time.monotonic()
-        self._inventory.update({key: (entry, written) for key, (entry, _) in inventory.items()})
+        if self.raw_retention_s:
+            self._dirty.note(batches)
+        self._inventory.written(inventory)
         if self.path != ":memory:":
             _private(self.path)  # DuckDB recreates the WAL after each checkpoint, with the umask's mode
-
-    def _inventory_to_write(self, batches: list[ColumnarBatch]) -> dict[tuple[str, int], tuple[bytes, pb.GpuInfo]]:
-        """The newest inventory entry per (node, GPU) of the group that is new, changed or due for refresh."""
-        latest = {(b.message.node.node, g.index): g for b in batches for g in b.message.gpus}
-        stale = time.monotonic() - INVENTORY_REFRESH_S
-        out = {}
-        for key, gpu in latest.items():
-            entry = gpu.SerializeToString()
-            known = self._inventory.get(key)
-            if known is None or known[0] != entry or known[1] < stale:
-                out[key] = (entry, gpu)
-        return out
 
     def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
         return _stored_keys(self._con, keys)
@@ -303,9 +341,22 @@ class DuckDBStore(GroupWriter):
         until_ms: int | None = None,
         limit: int | None = None,
     ) -> pd.DataFrame:
-        """One GPU field over time (columns ts_ms, value), oldest first; with ``limit``, the newest rows."""
+        """One GPU field over time (columns ts_ms, value, resolution_s), oldest first; with ``limit``, the
+        newest rows. Before the raw cutoff the points are per-minute rollups (resolution_s 60)."""
         if field not in _GPU_FIELD_INDEX:
             raise UserError(f"unknown GPU field {field!r}; fields are listed in gpuwatch.core.fields")
+        cutoff = self._raw_cutoff_ms()
+        rolled = pd.DataFrame({"ts_ms": [], "value": []})
+        if cutoff is not None and (since_ms is None or since_ms < cutoff):
+            rolled = self.query_df(f"""
+                SELECT epoch_ms(minute) AS ts_ms, {rollups.column(field, rollups.series_stat(field))} AS value
+                FROM {rollups.ROLLUP_TABLE} WHERE node = $node AND gpu_index = $gpu
+                  AND {rollups.column(field, rollups.series_stat(field))} IS NOT NULL
+                  AND ($since IS NULL OR minute >= $since) AND minute < $cutoff
+                  AND ($until IS NULL OR minute <= $until) ORDER BY minute""",
+                {"node": node, "gpu": gpu_index, "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms),
+                 "cutoff": ms_to_datetime(cutoff)})
+            since_ms = cutoff if since_ms is None else max(since_ms, cutoff)
         df = self.query_df(f"""
             SELECT epoch_ms(ts) AS ts_ms, {field} AS value FROM gpu_samples
             WHERE node = $node AND gpu_index = $gpu AND {field} IS NOT NULL
@@ -313,9 +364,17 @@ class DuckDBStore(GroupWriter):
             ORDER BY ts DESC LIMIT $limit""",
             {"node": node, "gpu": gpu_index, "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms),
              "limit": limit if limit else None})
-        if df.empty:
+        if df.empty and rolled.empty:
             self._check_gpu(node, gpu_index)
-        return df.iloc[::-1].reset_index(drop=True)
+        return rollups.join_series(rolled, df.iloc[::-1].reset_index(drop=True), limit)
+
+    def _raw_cutoff_ms(self) -> int | None:
+        with self._cursor_lock:
+            cursor = self._con.cursor()
+        try:
+            return rollups.duckdb_cutoff(cursor)
+        finally:
+            cursor.close()
 
     def _check_gpu(self, node: str, gpu_index: int | None = None) -> None:
         """NotFound naming a node (or GPU) the store has never heard of, so an empty answer is never a typo."""
@@ -440,6 +499,16 @@ class DuckDBStore(GroupWriter):
         job_id and rank of the last sample, then the last value of ``last``, the mean of ``means``, the
         minimum of ``mins`` and the maximum of ``maxs`` (each under its own name)."""
         _check_fields([*last, *means, *mins, *maxs])
+        cutoff = self._raw_cutoff_ms()
+        if cutoff is not None and since_ms < cutoff:  # minutes whose raw rows expired: their rollups
+            rolled = self.query_df(f"""
+                SELECT node, gpu_index, minute, ts, job_id, rank{rollups.minute_columns(last, means, mins, maxs)}
+                FROM {rollups.ROLLUP_TABLE} WHERE minute >= $since AND minute < $cutoff AND ts <= $until""",
+                {"since": ms_to_datetime(rollups.floor_minute(since_ms)), "cutoff": ms_to_datetime(cutoff),
+                 "until": ms_to_datetime(until_ms)})
+            raw = self.gpu_minutes(max(since_ms, cutoff), until_ms, last=last, means=means, mins=mins, maxs=maxs)
+            both = pd.concat([p for p in (rolled, raw) if len(p)] or [raw], ignore_index=True)
+            return both.sort_values(["node", "gpu_index", "ts"], kind="stable").reset_index(drop=True)
         values = ([f"arg_max({c}, ts) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
                   + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
         return self.query_df(f"""
