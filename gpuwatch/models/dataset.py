@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from gpuwatch.core.errors import UserError
 from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, PRECURSOR_COUNTERS, PRECURSOR_FLAGS, fault_events
@@ -45,8 +46,27 @@ class Source:
     def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
         raise NotImplementedError
 
+    def has_telemetry(self) -> bool:
+        """Whether any sample holds a value of a field the features read (a fault log converted to a
+        recording holds none: its samples only mark when each GPU was in service)."""
+        raise NotImplementedError
+
 
 class RecordingSource(Source):
+    def has_telemetry(self) -> bool:
+        """From the Parquet footers' null counts: no sample is read."""
+        for part in open_recording(self.path).parts("gpu_samples"):
+            meta = pq.ParquetFile(part).metadata
+            names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+            wanted = [i for i, n in enumerate(names) if n in SAMPLE_COLUMNS]
+            for rg in range(meta.num_row_groups):
+                group = meta.row_group(rg)
+                for i in wanted:
+                    stats = group.column(i).statistics
+                    if stats is None or not stats.has_null_count or stats.null_count < group.num_rows:
+                        return True
+        return False
+
     def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
         rec = open_recording(self.path)
         where = [("node", "in", nodes)]
@@ -54,6 +74,19 @@ class RecordingSource(Source):
 
 
 class DuckDBSource(Source):
+    def has_telemetry(self) -> bool:
+        import duckdb
+
+        with duckdb.connect(str(self.path), read_only=True) as con:
+            cols = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns "
+                                              "WHERE table_name = 'gpu_samples'").fetchall()]
+            present = [c for c in SAMPLE_COLUMNS if c in cols]
+            if not present:
+                return False
+            where = " OR ".join(f'"{c}" IS NOT NULL' for c in present)
+            return con.execute(f"SELECT 1 FROM gpu_samples WHERE {where} LIMIT 1").fetchone() is not None
+
+
     def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
         import duckdb
 

@@ -103,6 +103,9 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
             raise UserError(f"{sets[0].source.path}: the {block} block has {int(rows['label'].sum())} positive rows; "
                             "need faults in it (more data, or simulate with a higher --fault-rate-multiplier)")
     names, dropped = informative_features(train, feature_names())
+    if not names:
+        raise UserError(f"{sets[0].source.path}: no feature varies in the training block (every telemetry field "
+                        "the model reads is empty or constant there): nothing to learn warning signs from")
     with Progress("train", total=len(STAGES), unit="stages", quiet=quiet) as progress:
         started = time.monotonic()
         y = train["fit_label"].to_numpy()
