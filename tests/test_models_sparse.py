@@ -13,6 +13,7 @@ from gpuwatch.apps.cli import main
 from gpuwatch.core.errors import UserError
 from gpuwatch.models.dataset import build_dataset, open_source
 from gpuwatch.models.features import feature_names
+from gpuwatch.models.history import history_names
 from gpuwatch.models.train import train_model
 from gpuwatch.simulator.failing_fleet import FleetConfig, simulate_fleet
 from sparse_fleet import write_sparse_recording
@@ -63,13 +64,16 @@ def test_train_on_a_telemetry_free_recording_is_one_line_before_any_window(tmp_p
 
 
 def test_training_where_every_feature_is_constant_is_a_user_error(tmp_path):
-    """Telemetry that never moves passes the presence check; the model still has nothing to learn from."""
+    """Telemetry that never moves passes the presence check; without a fault history to learn from either,
+    the model has nothing to learn from."""
     rec = tmp_path / "flat"
     write_sparse_recording(rec, nodes=16, gpus_per_node=4, days=60, lives_per_gpu=3,
                            telemetry={"gpu_temperature_celsius": 40.0})
     assert open_source(rec).has_telemetry()
+    ds = build_dataset(rec, quiet=True)
+    ds.rows[history_names()] = 0.0
     with pytest.raises(UserError, match="no feature varies"):
-        train_model(build_dataset(rec, quiet=True), quiet=True)
+        train_model(ds, quiet=True)
 
 
 def test_a_long_sparse_recording_builds_windows_only_around_its_samples(tmp_path, cells_built):

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 from gpuwatch.core.errors import UserError
 from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, PRECURSOR_COUNTERS, PRECURSOR_FLAGS, fault_events
 from gpuwatch.models.features import DEFAULT_STEP_S, SAMPLE_COLUMNS, add_peer_features, gpu_window_features
+from gpuwatch.models.history import with_history
 from gpuwatch.models.labels import DEFAULT_HORIZON_S, DEFAULT_WARNING_S, label
 from gpuwatch.core.progress import Progress
 from gpuwatch.core.recording import open_recording
@@ -168,7 +169,7 @@ def build_dataset(path: str | Path, *, horizon_s: float = DEFAULT_HORIZON_S,
     parts, episodes, stats = [], [], []
     with Progress("features", total=len(src.nodes), unit="nodes", quiet=quiet) as progress:
         for nodes, samples, events in src.chunks():
-            parts.append(gpu_window_features(samples, events, step_s=step_s))
+            parts.append(with_history(gpu_window_features(samples, events, step_s=step_s), events))
             episodes.append(fault_events(events, samples))
             stats.append(samples[list(SAMPLE_COLUMNS)].agg(["count", "min", "max"]))
             progress.advance(len(nodes))

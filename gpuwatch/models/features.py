@@ -18,7 +18,9 @@ between fleets, whose typical counter levels, noise and temperatures differ (doc
 - **clock-event (throttle) reasons**: share of time in HW slowdown, thermal slowdown, power brake and power
   cap, and how that share moved against the GPU's own baseline;
 - reliability flags (pending remap/retirement), PCIe link width/generation against the maximum, and
-  events (precursor, application and fatal XIDs, hours since the last precursor XID).
+  events (precursor, application and fatal XIDs, hours since the last precursor XID);
+- apart from these within-life windows, the **history across faults** (models/history.py): faults of the
+  GPU and of its node in the last 7/30/90 days, days since the GPU's last fault.
 
 Absolute levels (temperature, lifetime error counts, power) are deliberately not features: they describe
 a fleet's hardware and climate more than a GPU's health. Only the past is used, so a feature row at time t
@@ -30,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from gpuwatch.models.faults import APPLICATION_XIDS, FATAL_XIDS, PRECURSOR_XIDS
+from gpuwatch.models.history import history_names, with_history
 from gpuwatch.core.recording import ts_ms
 
 DEFAULT_STEP_S = 600
@@ -103,7 +106,7 @@ def feature_names() -> list[str]:
     names += ["xid_app_1h", "xid_app_24h", "xid_fatal_1h", "xid_fatal_24h"]
     names += ["hours_since_precursor_xid"]
     names += ["temp_vs_node", "mem_temp_vs_node", "sm_clock_vs_node", "power_vs_job", "util_vs_job"]
-    return names
+    return names + history_names()
 
 
 def monotone_direction(name: str) -> int:
@@ -113,6 +116,8 @@ def monotone_direction(name: str) -> int:
         return 1
     if name in FLAGS or name.startswith("xid_precursor") or name == "pcie_replay_over_limit":
         return 1
+    if name in history_names():  # more recent faults, more risk; the longer since the last, the less
+        return -1 if name == "days_since_fault" else 1
     return 0
 
 
@@ -121,9 +126,10 @@ def features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int | pd.Timest
     """Feature rows (node, gpu_index, t_ms, job_id, *feature_names()) from samples and events.
 
     ``at=None``: one row per GPU and step over the data (training and evaluation). ``at=<time>``: one row
-    per GPU at that time (online scoring); pass at least ``HISTORY_S`` of history before it.
+    per GPU at that time (online scoring); pass at least ``HISTORY_S`` of samples before it, and the events of
+    the ``history.LOOKBACK_S`` before it (the fault history).
     """
-    return add_peer_features(gpu_window_features(samples, events, at=at, step_s=step_s))
+    return add_peer_features(with_history(gpu_window_features(samples, events, at=at, step_s=step_s), events))
 
 
 def _anchor_ms(at: int | pd.Timestamp | None) -> int | None:
