@@ -72,8 +72,8 @@ def test_advise_rate_from_data_and_bad_input(tmp_path, capsys):
     from gpuwatch.apps.cli import main
     from gpuwatch.simulator.failing_fleet import FleetConfig, simulate_fleet
 
-    simulate_fleet(FleetConfig(nodes=2, gpus_per_node=4, days=2, resolution_s=600, fault_rate_multiplier=2000,
-                               seed=5), tmp_path / "rec", quiet=True)
+    simulate_fleet(FleetConfig(nodes=2, gpus_per_node=4, days=2, resolution_s=600, fault_rate_multiplier=6000,
+                               repair_median_h=4.0, repair_sigma=0.5, seed=5), tmp_path / "rec", quiet=True)
     assert main(["advise", "--gpus", "1024", "--data", str(tmp_path / "rec"), "--json"]) == 0
     rate = json.loads(capsys.readouterr().out)["rate"]
     assert rate["fault_episodes"] > 0 and 0.9 * 8 * 48 < rate["gpu_hours"] <= 8 * 48  # failed GPUs stop reporting

@@ -13,7 +13,7 @@ from helpers import MIN, T0, event_rows, minute_samples
 
 def test_online_row_equals_training_row(tmp_path):
     simulate_fleet(FleetConfig(nodes=2, gpus_per_node=4, days=2, resolution_s=120, seed=5,
-                               fault_rate_multiplier=2000), tmp_path)
+                               fault_rate_multiplier=6000, repair_median_h=4.0, repair_sigma=0.5), tmp_path)
     rec = open_recording(tmp_path)
     s, e = rec.table("gpu_samples"), rec.table("events")
     batch = features(s, e)

@@ -18,6 +18,8 @@ SPOOL_DROPPED = "spool_dropped"  # code = batches dropped, attrs["bytes"]
 ECC_DBE = "ecc_dbe"
 ECC_SBE = "ecc_sbe"
 NVML_EVENT = "nvml_event"  # any other NVML event type, attrs["event_type"]
+FAULT = "fault"  # one fault of an operator's fault log (gpuwatch import --format faults); code = XID or 0,
+#                  message = the log's description, attrs["kind"], ["gpu"], ["class"], ["end_ms"] (repair end)
 
 #: What each kind means to a person reading a count of them (the demo's summary, `gpuwatch events`).
 MEANINGS: dict[str, str] = {
@@ -30,6 +32,7 @@ MEANINGS: dict[str, str] = {
     ECC_DBE: "uncorrectable memory errors reported as events",
     ECC_SBE: "correctable memory errors reported as events",
     NVML_EVENT: "other NVML events (clock changes, power events)",
+    FAULT: "faults from an imported fault log (gpuwatch import --format faults; gpuwatch fleet counts them)",
 }
 
 

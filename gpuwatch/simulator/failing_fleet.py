@@ -8,6 +8,7 @@ demo can drive a single degrading GPU tick by tick with the same process.
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -20,7 +21,7 @@ from gpuwatch.core.errors import UserError
 from gpuwatch.core.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
 from gpuwatch.core.progress import Progress
 from gpuwatch.core.recording import RecordingWriter
-from gpuwatch.models.faults import LLAMA3_FAULTS_PER_GPU_HOUR
+from gpuwatch.models.reliability import GPU_FAULTS_PER_GPU_HOUR
 
 HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
@@ -37,27 +38,30 @@ class Mechanism:
     gpu_lost: bool
 
 
-#: Shares follow the Llama 3 / FT-HSDP / Delta mixes: memory (HBM) first, then PCIe, NVLink, thermal, sudden.
+#: Shares follow StepFun's 158 GPU faults (docs/failure-model.md §1): memory/DBE 38 %, no XID or unknown cause
+#: 38 % (sudden), PCIe link width low 16 % plus lost / not found 4 % (pcie: the link degrades, then the GPU is
+#: taken out), NVLink 2 %, thermal 1.5 %.
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
     Mechanism("memory", 0.38, 8.0, (48, 64), False),
-    Mechanism("pcie", 0.15, 6.0, (79,), True),
-    Mechanism("nvlink", 0.14, 6.0, (74,), False),
-    Mechanism("thermal", 0.08, 4.0, (79,), True),
-    Mechanism("sudden", 0.25, 0.0, (119, 120, 79), False),
+    Mechanism("pcie", 0.20, 6.0, (79,), True),
+    Mechanism("nvlink", 0.02, 6.0, (74,), False),
+    Mechanism("thermal", 0.015, 4.0, (79,), True),
+    Mechanism("sudden", 0.385, 0.0, (119, 120, 79), False),
 )}
 
 
 @dataclass(frozen=True)
 class FleetConfig:
     """One fleet configuration. The knobs after ``nodes_per_job`` (FLEET_KNOBS) make fleets that differ the
-    way real sites do, for domain-shift testing; their defaults give the original simulated fleet."""
+    way real sites do, for domain-shift testing; their defaults follow published real fleets
+    (docs/failure-model.md §1: rate, repairs, repeats, idle time)."""
 
     nodes: int = 4
     gpus_per_node: int = 8
     days: float = 2.0
     resolution_s: float = 60.0
     seed: int = 0
-    fault_rate_per_gpu_hour: float = LLAMA3_FAULTS_PER_GPU_HOUR
+    fault_rate_per_gpu_hour: float = GPU_FAULTS_PER_GPU_HOUR
     fault_rate_multiplier: float = 1.0
     near_miss_fraction: float = 0.1  # precursor processes that stop on their own
     start_ms: int = 1_767_225_600_000  # 2026-01-01T00:00:00Z
@@ -72,6 +76,13 @@ class FleetConfig:
     lead_time_scale: float = 1.0
     precursor_strength: float = 1.0
     lookalikes_per_gpu_day: float = 0.0
+    frailty_sigma: float = 1.0
+    repeat_probability: float = 0.08
+    repeat_decay_days: float = 7.0
+    repair_median_h: float = 16.8
+    repair_sigma: float = 2.4
+    idle_fraction: float = 0.3
+    job_util_spread: float = 0.5
 
 
 #: Knobs of a fleet configuration that `gpuwatch simulate` exposes as options.
@@ -88,12 +99,22 @@ FLEET_KNOBS: dict[str, str] = {
     "lookalikes_per_gpu_day": "benign look-alike episodes per GPU-day: remaps with XID 63 that end nowhere, "
                               "power-brake HW slowdown, PCIe replay and NVLink CRC bursts that stop, "
                               "a fan drifting warm",
+    "frailty_sigma": "spread (log-normal sigma) of per-GPU frailty: how unequal GPUs are (0: all alike)",
+    "repeat_probability": "expected further faults of a GPU each fault brings after its return (self-excitation)",
+    "repeat_decay_days": "mean delay of those repeat faults after the return, days",
+    "repair_median_h": "median repair time (GPU out of service after a fault), hours",
+    "repair_sigma": "log-normal sigma of repair times (2.4: p75 ~5x, p90 ~22x the median)",
+    "idle_fraction": "share of time nodes run no job (0 % utilisation, idle power and temperature)",
+    "job_util_spread": "jobs' utilisation is uniform between 1 - spread and 1",
 }
 
 
 #: Named fleet configurations. The shipped model is trained on "base", "noisy" and "subtle"; "shifted" is
 #: the held-out configuration it is judged on (bench/predict.py), different in every knob at once;
 #: "validation" is where changes to features and calibration are chosen before "shifted" is looked at.
+#: "real" and "busy-idle" are further unseen fleets built from published telemetry (docs/failure-model.md §3):
+#: "real" a well-run site with a modest benign tail, "busy-idle" a heavily shared one whose false-alarm tail is
+#: much longer (half the time idle, jobs of any intensity, crashes, resets, noisy GPUs and look-alikes).
 PROFILES: dict[str, FleetConfig] = {
     "base": FleetConfig(),
     "noisy": FleetConfig(noise=1.8, counter_level=3.0, resets_per_gpu_day=0.05, app_xids_per_node_day=0.2,
@@ -108,6 +129,11 @@ PROFILES: dict[str, FleetConfig] = {
     "validation": FleetConfig(noise=1.4, counter_level=2.0, resets_per_gpu_day=0.03, app_xids_per_node_day=0.1,
                               power_capping=0.2, hot_aisle=8.0, noisy_gpu_fraction=0.02, lead_time_scale=1.2,
                               precursor_strength=0.7, lookalikes_per_gpu_day=0.04),
+    "real": FleetConfig(noise=1.3, counter_level=1.5, resets_per_gpu_day=0.02, app_xids_per_node_day=0.1,
+                        noisy_gpu_fraction=0.02, lookalikes_per_gpu_day=0.02, power_capping=0.1, hot_aisle=4.0),
+    "busy-idle": FleetConfig(noise=1.6, counter_level=3.0, resets_per_gpu_day=0.08, app_xids_per_node_day=0.4,
+                             power_capping=0.3, hot_aisle=8.0, noisy_gpu_fraction=0.05, precursor_strength=0.7,
+                             lookalikes_per_gpu_day=0.05, idle_fraction=0.45, job_util_spread=0.8),
 }
 
 
@@ -244,26 +270,30 @@ def node_name(i: int) -> str:
 
 
 def plan_faults(cfg: FleetConfig, node: int, rng: np.random.Generator) -> list[FaultPlan]:
-    """Faults and near misses of one node's GPUs: Poisson in time with a per-GPU frailty (bad GPUs repeat)."""
+    """Faults and near misses of one node's GPUs: Poisson in time with a per-GPU frailty, and each fault
+    bringing ``repeat_probability`` further faults on average, ``repeat_decay_days`` after its return (real
+    GPUs that failed fail again soon: docs/failure-model.md §1)."""
     hours = cfg.days * 24
     end_ms = cfg.start_ms + int(cfg.days * DAY_MS)
     names = list(MECHANISMS)
     shares = np.array([MECHANISMS[n].share for n in names])
     plans: list[FaultPlan] = []
+    sigma = cfg.frailty_sigma
     for g in range(cfg.gpus_per_node):
-        frailty = rng.lognormal(-0.5, 1.0)  # mean 1
+        frailty = rng.lognormal(-sigma ** 2 / 2, sigma) if sigma > 0 else 1.0  # mean 1
         rate = cfg.fault_rate_per_gpu_hour * cfg.fault_rate_multiplier * frailty
         n_fault = rng.poisson(rate * hours)
         # near misses follow the published rate: the multiplier only gives small fleets enough faults to learn
         # from, it must not also multiply the GPUs that degrade and recover (false alarms by construction)
         n_miss = rng.poisson(rate / max(cfg.fault_rate_multiplier, 1.0) * hours * cfg.near_miss_fraction)
-        times = np.sort(rng.uniform(cfg.start_ms, end_ms, n_fault + n_miss)).astype(np.int64)
-        misses = set(rng.choice(len(times), n_miss, replace=False).tolist()) if n_miss else set()
+        times = rng.uniform(cfg.start_ms, end_ms, n_fault + n_miss).astype(np.int64)
+        queue = [(int(t), k >= n_fault) for k, t in enumerate(times)]  # (time, near miss)
+        heapq.heapify(queue)
         free_from = cfg.start_ms - 10 * DAY_MS
-        for k, t in enumerate(times):
+        while queue:
+            t, near = heapq.heappop(queue)
             mech = names[rng.choice(len(names), p=shares / shares.sum())]
             m = MECHANISMS[mech]
-            near = k in misses
             if near and m.precursor_median_h == 0:
                 continue  # a sudden near miss leaves no trace at all
             dur_h = (max(1.5 * cfg.lead_time_scale, rng.lognormal(math.log(m.precursor_median_h * cfg.lead_time_scale),
@@ -271,11 +301,17 @@ def plan_faults(cfg: FleetConfig, node: int, rng: np.random.Generator) -> list[F
             onset = int(t - dur_h * HOUR_MS)
             if onset < free_from:
                 continue  # overlaps the previous fault's precursor or repair: the GPU fails once at a time
-            repair = int(rng.lognormal(math.log(4.0), 0.5) * HOUR_MS) if not near else 0
-            plans.append(FaultPlan(node_name(node), g, mech, onset, int(t), int(t) + repair,
+            repair = 0 if near else int(min(rng.lognormal(math.log(cfg.repair_median_h), cfg.repair_sigma),
+                                            365 * 24.0) * HOUR_MS)
+            plans.append(FaultPlan(node_name(node), g, mech, onset, t, t + repair,
                                    int(rng.choice(m.final_xids)), near, int(rng.integers(2**31)),
                                    cfg.precursor_strength * rng.uniform(0.6, 1.4)))
-            free_from = int(t) + repair
+            free_from = t + repair
+            if not near:
+                for _ in range(rng.poisson(cfg.repeat_probability)):
+                    after = t + repair + int(rng.exponential(cfg.repeat_decay_days) * DAY_MS)
+                    if after < end_ms:
+                        heapq.heappush(queue, (after, False))
     return plans
 
 
@@ -284,6 +320,9 @@ def _job_schedule(cfg: FleetConfig, group: int, ts: np.ndarray, rng: np.random.G
     job = np.full(len(ts), -1, dtype=np.int64)
     intensity = np.zeros(len(ts))
     heavy = np.zeros(len(ts), bool)
+    # jobs last 16.5 h on average (log-normal, median 12 h); gaps between them make up ``idle_fraction``
+    idle = min(max(cfg.idle_fraction, 0.0), 0.95)
+    idle_h = max(16.5 * idle / (1 - idle), 0.01)
     t = cfg.start_ms - int(rng.uniform(0, 12) * HOUR_MS)
     end = ts[-1] + 1
     k = 0
@@ -291,9 +330,9 @@ def _job_schedule(cfg: FleetConfig, group: int, ts: np.ndarray, rng: np.random.G
         dur = int(rng.lognormal(math.log(12), 0.8) * HOUR_MS)
         sel = (ts >= t) & (ts < t + dur)
         job[sel] = group * 100_000 + k
-        intensity[sel] = rng.uniform(0.75, 1.0)
+        intensity[sel] = rng.uniform(1.0 - min(cfg.job_util_spread, 0.95), 1.0)
         heavy[sel] = rng.random() < cfg.power_capping
-        t += dur + int(rng.exponential(1.0) * HOUR_MS)
+        t += dur + int(rng.exponential(idle_h) * HOUR_MS)
         k += 1
     return job, intensity, heavy
 
@@ -323,8 +362,9 @@ def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, 
     power = np.minimum(power, limit)
     cols["gpu_power_watts"] = power
     cols["gpu_power_limit_watts"] = np.full((G, T), limit)
-    inlet = rng.normal(24, 2.5) + rng.normal(0, 1.5, (G, 1)) + (cfg.hot_aisle if node % 4 == 0 else 0.0)
-    temp = inlet + 0.06 * power + noise(0.8)
+    # idle ~30 C, busy ~60 C: a p10-p90 spread near 30 C once a quarter of the time is idle (AcmeTrace)
+    inlet = rng.normal(27, 2.5) + rng.normal(0, 1.5, (G, 1)) + (cfg.hot_aisle if node % 4 == 0 else 0.0)
+    temp = inlet + 0.05 * power + noise(0.8)
     blips = _blips(rng, G, T, dt, per_day=0.15, length_ticks=max(1, int(1200 / dt)))
     temp = temp + 12.0 * blips
     cols["gpu_temperature_celsius"] = temp
