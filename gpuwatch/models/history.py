@@ -4,10 +4,10 @@ came back from its last fault.
 Kept apart from the within-life windows of models/features.py, which end at a GPU's fault on purpose (the
 errors before a fault describe that fault, not the GPU that returns). Across faults the history is the
 signal: on real fleets a GPU back from a fault fails again far above the base rate (Titan: about 50x within
-7 days, docs/failure-model.md), and bad GPUs and nodes repeat. Only fatal XIDs and lost GPUs count (the
-events table: the collector reads the last ``LOOKBACK_S`` of them cheaply every round, so live scores see
-the history that training did); evidence closer than ``COALESCE_S`` is one fault. A recording keys GPUs by
-node and index, so "this GPU" is its slot: a replaced board inherits the slot's history.
+7 days, docs/failure-model.md), and bad GPUs and nodes repeat. Only fatal XIDs, lost GPUs and imported
+fault-log entries count (the events table: the collector reads the last ``LOOKBACK_S`` of them cheaply every
+round, so live scores see the history that training did); evidence closer than ``COALESCE_S`` is one fault.
+A recording keys GPUs by node and index, so "this GPU" is its slot: a replaced board inherits its history.
 """
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ def history_names() -> list[str]:
 
 
 def fault_starts(events: pd.DataFrame) -> pd.DataFrame:
-    """node, gpu_index, start_ms, end_ms of each fault (fatal XID or GPU lost; evidence within
+    """node, gpu_index, start_ms, end_ms of each fault (fatal XID, GPU lost, or a fault log's entry; evidence within
     ``COALESCE_S`` of the previous is the same fault)."""
-    fatal = (events["kind"] == "gpu_lost") | ((events["kind"] == "xid") & events["code"].isin(list(FATAL_XIDS)))
+    fatal = (events["kind"].isin(["gpu_lost", "fault"])  # "fault": an imported fault log's entry
+             | ((events["kind"] == "xid") & events["code"].isin(list(FATAL_XIDS))))
     ev = pd.DataFrame({"node": events.loc[fatal, "node"].astype(str).to_numpy(),
                        "gpu_index": events.loc[fatal, "gpu_index"].astype(int).to_numpy(),
                        "t": ts_ms(events.loc[fatal, "ts"])}).sort_values(["node", "gpu_index", "t"])
