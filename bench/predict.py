@@ -41,8 +41,6 @@ from gpuwatch.simulator.failing_fleet import PROFILES, simulate_fleet
 
 #: The configurations the shipped model is trained on (a held-out one is never among them).
 SHIPPED_PROFILES = ("base", "noisy", "subtle")
-#: Fleets per configuration for the shipped model (seeds 11.. in turn).
-SHIPPED_FLEETS_PER_PROFILE = 2
 HELDOUT_PROFILES = ("shifted", "real", "busy-idle")
 MODEL_CARD = default_model_path().with_name("MODEL_CARD.md")
 PREDICTORS = ("retrained", "shipped", "rules")
@@ -72,6 +70,8 @@ def main() -> int:
                    help="write the recordings and models here and keep them (default: a temporary directory, deleted)")
     p.add_argument("--save-default", action="store_true",
                    help=f"train the shipped model on {', '.join(SHIPPED_PROFILES)} and write it with its model card")
+    p.add_argument("--fleets-per-profile", type=int, default=2,
+                   help="training fleets per configuration (--save-default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     judged = {*args.heldout, args.validation_profile}
@@ -118,7 +118,7 @@ def judge(ds: Dataset, truth: pd.DataFrame, shipped: dict, args: argparse.Namesp
     retrained, times[f"train_{name}_s"] = timed(f"train on {name}'s first period", train_model,
                                                 first_period(ds, mid), description=f"{name} first period",
                                                 false_alarm_budget=args.budget, quiet=True)
-    out = {
+    return {
         "retrained": predictor_metrics(ds, score(retrained, ds.rows), block, threshold=retrained["threshold"],
                                        budget=args.budget, truth=truth),
         "shipped": predictor_metrics(ds, score(shipped, ds.rows), block, threshold=shipped["threshold"],
@@ -126,7 +126,6 @@ def judge(ds: Dataset, truth: pd.DataFrame, shipped: dict, args: argparse.Namesp
         "rules": predictor_metrics(ds, rule_scores(ds.rows), block, threshold=retrained["baseline_threshold"],
                                    budget=None, truth=truth),
     }
-    return out
 
 
 def side_by_side(name: str, result: dict) -> str:
@@ -178,7 +177,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
 def train_shipped(args: argparse.Namespace, work: Path, times: dict) -> tuple[dict, list[str]]:
     """The default model: trained across several configurations (each split in time on its own)."""
     sets, names = [], []
-    for k in range(SHIPPED_FLEETS_PER_PROFILE * len(SHIPPED_PROFILES)):
+    for k in range(args.fleets_per_profile * len(SHIPPED_PROFILES)):
         profile = SHIPPED_PROFILES[k % len(SHIPPED_PROFILES)]
         ds, _, _ = fleet(args, work, profile, 11 + k, 2 * args.days, times)
         sets.append(ds)
@@ -197,7 +196,8 @@ def model_card(model: dict, trained_on: list[str], results: dict, args: argparse
         "# Shipped failure model (models/data/default_model.skops)", "",
         "Regenerate: `python bench/predict.py --save-default` (writes the model and this card; "
         f"this one: `--nodes {args.nodes} --gpus {args.gpus} --days {args.days:g} --resolution {args.resolution:g} "
-        f"--fault-rate-multiplier {args.fault_rate_multiplier:g}`).", "",
+        f"--fault-rate-multiplier {args.fault_rate_multiplier:g} --fleets-per-profile {args.fleets_per_profile}`).",
+        "",
         "## Trained on", "",
         f"Simulated fleets (`gpuwatch simulate --profile NAME`, docs/failure-model.md): {', '.join(trained_on)}; "
         f"each {args.nodes} nodes x {args.gpus} GPUs x {2 * args.days:g} days at {args.resolution:g} s, fault rate "
