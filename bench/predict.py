@@ -32,6 +32,7 @@ from typing import Any
 
 import pandas as pd
 
+from gpuwatch.core.errors import UserError
 from gpuwatch.models.dataset import Dataset, build_dataset
 from gpuwatch.models.evaluate import predictor_metrics
 from gpuwatch.models.model import default_model_path, load_model, save_model, score
@@ -157,7 +158,11 @@ def run(args: argparse.Namespace, work: Path) -> int:
     results: dict[str, dict] = {}
     for k, profile in enumerate([args.validation_profile, *args.heldout]):
         ds, _, truth = fleet(args, work, profile, 202 + k, 2 * args.days, times)
-        results[profile] = judge(ds, truth, shipped, args, times, profile)
+        try:
+            results[profile] = judge(ds, truth, shipped, args, times, profile)
+        except UserError as exc:  # a small fleet's first period may hold too few faults to retrain on
+            print(f"== {profile}: not judged: {exc}", flush=True)
+            continue
         print(side_by_side(profile + (" (validation)" if k == 0 else " (held out)"), results[profile]), flush=True)
     if args.save_default:
         save_model(shipped, default_model_path())
