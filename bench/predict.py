@@ -1,17 +1,21 @@
-"""Failure-prediction benchmark across fleet configurations: train on one simulated configuration, judge on a
-held-out fleet of another (different noise, counter levels, lead times, precursor strength, look-alikes),
-the retrained model and the shipped model, both with the alert threshold calibrated online to the budget,
-beside the DCGM-style rules tuned to the same budget on the training data. Also times `gpuwatch score` on
-the held-out fleet.
+"""Failure-prediction benchmark on fleets of configurations the shipped model was never trained on.
 
-Both models are also judged on a fleet of the `validation` configuration (seed 303), neither trained on nor
-held out: changes to features, training and calibration are chosen on it, and the held-out numbers are
-looked at only after.
+For each held-out configuration one fleet is simulated for two periods ("months", ``--days`` each), as a new
+site would meet it. Side by side on the second period:
 
-    python bench/predict.py                        # 16 nodes x 8 GPUs x 30 days per fleet, noisy -> shifted
-    python bench/predict.py --nodes 4 --days 10    # a quick look
-    python bench/predict.py --save-default         # retrain the shipped model on base+noisy+subtle, write its card
-    python bench/predict.py --keep /data/bench     # keep the recordings and models
+- **retrained**: `train` on the site's own first period (rows whose horizon reaches into the second are left
+  out), alert threshold calibrated online to the budget;
+- **shipped**: the default model as shipped, threshold calibrated online to the budget on the site's scores;
+- **rules**: the DCGM-style rules at the threshold chosen for the budget on the site's first period.
+
+Reported: recall of faults with precursors (and by kind), false alarms per 1,000 GPU-days, median lead.
+The `validation` configuration (neither trained on nor held out) is where design choices are judged; the
+held-out numbers are looked at only after. `--save-default` retrains the shipped model first (on
+SHIPPED_PROFILES, never on a held-out one) and writes its model card. Also times `gpuwatch score`.
+
+    python bench/predict.py                                   # 8 nodes x 8 GPUs, 2 x 21 days per fleet
+    python bench/predict.py --heldout shifted real busy-idle  # the unseen fleets (default)
+    python bench/predict.py --save-default                    # retrain the shipped model, write its card
 """
 from __future__ import annotations
 
@@ -24,46 +28,42 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
-from gpuwatch.models.dataset import build_dataset
-from gpuwatch.models.evaluate import evaluate_model, format_table
-from gpuwatch.simulator.failing_fleet import PROFILES, simulate_fleet
-from gpuwatch.models.model import default_model_path, load_model, save_model
+from gpuwatch.core.errors import UserError
+from gpuwatch.models.dataset import Dataset, build_dataset
+from gpuwatch.models.evaluate import predictor_metrics
+from gpuwatch.models.model import default_model_path, load_model, save_model, score
+from gpuwatch.models.rules import rule_scores
 from gpuwatch.models.train import train_model
+from gpuwatch.simulator.failing_fleet import PROFILES, simulate_fleet
 
-#: The configurations the shipped model is trained on (the held-out one is never among them).
+#: The configurations the shipped model is trained on (a held-out one is never among them).
 SHIPPED_PROFILES = ("base", "noisy", "subtle")
-#: Fleets per configuration for the shipped model (seeds 11.. in turn): more faults to learn a precursor's
-#: shape from; on the validation configuration two fleets each raised recall at the training threshold from
-#: 0.89 to 0.97 and PR AUC from 0.22 to 0.26 over one each.
-SHIPPED_FLEETS_PER_PROFILE = 2
-#: Fleets of the one training configuration for the retrained model (seeds 101..): still "trained on one
-#: configuration, tested on another", with more faults to learn the precursor shapes from; on the validation
-#: configuration three fleets instead of one raised its recall at the budget from 0.49/0.47 to 0.85/0.52
-#: (seeds 303/304).
-RETRAIN_FLEETS = 3
+HELDOUT_PROFILES = ("shifted", "real", "busy-idle")
 MODEL_CARD = default_model_path().with_name("MODEL_CARD.md")
+PREDICTORS = ("retrained", "shipped", "rules")
 
 
-def timed(label: str, fn, *args, **kwargs):
+def timed(label: str, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     started = time.monotonic()
     result = fn(*args, **kwargs)
     seconds = time.monotonic() - started
-    print(f"{label:44} {seconds:8.1f} s", flush=True)
+    print(f"{label:48} {seconds:8.1f} s", flush=True)
     return result, seconds
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=16)
+    p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--days", type=float, default=30)
-    p.add_argument("--resolution", type=float, default=60.0, help="seconds")
-    p.add_argument("--fault-rate-multiplier", type=float, default=30.0)
-    p.add_argument("--train-profile", default="noisy", choices=sorted(PROFILES))
-    p.add_argument("--heldout-profile", default="shifted", choices=sorted(PROFILES))
+    p.add_argument("--days", type=float, default=21, help="days of one period (the fleet runs two)")
+    p.add_argument("--resolution", type=float, default=120.0, help="seconds")
+    p.add_argument("--fault-rate-multiplier", type=float, default=100.0,
+                   help="scale the real GPU fault rate so small fleets hold enough faults to learn and judge")
+    p.add_argument("--heldout", nargs="+", default=list(HELDOUT_PROFILES), choices=sorted(PROFILES))
     p.add_argument("--validation-profile", default="validation", choices=sorted(PROFILES),
                    help="where design choices are judged (neither trained on nor held out)")
     p.add_argument("--budget", type=float, default=1.0, help="false alarms per 1,000 GPU-days")
@@ -71,11 +71,13 @@ def main() -> int:
                    help="write the recordings and models here and keep them (default: a temporary directory, deleted)")
     p.add_argument("--save-default", action="store_true",
                    help=f"train the shipped model on {', '.join(SHIPPED_PROFILES)} and write it with its model card")
+    p.add_argument("--fleets-per-profile", type=int, default=2,
+                   help="training fleets per configuration (--save-default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    trained_on = {args.train_profile, *(SHIPPED_PROFILES if args.save_default else ())}
-    if trained_on & {args.heldout_profile, args.validation_profile} or args.heldout_profile == args.validation_profile:
-        p.error("the held-out and validation configurations must differ from each other and from the training ones")
+    judged = {*args.heldout, args.validation_profile}
+    if judged & set(SHIPPED_PROFILES) or args.validation_profile in args.heldout:
+        p.error("held-out and validation configurations must differ from each other and from the training ones")
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gpuwatch-bench-predict-"))
     try:
         return run(args, work)
@@ -84,63 +86,94 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def fleet(args: argparse.Namespace, work: Path, profile: str, seed: int, times: dict) -> tuple:
+def fleet(args: argparse.Namespace, work: Path, profile: str, seed: int, days: float, times: dict
+          ) -> tuple[Dataset, dict, pd.DataFrame]:
     """Simulate one fleet of a configuration and build its dataset; returns (dataset, summary, truth)."""
     out = work / f"{profile}-{seed}"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = replace(PROFILES[profile], nodes=args.nodes, gpus_per_node=args.gpus, days=args.days,
+    cfg = replace(PROFILES[profile], nodes=args.nodes, gpus_per_node=args.gpus, days=days,
                   resolution_s=args.resolution, seed=seed, fault_rate_multiplier=args.fault_rate_multiplier)
-    summary, times[f"simulate_{profile}_s"] = timed(f"simulate {profile} (seed {seed})", simulate_fleet, cfg, out,
-                                                    quiet=True)
+    summary, times[f"simulate_{profile}_s"] = timed(f"simulate {profile} (seed {seed}, {days:g} days)",
+                                                    simulate_fleet, cfg, out, quiet=True)
     ds, times[f"features_{profile}_s"] = timed(f"features + labels {profile}", build_dataset, out, quiet=True)
     truth = pd.DataFrame(json.loads((out / "simulation_truth.json").read_text()))
     return ds, summary, truth
 
 
+def first_period(ds: Dataset, end_ms: int) -> Dataset:
+    """The site's data up to ``end_ms`` as if nothing later were recorded (labels censored where their horizon
+    passes it)."""
+    keep = ds.rows["t_ms"].to_numpy() < end_ms
+    rows = ds.rows[keep].copy()
+    rows["censored"] |= rows["t_ms"].to_numpy() + ds.horizon_s * 1000 > end_ms
+    eps = ds.episodes[ds.episodes["start_ms"] < end_ms]
+    source = replace(ds.source, end_ms=end_ms, fingerprint=ds.source.fingerprint + "-first")
+    return Dataset(rows, eps, source, ds.horizon_s, ds.warning_s, ds.step_s, ds.uninformative_fields)
+
+
+def judge(ds: Dataset, truth: pd.DataFrame, shipped: dict, args: argparse.Namespace, times: dict, name: str
+          ) -> dict:
+    """The three predictors on the second period of ``ds``."""
+    mid = ds.source.start_ms + (ds.source.end_ms - ds.source.start_ms) // 2
+    block = (mid + int(ds.horizon_s * 1000), ds.source.end_ms + 1)
+    retrained, times[f"train_{name}_s"] = timed(f"train on {name}'s first period", train_model,
+                                                first_period(ds, mid), description=f"{name} first period",
+                                                false_alarm_budget=args.budget, quiet=True)
+    return {
+        "retrained": predictor_metrics(ds, score(retrained, ds.rows), block, threshold=retrained["threshold"],
+                                       budget=args.budget, truth=truth),
+        "shipped": predictor_metrics(ds, score(shipped, ds.rows), block, threshold=shipped["threshold"],
+                                     budget=args.budget, truth=truth),
+        "rules": predictor_metrics(ds, rule_scores(ds.rows), block, threshold=retrained["baseline_threshold"],
+                                   budget=None, truth=truth),
+    }
+
+
+def side_by_side(name: str, result: dict) -> str:
+    """One line per predictor: recall, by kind, false alarms per 1,000 GPU-days, median lead."""
+    def f(v: Any, fmt: str = ".2f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = [f"== {name} ==", f"{'':10} {'recall':>7} {'FA/1000d':>9} {'lead min':>9} {'sudden':>7}  by kind"]
+    for k in PREDICTORS:
+        r = result[k]
+        lead = None if r["median_lead_time_s"] is None else r["median_lead_time_s"] / 60
+        kinds = ", ".join(f"{a} {b}" for a, b in (r.get("recall_by_mechanism") or r["recall_by_kind"]).items())
+        lines.append(f"{k:10} {f(r['event_recall']):>7} {f(r['false_alarms_per_1000_gpu_days']):>9} "
+                     f"{f(lead, '.0f'):>9} {f(r['event_recall_sudden']):>7}  {kinds}")
+    r = result["shipped"]
+    lines.append(f"({r['faults']} faults with precursors, {r['faults_sudden']} sudden, {r['gpu_days']} GPU-days)")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace, work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
-    gpu_days = args.nodes * args.gpus * args.days
-    print(f"fleets: {args.nodes} nodes x {args.gpus} GPUs x {args.days:g} days at {args.resolution:g} s "
-          f"({gpu_days:,.0f} GPU-days each), fault rate x{args.fault_rate_multiplier:g}; budget {args.budget:g} "
-          f"false alarms per 1,000 GPU-days")
+    print(f"fleets: {args.nodes} nodes x {args.gpus} GPUs x 2 x {args.days:g} days at {args.resolution:g} s, "
+          f"fault rate x{args.fault_rate_multiplier:g}; budget {args.budget:g} false alarms per 1,000 GPU-days")
     times: dict[str, float] = {}
-    held, held_sim, held_truth = fleet(args, work, args.heldout_profile, 202, times)
-    val, _, val_truth = fleet(args, work, args.validation_profile, 303, times)
-    train_sets = [fleet(args, work, args.train_profile, 101 + k, times)[0] for k in range(RETRAIN_FLEETS)]
-    desc = f"trained on one configuration ({args.train_profile}, {RETRAIN_FLEETS} fleets)"
-    model, times["train_s"] = timed(f"train on {args.train_profile}", train_model, train_sets, description=desc,
-                                    false_alarm_budget=args.budget, quiet=True)
-    save_model(model, work / "retrained.skops")
-    retrained, times["evaluate_retrained_s"] = timed("evaluate retrained on held-out", evaluate_model, model, held,
-                                                     budget=args.budget, truth=held_truth)
     if args.save_default:
-        shipped_model, shipped_sets = train_shipped(args, work, times)
+        shipped, shipped_sets = train_shipped(args, work, times)
     else:
-        shipped_model, shipped_sets = load_model(None), None
-    shipped, times["evaluate_shipped_s"] = timed("evaluate shipped on held-out", evaluate_model, shipped_model, held,
-                                                 budget=args.budget, truth=held_truth)
-    validation = {name: evaluate_model(m, val, budget=args.budget, truth=val_truth)
-                  for name, m in (("retrained", model), ("shipped", shipped_model))}
+        shipped, shipped_sets = load_model(None), []
+    results: dict[str, dict] = {}
+    for k, profile in enumerate([args.validation_profile, *args.heldout]):
+        ds, _, truth = fleet(args, work, profile, 202 + k, 2 * args.days, times)
+        try:
+            results[profile] = judge(ds, truth, shipped, args, times, profile)
+        except UserError as exc:  # a small fleet's first period may hold too few faults to retrain on
+            print(f"== {profile}: not judged: {exc}", flush=True)
+            continue
+        print(side_by_side(profile + (" (validation)" if k == 0 else " (held out)"), results[profile]), flush=True)
     if args.save_default:
-        save_model(shipped_model, default_model_path())
-        MODEL_CARD.write_text(model_card(shipped_model, shipped_sets, shipped, validation["shipped"], args))
+        save_model(shipped, default_model_path())
+        MODEL_CARD.write_text(model_card(shipped, shipped_sets, results, args))
         print(f"default model written: {default_model_path()} ({default_model_path().stat().st_size:,} bytes), "
               f"card {MODEL_CARD}")
-    score_s = time_score(work / f"{args.heldout_profile}-202", args.budget)
+    score_s = time_score(work / f"{args.heldout[0]}-203", args.budget)
     times["gpuwatch_score_heldout_s"] = score_s
-    print(f"\nheld-out fleet: {args.heldout_profile}, faults simulated {held_sim['faults']}, "
-          f"near misses {held_sim['near_misses']}")
-    for name, result in ((f"model retrained on {args.train_profile}", validation["retrained"]),
-                         ("shipped default model", validation["shipped"])):
-        print(f"\n== {name}: validation {args.validation_profile} (seed 303) ==")
-        print(format_table(result))
-    for name, result in ((f"model retrained on {args.train_profile}", retrained), ("shipped default model", shipped)):
-        print(f"\n== {name}: held-out {args.heldout_profile}, horizon {result['evaluated_on']['horizon_s']:g} s ==")
-        print(format_table(result))
-    print(f"\n`gpuwatch score` on the held-out fleet ({gpu_days:,.0f} GPU-days): {score_s:.1f} s")
+    print(f"\n`gpuwatch score` on the {args.heldout[0]} fleet: {score_s:.1f} s")
     if args.json:
-        print(json.dumps({"times": times, "retrained": retrained, "shipped": shipped, "validation": validation},
-                         default=str))
+        print(json.dumps({"times": times, "results": results}, default=str))
     if args.keep:
         print(f"\nrecordings and models in {work}")
     return 0
@@ -149,40 +182,43 @@ def run(args: argparse.Namespace, work: Path) -> int:
 def train_shipped(args: argparse.Namespace, work: Path, times: dict) -> tuple[dict, list[str]]:
     """The default model: trained across several configurations (each split in time on its own)."""
     sets, names = [], []
-    for k in range(SHIPPED_FLEETS_PER_PROFILE * len(SHIPPED_PROFILES)):
+    for k in range(args.fleets_per_profile * len(SHIPPED_PROFILES)):
         profile = SHIPPED_PROFILES[k % len(SHIPPED_PROFILES)]
-        ds, _, _ = fleet(args, work, profile, 11 + k, times)
+        ds, _, _ = fleet(args, work, profile, 11 + k, 2 * args.days, times)
         sets.append(ds)
         names.append(f"{profile} (seed {11 + k})")
-    desc = (f"simulated-fleet-trained: gpuwatch failsim configurations {', '.join(names)}, "
-            f"each {args.nodes}x{args.gpus} GPUs, {args.days:g} days, fault rate x{args.fault_rate_multiplier:g}; "
+    desc = (f"simulated-fleet-trained: gpuwatch simulate configurations {', '.join(names)}, "
+            f"each {args.nodes}x{args.gpus} GPUs, {2 * args.days:g} days, fault rate x{args.fault_rate_multiplier:g}; "
             "not trained on real hardware data")
     model, times["train_shipped_s"] = timed("train shipped model", train_model, sets, description=desc,
                                             false_alarm_budget=args.budget, quiet=True)
     return model, names
 
 
-def model_card(model: dict, trained_on: list[str], result: dict, validation: dict, args: argparse.Namespace) -> str:
-    """The shipped model's card: what it was trained on and how it did on a configuration it never saw."""
-    return "\n".join([
+def model_card(model: dict, trained_on: list[str], results: dict, args: argparse.Namespace) -> str:
+    """The shipped model's card: what it was trained on and how it did on configurations it never saw."""
+    lines = [
         "# Shipped failure model (models/data/default_model.skops)", "",
-        "Regenerate: `python bench/predict.py --save-default` (writes the model and this card).", "",
+        "Regenerate: `python bench/predict.py --save-default` (writes the model and this card; "
+        f"this one: `--nodes {args.nodes} --gpus {args.gpus} --days {args.days:g} --resolution {args.resolution:g} "
+        f"--fault-rate-multiplier {args.fault_rate_multiplier:g} --fleets-per-profile {args.fleets_per_profile}`).",
+        "",
         "## Trained on", "",
-        f"Simulated fleets (`gpuwatch simulate --profile NAME`, docs/failure-model.md §1): {', '.join(trained_on)}; "
-        f"each {args.nodes} nodes x {args.gpus} GPUs x {args.days:g} days at {args.resolution:g} s, fault rate "
-        f"x{args.fault_rate_multiplier:g}. No real hardware data. Horizon {model['horizon_s']:g} s; "
-        f"{len(model['features'])} features; start threshold {model['threshold']:.4f} (only the start value: the "
+        f"Simulated fleets (`gpuwatch simulate --profile NAME`, docs/failure-model.md): {', '.join(trained_on)}; "
+        f"each {args.nodes} nodes x {args.gpus} GPUs x {2 * args.days:g} days at {args.resolution:g} s, fault rate "
+        f"x{args.fault_rate_multiplier:g}, each split in time on its own. No real hardware data. Horizon "
+        f"{model['horizon_s']:g} s; {len(model['features'])} features (the history across faults among them); "
+        f"start threshold {model['threshold']:.4f}, the highest of the training fleets' (only the start value: the "
         "collector and `gpuwatch score` calibrate it online to the false-alarm budget).", "",
-        f"## Held-out configuration: `{args.heldout_profile}` (seed 202), never trained on", "",
-        f"Budget {args.budget:g} false alarms per 1,000 GPU-days, threshold calibrated online on the fleet's own "
-        "unlabelled scores; rules = DCGM health limits on 1-h rates, one scale factor tuned to the same budget on the "
-        "training data.", "", "```", format_table(result), "```", "",
-        f"## Validation configuration: `{args.validation_profile}` (seed 303), neither trained on nor held out", "",
-        "Where the features, the training set and the calibration were chosen; same budget and columns.", "",
-        "```", format_table(validation), "```", "",
-        "Sudden faults (GSP, fell off the bus without warning) are not predictable from telemetry; they are "
-        "reported apart (`event_recall_sudden`). Re-evaluate on your own fleet (`gpuwatch evaluate`, `gpuwatch "
-        "score`) before trusting the numbers above.", ""])
+        f"## Judged on fleets never trained on (budget {args.budget:g} false alarms per 1,000 GPU-days)", "",
+        "Each fleet runs two periods; numbers are for the second. retrained = trained on the site's own first "
+        "period; shipped = this model; both calibrated online to the budget. rules = DCGM health limits at the "
+        "threshold chosen for the budget on the first period.", ""]
+    for profile, result in results.items():
+        lines += ["```", side_by_side(profile, result), "```", ""]
+    lines += ["Sudden faults (no warning in telemetry) are reported apart. Re-evaluate on your own fleet "
+              "(`gpuwatch evaluate`, `gpuwatch score`) before trusting the numbers above.", ""]
+    return "\n".join(lines)
 
 
 def time_score(recording: Path, budget: float) -> float:

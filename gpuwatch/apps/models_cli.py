@@ -123,11 +123,15 @@ def _simulate(args: argparse.Namespace) -> dict:
 
 
 def _train(args: argparse.Namespace) -> dict:
-    from gpuwatch.models.dataset import build_dataset
+    from gpuwatch.models.dataset import build_dataset, open_source
     from gpuwatch.models.model import save_model
     from gpuwatch.models.train import train_model
 
     check_writable(args.output)  # before minutes of training, not after
+    if not open_source(args.data).has_telemetry():  # before a grid of empty windows over the data's span
+        raise UserError(f"{args.data}: holds no telemetry (every sample's fields are empty, as in a fault log "
+                        "converted to a recording): a failure model learns warning signs from telemetry; "
+                        "`gpuwatch advise --data` measures fault rates from such data")
     ds = build_dataset(args.data, horizon_s=args.horizon, quiet=args.quiet)
     model = train_model(ds, false_alarm_budget=args.false_alarm_budget,
                         description=f"trained on {args.data}", quiet=args.quiet)

@@ -34,6 +34,7 @@ from gpuwatch.models import features as feature_module
 from gpuwatch.models import rules
 from gpuwatch.models.calibration import BudgetCalibrator
 from gpuwatch.models.faults import FATAL_XIDS
+from gpuwatch.models.history import LOOKBACK_S as FAULT_LOOKBACK_S
 from gpuwatch.models.model import score, top_signals
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.core.recording import ts_ms
@@ -106,7 +107,7 @@ def score_gpus(store: Store, model: dict | None, now_ms: int, history: MinuteHis
     top signals, health state, the rules' reasons, and ``failed`` (collector/failed.py) when it has failed."""
     history = history or MinuteHistory()
     samples = history.samples(store, now_ms)
-    events = xid_events(store, now_ms, history.history_s)
+    events = xid_events(store, now_ms, max(history.history_s, FAULT_LOOKBACK_S))  # fault history: weeks
     if samples.empty:
         return []
     step_s = int(model["step_s"]) if model else feature_module.DEFAULT_STEP_S
@@ -129,7 +130,7 @@ def score_history(store: Store, model: dict | None, start_ms: int, end_ms: int
     samples = _minutes(store, int(start_ms - history_s * 1000), end_ms)
     if samples.empty:
         return
-    events = xid_events(store, end_ms, (end_ms - start_ms) / 1000 + history_s)
+    events = xid_events(store, end_ms, (end_ms - start_ms) / 1000 + max(history_s, FAULT_LOOKBACK_S))
     feats = feature_module.features(samples, events, step_s=step_s)
     feats = feats[(feats["t_ms"] > start_ms) & (feats["t_ms"] <= end_ms)].sort_values("t_ms", kind="stable")
     feats = feats.reset_index(drop=True)

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from gpuwatch.core.errors import UserError
 from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, PRECURSOR_COUNTERS, PRECURSOR_FLAGS, fault_events
 from gpuwatch.models.features import DEFAULT_STEP_S, SAMPLE_COLUMNS, add_peer_features, gpu_window_features
+from gpuwatch.models.history import with_history
 from gpuwatch.models.labels import DEFAULT_HORIZON_S, DEFAULT_WARNING_S, label
 from gpuwatch.core.progress import Progress
 from gpuwatch.core.recording import open_recording
@@ -45,8 +47,27 @@ class Source:
     def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
         raise NotImplementedError
 
+    def has_telemetry(self) -> bool:
+        """Whether any sample holds a value of a field the features read (a fault log converted to a
+        recording holds none: its samples only mark when each GPU was in service)."""
+        raise NotImplementedError
+
 
 class RecordingSource(Source):
+    def has_telemetry(self) -> bool:
+        """From the Parquet footers' null counts: no sample is read."""
+        for part in open_recording(self.path).parts("gpu_samples"):
+            meta = pq.ParquetFile(part).metadata
+            names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+            wanted = [i for i, n in enumerate(names) if n in SAMPLE_COLUMNS]
+            for rg in range(meta.num_row_groups):
+                group = meta.row_group(rg)
+                for i in wanted:
+                    stats = group.column(i).statistics
+                    if stats is None or not stats.has_null_count or stats.null_count < group.num_rows:
+                        return True
+        return False
+
     def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
         rec = open_recording(self.path)
         where = [("node", "in", nodes)]
@@ -54,6 +75,19 @@ class RecordingSource(Source):
 
 
 class DuckDBSource(Source):
+    def has_telemetry(self) -> bool:
+        import duckdb
+
+        with duckdb.connect(str(self.path), read_only=True) as con:
+            cols = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns "
+                                              "WHERE table_name = 'gpu_samples'").fetchall()]
+            present = [c for c in SAMPLE_COLUMNS if c in cols]
+            if not present:
+                return False
+            where = " OR ".join(f'"{c}" IS NOT NULL' for c in present)
+            return con.execute(f"SELECT 1 FROM gpu_samples WHERE {where} LIMIT 1").fetchone() is not None
+
+
     def _read(self, nodes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
         import duckdb
 
@@ -137,7 +171,7 @@ def build_dataset(path: str | Path, *, horizon_s: float = DEFAULT_HORIZON_S,
     parts, episodes, stats = [], [], []
     with Progress("features", total=len(src.nodes), unit="nodes", quiet=quiet) as progress:
         for nodes, samples, events in src.chunks():
-            parts.append(gpu_window_features(samples, events, step_s=step_s))
+            parts.append(with_history(gpu_window_features(samples, events, step_s=step_s), events))
             episodes.append(fault_events(events, samples))
             stats.append(samples[list(SAMPLE_COLUMNS)].agg(["count", "min", "max"]))
             progress.advance(len(nodes))

@@ -18,7 +18,9 @@ between fleets, whose typical counter levels, noise and temperatures differ (doc
 - **clock-event (throttle) reasons**: share of time in HW slowdown, thermal slowdown, power brake and power
   cap, and how that share moved against the GPU's own baseline;
 - reliability flags (pending remap/retirement), PCIe link width/generation against the maximum, and
-  events (precursor, application and fatal XIDs, hours since the last precursor XID).
+  events (precursor, application and fatal XIDs, hours since the last precursor XID);
+- apart from these within-life windows, the **history across faults** (models/history.py): faults of the
+  GPU and of its node in the last 7/30/90 days, days since the GPU's last fault.
 
 Absolute levels (temperature, lifetime error counts, power) are deliberately not features: they describe
 a fleet's hardware and climate more than a GPU's health. Only the past is used, so a feature row at time t
@@ -30,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from gpuwatch.models.faults import APPLICATION_XIDS, FATAL_XIDS, PRECURSOR_XIDS
+from gpuwatch.models.history import history_names, with_history
 from gpuwatch.core.recording import ts_ms
 
 DEFAULT_STEP_S = 600
@@ -103,7 +106,7 @@ def feature_names() -> list[str]:
     names += ["xid_app_1h", "xid_app_24h", "xid_fatal_1h", "xid_fatal_24h"]
     names += ["hours_since_precursor_xid"]
     names += ["temp_vs_node", "mem_temp_vs_node", "sm_clock_vs_node", "power_vs_job", "util_vs_job"]
-    return names
+    return names + history_names()
 
 
 def monotone_direction(name: str) -> int:
@@ -113,6 +116,8 @@ def monotone_direction(name: str) -> int:
         return 1
     if name in FLAGS or name.startswith("xid_precursor") or name == "pcie_replay_over_limit":
         return 1
+    if name in history_names():  # more recent faults, more risk; the longer since the last, the less
+        return -1 if name == "days_since_fault" else 1
     return 0
 
 
@@ -121,9 +126,10 @@ def features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int | pd.Timest
     """Feature rows (node, gpu_index, t_ms, job_id, *feature_names()) from samples and events.
 
     ``at=None``: one row per GPU and step over the data (training and evaluation). ``at=<time>``: one row
-    per GPU at that time (online scoring); pass at least ``HISTORY_S`` of history before it.
+    per GPU at that time (online scoring); pass at least ``HISTORY_S`` of samples before it, and the events of
+    the ``history.LOOKBACK_S`` before it (the fault history).
     """
-    return add_peer_features(gpu_window_features(samples, events, at=at, step_s=step_s))
+    return add_peer_features(with_history(gpu_window_features(samples, events, at=at, step_s=step_s), events))
 
 
 def _anchor_ms(at: int | pd.Timestamp | None) -> int | None:
@@ -132,28 +138,119 @@ def _anchor_ms(at: int | pd.Timestamp | None) -> int | None:
     return int(pd.Timestamp(at).value // 1_000_000) if not isinstance(at, (int, np.integer)) else int(at)
 
 
+#: Rows of one piece of a GPU's data at most; a longer stretch continues in the next piece, which starts with
+#: the last ``_CAP_H`` of this one as its history (the longest look-back of any feature).
+PIECE_S = 30 * 86400
+#: Grid cells (pieces x bins) built at once: the feature arrays of a batch take about 1 KB per cell, so this
+#: bounds memory whatever the length, sparsity or number of GPUs of the data.
+MAX_CELLS = 400_000
+
+
 def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int | pd.Timestamp | None = None,
                         step_s: int = DEFAULT_STEP_S) -> pd.DataFrame:
     """The per-GPU part of :func:`features` (peer columns are added by :func:`add_peer_features`).
 
     Split out so a large data set can be processed in node chunks and the cross-node job peers added once.
+    Over whole data (``at=None``) the bins are built only where a GPU has samples (and the history before
+    them), in pieces of bounded size (:func:`pieces`): a sparse recording (a fault log, GPUs seen at insert and
+    removal over years) costs what its samples do, not its time span times its GPUs.
     """
     anchor = _anchor_ms(at)
     step = step_s * 1000
-    t = ts_ms(samples["ts"])
-    origin = anchor if anchor is not None else 0
-    b_abs = -((origin - t) // step)  # ceil: a sample belongs to the bin that ends at or after it
-    lo = int(b_abs.min()) if len(t) else 0
-    hi = int(b_abs.max()) + 1 if len(t) else 0
     if anchor is not None:
-        lo, hi = min(lo, -(HISTORY_S * 1000 // step)), 1
-        keep = b_abs <= 0
-        samples, t, b_abs = samples[keep], t[keep], b_abs[keep]
-    gpu_key = samples["node"].astype(str) + "\x00" + samples["gpu_index"].astype(str)
-    codes, uniques = pd.factorize(gpu_key)
-    n_gpu, n_bin = len(uniques), hi - lo
-    b = (b_abs - lo).astype(np.int64)
-    flat = codes.astype(np.int64) * n_bin + b
+        samples = samples[ts_ms(samples["ts"]) <= anchor]
+    t = ts_ms(samples["ts"])
+    codes, uniques = pd.factorize(samples["node"].astype(str) + "\x00" + samples["gpu_index"].astype(str))
+    ev = events[events["kind"].isin(["xid", "gpu_lost"])]
+    ev_gpu = uniques.get_indexer(ev["node"].astype(str) + "\x00" + ev["gpu_index"].astype(str))
+    origin = 0 if anchor is None else anchor
+    b_abs, ev_b = -((origin - t) // step), -((origin - ts_ms(ev["ts"])) // step)  # ceil: the bin ending at/after
+    if anchor is not None:
+        lo = min(int(b_abs.min()) if len(t) else 0, -(HISTORY_S * 1000 // step))
+        every = np.arange(len(uniques))
+        grids = [_Grid(every, np.full(len(every), lo), np.full(len(every), lo), np.ones(len(every), np.int64))]
+    else:
+        grids = pieces(codes, b_abs, context=int(_CAP_H * 3600 // step_s), history=HISTORY_S // step_s,
+                       length=PIECE_S // step_s)
+        grids = grids or [_Grid(*(np.zeros(0, np.int64),) * 4)]
+    parts = [_grid_rows(samples, codes, b_abs, ev, ev_gpu, ev_b, grid, uniques, step_s, origin,
+                        last_only=anchor is not None) for grid in grids]
+    return pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+
+
+class _Grid:
+    """One batch of pieces: row i holds GPU ``gpu[i]`` in bins [``lo[i]``, ``hi[i]``), at most ``width``;
+    rows are emitted from bin ``emit_lo[i]`` on (the bins before are the history of the piece)."""
+
+    def __init__(self, gpu: np.ndarray, lo: np.ndarray, emit_lo: np.ndarray, hi: np.ndarray) -> None:
+        self.gpu, self.lo, self.emit_lo, self.hi = gpu, lo, emit_lo, hi
+        self.width = int((hi - lo).max()) if len(hi) else 0
+
+    def locate(self, gpu: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(index into the inputs, grid row) of every input that falls in a piece; an input may fall in two
+        (the end of one piece is the history of the next)."""
+        if not len(self.gpu) or not len(gpu):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        order = np.lexsort((self.lo, self.gpu))
+        pg, plo, phi = self.gpu[order], self.lo[order], self.hi[order]
+        first = np.searchsorted(pg, gpu, side="left")
+        last = np.searchsorted(pg, gpu, side="right")
+        idx, rows = [], []
+        for k in range(int((last - first).max())):  # pieces of one GPU in a batch: few
+            j = first + k
+            ok = j < last
+            jj = np.minimum(j, len(pg) - 1)
+            ok &= (b >= plo[jj]) & (b < phi[jj])
+            idx.append(np.flatnonzero(ok))
+            rows.append(order[jj[ok]])
+        return np.concatenate(idx), np.concatenate(rows)
+
+
+def pieces(gpu: np.ndarray, b: np.ndarray, *, context: int, history: int, length: int,
+           max_cells: int = MAX_CELLS) -> list[_Grid]:
+    """Batches of pieces covering every bin that has samples: a GPU's bins split where it has no samples for
+    more than ``history`` bins (the windows' look-back), and every ``length`` bins. A piece that continues
+    the one before starts ``context`` bins before its first row (the longest look-back, so its rows are
+    those of one long grid); one after a gap starts ``history`` bins before (a precursor XID logged more than
+    that before a GPU's data resumes is left out of the capped time since one). Pieces of similar width are
+    batched up to ``max_cells``."""
+    if not len(b):
+        return []
+    base = int(b.min()) - context - 1
+    key = np.unique((gpu.astype(np.int64) << 32) | (b - base))
+    g, u = key >> 32, (key & 0xFFFFFFFF) + base
+    new_seg = np.r_[True, (g[1:] != g[:-1]) | (np.diff(u) > history)]
+    seg_start = u[new_seg][np.cumsum(new_seg) - 1]
+    k = (u - seg_start) // length
+    new_piece = new_seg | np.r_[True, k[1:] != k[:-1]]
+    emit_lo = (seg_start + k * length)[new_piece]
+    hi = u[np.r_[new_piece[1:], True]] + 1
+    lo = emit_lo - np.where(new_seg[new_piece], history, context)
+    width = hi - lo
+    order = np.argsort(width, kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and (end + 1 - start) * width[order[end]] <= max_cells:
+            end += 1
+        sel = order[start:end]
+        batches.append(_Grid(g[new_piece][sel], lo[sel], emit_lo[sel], hi[sel]))
+        start = end
+    return batches
+
+
+def _grid_rows(samples: pd.DataFrame, codes: np.ndarray, b_abs: np.ndarray, ev: pd.DataFrame,
+               ev_gpu: np.ndarray, ev_b: np.ndarray, grid: _Grid, uniques: pd.Index, step_s: int, origin: int,
+               *, last_only: bool = False) -> pd.DataFrame:
+    """Feature rows of one grid: every bin with samples from its emit start on, or (``last_only``) the last
+    bin of every row."""
+    step = step_s * 1000
+    si, srow = grid.locate(codes, b_abs)
+    samples = samples.iloc[si]
+    t = ts_ms(samples["ts"])
+    n_gpu, n_bin = len(grid.gpu), grid.width
+    b = (b_abs[si] - grid.lo[srow]).astype(np.int64)
+    flat = srow.astype(np.int64) * n_bin + b
     order = np.lexsort((t, flat))
     flat_sorted = flat[order]
     last_of_bin = np.r_[flat_sorted[1:] != flat_sorted[:-1], True] if len(flat) else np.zeros(0, bool)
@@ -171,7 +268,7 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
         out[agg.index.to_numpy()] = agg.to_numpy()
         return out.reshape(n_gpu, n_bin)
 
-    gpu_sorted = codes[order]
+    gpu_sorted = srow[order]
 
     def dense_growth(column: str) -> np.ndarray:
         """Counter growth per bin from consecutive samples; a drop is a reset (the new value is all growth).
@@ -190,9 +287,10 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
     present[cells] = True
     present = present.reshape(n_gpu, n_bin)
     per_hour = 3600 // step_s
-    xid_at = _xid_bins(events, uniques, lo, n_bin, origin, step)
+    ei, erow = grid.locate(ev_gpu, ev_b)
+    xid_at = (erow, (ev_b[ei] - grid.lo[erow]).astype(np.int64), ev["code"].to_numpy()[ei],
+              (ev["kind"] == "xid").to_numpy()[ei])
     floor = _life_start(xid_at, n_gpu, n_bin)
-
     def win(x: np.ndarray, w: int, back: int = 0) -> np.ndarray:
         return _window_sum(x, w, floor, back)
     cols: dict[str, np.ndarray] = {}
@@ -252,11 +350,16 @@ def gpu_window_features(samples: pd.DataFrame, events: pd.DataFrame, *, at: int 
                                                                                           "sm_clock"))
     cols["power_ratio"] = _ratio(means["power"], means["power_limit"])
     cols.update(_event_features(xid_at, n_gpu, n_bin, per_hour, floor))
-    gi, bi = np.nonzero(present) if anchor is None else (np.arange(n_gpu), np.full(n_gpu, n_bin - 1))
-    node_gpu = uniques.to_series().str.split("\x00", expand=True) if n_gpu else pd.DataFrame(columns=[0, 1])
+    if last_only:
+        gi, bi = np.arange(n_gpu), np.full(n_gpu, n_bin - 1)
+    else:
+        gi, bi = np.nonzero(present & (np.arange(n_bin)[None, :] >= (grid.emit_lo - grid.lo)[:, None]))
+    gpus = grid.gpu[gi]
+    node_gpu = uniques[gpus].to_series().str.split("\x00", expand=True) if len(gpus) else pd.DataFrame(
+        columns=[0, 1])
     job = dense_job(samples["job_id"].astype(str).to_numpy()[order][last_of_bin], cells, n_gpu, n_bin)[gi, bi]
-    return pd.DataFrame({"node": node_gpu[0].to_numpy()[gi], "gpu_index": node_gpu[1].astype(int).to_numpy()[gi],
-                         "t_ms": origin + (bi + lo) * step, "job_id": job,
+    return pd.DataFrame({"node": node_gpu[0].to_numpy(), "gpu_index": node_gpu[1].astype(int).to_numpy(),
+                         "t_ms": origin + (grid.lo[gi] + bi) * step, "job_id": job,
                          **{name: arr[gi, bi] for name, arr in cols.items()}})
 
 
@@ -314,17 +417,6 @@ def _window_mean(x: np.ndarray, w: int, floor: np.ndarray | None = None) -> np.n
 
 def _ffill(x: np.ndarray) -> np.ndarray:
     return pd.DataFrame(x).ffill(axis=1).to_numpy()
-
-
-def _xid_bins(events: pd.DataFrame, uniques: pd.Index, lo: int, n_bin: int, origin: int, step: int
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(GPU, bin, XID code, is-an-XID) of each XID and GPU-lost event of the GPUs and bins at hand."""
-    ev = events[events["kind"].isin(["xid", "gpu_lost"])]
-    key = ev["node"].astype(str) + "\x00" + ev["gpu_index"].astype(str)
-    g = uniques.get_indexer(key)
-    b = -((origin - ts_ms(ev["ts"])) // step) - lo
-    ok = (g >= 0) & (b >= 0) & (b < n_bin)
-    return g[ok], b[ok], ev["code"].to_numpy()[ok], (ev["kind"] == "xid").to_numpy()[ok]
 
 
 def _life_start(xid_at: tuple[np.ndarray, ...], n_gpu: int, n_bin: int) -> np.ndarray:
