@@ -29,6 +29,7 @@ from gpuwatch.core import events as event_kinds
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.recording import check_new_recording, new_recording
 from gpuwatch.models.reliability import classify_fault
+from gpuwatch.apps.importer import epoch_ms
 
 SOURCE = "gpuwatch import --format faults"
 TIME_UNITS = ("auto", "days", "hours", "seconds", "ms")
@@ -180,13 +181,7 @@ def _times(path: Path, column: str, values: pd.Series, origin_ms: int | None, un
             return (base + numbers.to_numpy(float) * scale), ("days" if unit == "auto" else unit)
         ms = numbers.where(numbers.abs() >= 1e11, numbers * 1000)  # epoch seconds or ms
         return ms.to_numpy(float), "epoch"
-    try:
-        parsed = pd.to_datetime(values, utc=True, format="ISO8601")
-    except (ValueError, TypeError) as exc:
-        raise UserError(f"{path}: column {column!r} holds a value that is not a time: "
-                        f"{str(exc).splitlines()[0]}") from None
-    ms = parsed.astype("datetime64[ms, UTC]").astype("int64").astype(float)
-    return ms.where(parsed.notna()).to_numpy(float), "epoch"
+    return epoch_ms(path, column, values).to_numpy(float), "epoch"
 
 
 def _faults(path: Path, table: pd.DataFrame, origin_ms: int | None, unit: str, node_column: str | None,

@@ -206,7 +206,7 @@ def _keys(path: Path, chunk: pd.DataFrame, columns: Columns, report: _Report) ->
     if node_col == "instance":  # Prometheus target "host:9400" -> "host"
         node = node.str.replace(r":\d+$", "", regex=True)
     gpu = pd.to_numeric(chunk[gpu_col], errors="coerce")
-    ts = _epoch_ms(path, time_col, chunk[time_col])
+    ts = epoch_ms(path, time_col, chunk[time_col])
     valid = (node.notna() & (node != "") & gpu.notna() & (gpu >= 0) & ts.notna()).to_numpy()
     report.skipped_rows += int((~valid).sum())
     return _Keys(node, gpu, ts, valid)
@@ -228,7 +228,7 @@ def _find(chunk: pd.DataFrame, names: Sequence[str]) -> str | None:
     return next((n for n in names if n in chunk.columns), None)
 
 
-def _epoch_ms(path: Path, column: str, values: pd.Series) -> pd.Series:
+def epoch_ms(path: Path, column: str, values: pd.Series) -> pd.Series:
     """Times as epoch ms (float, NaN where empty): numbers are epoch seconds or ms, text is ISO 8601 (UTC
     when it has no zone)."""
     if pd.api.types.is_numeric_dtype(values):
