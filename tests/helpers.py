@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import select
+import selectors
 import shutil
 import signal
 import socket
@@ -164,7 +165,9 @@ class CollectorProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpuwatch", "collector", "--listen", self.address, *store,
                  "--log-level", "warning", *extra], stdout=subprocess.PIPE, stderr=stderr, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        with selectors.DefaultSelector() as waiting:  # poll, not select(): the suite may hold over 1,024 fds
+            waiting.register(self.proc.stdout, selectors.EVENT_READ)
+            ready = waiting.select(timeout_s)
         line = self.proc.stdout.readline() if ready else ""
         if "listening on " not in line:
             self.proc.kill()

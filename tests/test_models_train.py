@@ -190,7 +190,7 @@ def test_bad_output_paths_are_one_line_before_any_work(tmp_path, capsys):
 
 
 def test_bench_predict_deletes_its_work_dir(tmp_path):
-    """A run too small to train still fails after simulating; its temporary recordings must go anyway."""
+    """A run too small to train says so after simulating; its temporary recordings must go anyway."""
     import os
     import subprocess
     import sys
@@ -200,7 +200,7 @@ def test_bench_predict_deletes_its_work_dir(tmp_path):
     done = subprocess.run([sys.executable, str(bench), "--nodes", "1", "--gpus", "1", "--days", "0.5",
                            "--resolution", "600", "--fault-rate-multiplier", "1"],
                           env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "too few faults" in done.stderr
+    assert "too few faults" in done.stdout + done.stderr, done.stdout + done.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -310,10 +310,10 @@ class Scorer(PeriodicService):
         and no alert would ever fire. So the steps of the model since the last round (at most ``CATCH_UP_S`` of
         data time) are scored first, in one vectorised pass, and the alerts see each step as they would live, as
         ``replay --offline`` does."""
-        since, self._data_round_ms = self._data_round_ms, now_ms
         store = self._store
         if self.hub is None or self.model is None or store is None:
-            return
+            return  # nothing scored (the model may still be loading): the next round starts from the same place
+        since, self._data_round_ms = self._data_round_ms, now_ms
         step_ms = int(self.model["step_s"]) * 1000
         start = max(now_ms - int(CATCH_UP_S * 1000), since if since is not None else 0)
         if now_ms - start <= max(step_ms, int(self.interval_s * 1000)):
