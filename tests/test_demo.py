@@ -200,9 +200,6 @@ def test_piped_the_view_prints_a_frame_on_change_and_hourly_in_simulated_time_an
     assert f" {rounds - 1} " in frames[-1]  # the last view, though nothing changed since the hour's frame
 
 
-@pytest.mark.xfail(reason="open: the scorer's catch-up is keyed by the newest data time only, so a node's recording "
-                   "streamed after a round already passed its data times is never scored step by step (passes when "
-                   "every node is stored before the first round, as on a loaded machine)", strict=False)
 def test_streaming_the_recording_into_a_live_collector_raises_the_alert_replay_offline_raises(demo, tmp_path):
     """Issue 29.21: `replay --offline` raised "GPUFailureRisk ... has failed" for the failed GPU; the same
     recording streamed into a live collector raised none (its rounds jumped over the risk's rise)."""

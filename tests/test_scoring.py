@@ -249,3 +249,31 @@ def test_data_that_arrives_faster_than_rounds_is_scored_at_every_step_like_an_of
     finally:
         hub.stop()
         store.close()
+
+
+def test_a_node_whose_data_arrives_after_the_data_clock_passed_its_times_is_still_scored_step_by_step(
+        tmp_path, model, kind):
+    """Issue 29.21, the live-stream case: node 1's whole recording is stored first and scored, carrying the data
+    clock to its end; node 0's recording of the same hours (its GPU failed at 29 h) arrives after that round.
+    A catch-up keyed by the newest time in the store scored nothing new and raised no alert."""
+    store = open_store(store_url(kind, tmp_path, "late"))
+    hub = AlertHub(AlertPolicy(model["threshold"]))
+    try:
+        hub.start(store)
+        healthy, _ = degrading_node(T0, hours=31, fault_after_h=40, node=1)  # its fault lies past the data
+        for batch in sim_batches(healthy, _.iloc[:0], agent="agent-sim-1"):
+            store.write(batch)
+        scorer = Scorer(model, hub, clock="data")
+        scorer.bind(store)
+        scorer.score_once()
+        assert _alerts(store) == []
+        failing, events = degrading_node(T0, hours=31, fault_after_h=29, failing_gpu=FAILING, node=0)
+        for batch in sim_batches(failing, events, agent="agent-sim-0"):
+            store.write(batch)
+        scorer.score_once()  # the data clock has not moved: the newest sample is node 1's, as before
+        (alert,) = _alerts(store)
+        assert (alert["node"], alert["gpu_index"]) == (str(failing["node"].iloc[0]), FAILING)
+        assert alert["state"] == "failed" and "has failed" in alert["summary"]
+    finally:
+        hub.stop()
+        store.close()

@@ -237,7 +237,8 @@ class Scorer(PeriodicService):
         self.history = MinuteHistory(history_s)
         self.rounds = 0
         self.scored_at_ms: int | None = None  # the "now" of the last round
-        self._data_round_ms: int | None = None  # the "now" of the last round on the data clock
+        # per GPU, its newest sample time when the catch-up last scored it (data clock only)
+        self._caught_up_ms: dict[tuple[str, int], int] = {}
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -307,22 +308,37 @@ class Scorer(PeriodicService):
     def _catch_up(self, now_ms: int) -> None:
         """On the data clock, data can arrive far faster than rounds run (a recording streamed into the
         collector, agents on --sim-speed): a round would jump from before a GPU's risk rose to after it failed,
-        and no alert would ever fire. So the steps of the model since the last round (at most ``CATCH_UP_S`` of
-        data time) are scored first, in one vectorised pass, and the alerts see each step as they would live, as
-        ``replay --offline`` does."""
+        and no alert would ever fire. So the steps of the model that each GPU's newly arrived samples cover (at
+        most ``CATCH_UP_S`` of data time) are scored first, in one vectorised pass, and the alerts see each step
+        as they would live, as ``replay --offline`` does.
+
+        What is new is judged per GPU, by its newest sample against the one seen at its last catch-up, not by
+        the newest time in the store: one node's recording may arrive after another's has already carried the
+        data clock past all of its times."""
         store = self._store
         if self.hub is None or self.model is None or store is None:
             return  # nothing scored (the model may still be loading): the next round starts from the same place
-        since, self._data_round_ms = self._data_round_ms, now_ms
-        step_ms = int(self.model["step_s"]) * 1000
-        start = max(now_ms - int(CATCH_UP_S * 1000), since if since is not None else 0)
-        if now_ms - start <= max(step_ms, int(self.interval_s * 1000)):
+        newest = {(g["node"], int(g["index"])): int(g["last_sample_ms"]) for g in store.gpus()
+                  if g.get("last_sample_ms") is not None}
+        floor = now_ms - int(CATCH_UP_S * 1000)
+        keeps_up_ms = max(int(self.model["step_s"]) * 1000, int(self.interval_s * 1000))
+        # the GPUs whose new data this round's live score at ``now_ms`` does not cover (more of it than a step,
+        # or behind the data clock), and where their new data starts
+        since: dict[tuple[str, int], int] = {}
+        for key, t in newest.items():
+            seen = max(self._caught_up_ms.get(key, floor), floor)
+            if t > seen and (t - seen > keeps_up_ms or now_ms - t > keeps_up_ms):
+                since[key] = seen
+            self._caught_up_ms[key] = max(t, self._caught_up_ms.get(key, t))
+        if not since:
             return  # rounds keep up with the data
+        start, end = min(since.values()), min(now_ms - 1, max(newest[key] for key in since))
         if self.hub.engine is not None and self.threshold is not None:
             self.hub.engine.policy = self.hub.engine.policy.with_threshold(self.threshold)
         self.hub.observe_risk_rounds(
-            (t, [observation(g, t) for g in gpus if g["risk"] is not None])
-            for t, gpus in score_history(store, self.model, start, now_ms - 1))
+            (t, [observation(g, t) for g in gpus if g["risk"] is not None
+                 and t > since.get((g["node"], g["gpu_index"]), now_ms)])
+            for t, gpus in score_history(store, self.model, start, end))
 
     def _tell_faults(self, now_ms: int) -> None:
         """Fatal XIDs since the last round: the GPUs' recent scores were true alarms, not false ones."""
