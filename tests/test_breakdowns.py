@@ -1,4 +1,5 @@
-"""Breakdowns in the collector: real gRPC server on loopback, real DuckDB store, real Kineto traces."""
+"""Breakdowns in the collector: real gRPC server on loopback, both real stores (DuckDB, ClickHouse through chdb),
+real Kineto traces."""
 from __future__ import annotations
 
 import gzip
@@ -25,14 +26,14 @@ from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.efficiency.traces.spans import timelines_from_spans
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import KINETO_SAMPLED
+from helpers import KINETO_SAMPLED, STORE_KINDS, store_url
 
 RANKS = [os.path.join(KINETO_SAMPLED, f"rank{r}.json.gz") for r in (0, 1)]
 
 
-@pytest.fixture
-def collector(tmp_path):
-    server = serve("127.0.0.1:0", str(tmp_path / "store.duckdb"), max_workers=8,
+@pytest.fixture(params=STORE_KINDS)
+def collector(tmp_path, request):
+    server = serve("127.0.0.1:0", store_url(request.param, tmp_path), max_workers=8,
                    query_handlers=BreakdownService().handlers())
     try:
         yield server, connect(server.address)

@@ -727,10 +727,10 @@ class ClickHouseStore(GroupWriter):
 
     # ---- breakdowns of submitted traces ----------------------------------------------------------------
     def job_timelines(self, job_id: str) -> list[bytes]:
+        # a timeline is binary: read String as bytes (as text it fails on the first byte that is not UTF-8)
         df = self._client().query_arrow("SELECT timeline FROM job_timelines WHERE job_id = {job:String} ORDER BY rank",
-                                        parameters={"job": job_id})
-        return [bytes(v.as_py()) if isinstance(v.as_py(), bytes) else v.as_py().encode("latin-1")
-                for v in df.column("timeline")]
+                                        parameters={"job": job_id}, use_strings=False)
+        return [bytes(v) for v in df.column("timeline").to_pylist()]
 
     def traced_jobs(self) -> list[dict[str, Any]]:
         return self._records("""
