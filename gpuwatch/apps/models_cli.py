@@ -67,7 +67,8 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", choices=sorted(PROFILES), default="base",
                    help="a fleet configuration to start from (the options below override it)")
     for name, help_text in FLEET_KNOBS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=float, help=help_text)
+        p.add_argument(f"--{name.replace('_', '-')}", type=float,
+                       help=help_text.replace("%", "%%"))  # argparse %-formats help: the texts are plain prose
     p.add_argument("--out", required=True, help="recording directory to write")
 
 
