@@ -15,7 +15,7 @@ from gpuwatch.models.evaluate import METRIC_KEYS, evaluate_model
 from gpuwatch.simulator.failing_fleet import FleetConfig, simulate_fleet
 from gpuwatch.models.features import feature_names
 from gpuwatch.models.labels import label, time_split
-from gpuwatch.models.model import default_model_path, load_model, save_model
+from gpuwatch.models.model import TRUSTED_TYPES, default_model_path, load_model, save_model
 from gpuwatch.models.train import FIT_HORIZON_S, fit_labels, train_model
 from gpuwatch.core.recording import SCHEMAS
 from helpers import run_on_terminal
@@ -95,6 +95,57 @@ def test_model_file_round_trip_with_trusted_types(trained, tmp_path):
     (tmp_path / "junk.skops").write_text("not a model")
     with pytest.raises(UserError, match="not a skops model file"):
         load_model(tmp_path / "junk.skops")
+
+
+def test_a_model_file_holds_the_same_dict_as_before(trained):
+    """The stored dict is the file format (files of every version, and other gpuwatch builds, read alike)."""
+    _, _, path = trained
+    for p in (path, default_model_path()):
+        stored = sio.load(p, trusted=TRUSTED_TYPES)
+        again = load_model(p).to_dict()
+        assert list(again) == list(stored) and list(again["training"]) == list(stored["training"])
+        assert {k: v for k, v in again.items() if k != "estimator"} == \
+            {k: v for k, v in stored.items() if k != "estimator"}
+        assert again["estimator"] is not None
+
+
+def test_a_file_that_is_not_a_gpuwatch_model_is_refused_in_one_line(trained, fleet, tmp_path, capsys):
+    _, model, path = trained
+    stored = sio.load(path, trusted=TRUSTED_TYPES)
+    cases = {
+        "estimator": (stored["estimator"], r"not a gpuwatch failure model$"),
+        "no-threshold": ({k: v for k, v in stored.items() if k != "threshold"},
+                         r"not a gpuwatch failure model: 'threshold' is missing, expected a number"),
+        "text-step": ({**stored, "step_s": "10m"}, r"'step_s' is a str, expected an integer"),
+        "short-importance": ({**stored, "importance": stored["importance"][:-1]},
+                             rf"{len(model.features) - 1} importance values for {len(model.features)} features"),
+        "newer": ({**stored, "version": 99}, r"model version 99 is newer than this gpuwatch reads"),
+    }
+    for name, (content, message) in cases.items():
+        bad = tmp_path / f"{name}.skops"
+        sio.dump(content, bad)
+        with pytest.raises(UserError, match=message):
+            load_model(bad)
+        assert main(["score", str(fleet / "heldout"), "--model", str(bad), "--json"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(bad) in err and "Traceback" not in err, err
+
+
+def test_a_model_file_from_before_the_baseline_still_scores(trained, fleet, tmp_path):
+    """The first model files lack the rule baseline and the dropped features; they score as they did, and
+    `gpuwatch evaluate`, which needs the baseline, says so in one line."""
+    ds, model, path = trained
+    stored = sio.load(path, trusted=TRUSTED_TYPES)
+    del stored["baseline_threshold"]
+    for key in ("dropped_features", "false_alarm_budget", "seconds"):
+        del stored["training"][key]
+    old = tmp_path / "old.skops"
+    sio.dump(stored, old)
+    loaded = load_model(old)
+    rows = ds.rows.head(200)
+    assert np.array_equal(loaded.risk(rows), model.risk(rows)) and loaded.training.dropped_features == ()
+    with pytest.raises(UserError, match="retrain it to evaluate"):
+        evaluate_model(loaded, build_dataset(fleet / "heldout"))
 
 
 def test_default_model_loads():
