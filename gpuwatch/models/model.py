@@ -23,7 +23,6 @@ import pandas as pd
 
 from gpuwatch import __version__
 from gpuwatch.core.errors import UserError
-from gpuwatch.models.labels import Split
 from gpuwatch.models.policy import AlertPolicy
 
 MODEL_FORMAT = "gpuwatch-failure-model"
@@ -152,10 +151,6 @@ class TrainingRecord:
     dropped_features: tuple[str, ...] = ()
     false_alarm_budget: float | None = None  # absent from files older than the budget option
     seconds: float | None = None
-
-    @property
-    def split(self) -> Split:
-        return Split(self.train_ms, self.validation_ms, self.test_ms)
 
     def to_dict(self) -> dict[str, Any]:
         """The stored (and JSON) form: plain lists and numbers."""
