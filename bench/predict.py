@@ -35,7 +35,7 @@ import pandas as pd
 from gpuwatch.core.errors import UserError
 from gpuwatch.models.dataset import Dataset, build_dataset
 from gpuwatch.models.evaluate import predictor_metrics
-from gpuwatch.models.model import default_model_path, load_model, save_model, score
+from gpuwatch.models.model import FailureModel, default_model_path, load_model, save_model
 from gpuwatch.models.rules import rule_scores
 from gpuwatch.models.train import train_model
 from gpuwatch.simulator.failing_fleet import PROFILES, simulate_fleet
@@ -111,7 +111,7 @@ def first_period(ds: Dataset, end_ms: int) -> Dataset:
     return Dataset(rows, eps, source, ds.horizon_s, ds.warning_s, ds.step_s, ds.uninformative_fields)
 
 
-def judge(ds: Dataset, truth: pd.DataFrame, shipped: dict, args: argparse.Namespace, times: dict, name: str
+def judge(ds: Dataset, truth: pd.DataFrame, shipped: FailureModel, args: argparse.Namespace, times: dict, name: str
           ) -> dict:
     """The three predictors on the second period of ``ds``."""
     mid = ds.source.start_ms + (ds.source.end_ms - ds.source.start_ms) // 2
@@ -120,11 +120,11 @@ def judge(ds: Dataset, truth: pd.DataFrame, shipped: dict, args: argparse.Namesp
                                                 first_period(ds, mid), description=f"{name} first period",
                                                 false_alarm_budget=args.budget, quiet=True)
     return {
-        "retrained": predictor_metrics(ds, score(retrained, ds.rows), block, threshold=retrained["threshold"],
+        "retrained": predictor_metrics(ds, retrained.risk(ds.rows), block, threshold=retrained.threshold,
                                        budget=args.budget, truth=truth),
-        "shipped": predictor_metrics(ds, score(shipped, ds.rows), block, threshold=shipped["threshold"],
+        "shipped": predictor_metrics(ds, shipped.risk(ds.rows), block, threshold=shipped.threshold,
                                      budget=args.budget, truth=truth),
-        "rules": predictor_metrics(ds, rule_scores(ds.rows), block, threshold=retrained["baseline_threshold"],
+        "rules": predictor_metrics(ds, rule_scores(ds.rows), block, threshold=retrained.baseline_threshold,
                                    budget=None, truth=truth),
     }
 
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     return 0
 
 
-def train_shipped(args: argparse.Namespace, work: Path, times: dict) -> tuple[dict, list[str]]:
+def train_shipped(args: argparse.Namespace, work: Path, times: dict) -> tuple[FailureModel, list[str]]:
     """The default model: trained across several configurations (each split in time on its own)."""
     sets, names = [], []
     for k in range(args.fleets_per_profile * len(SHIPPED_PROFILES)):
@@ -195,7 +195,7 @@ def train_shipped(args: argparse.Namespace, work: Path, times: dict) -> tuple[di
     return model, names
 
 
-def model_card(model: dict, trained_on: list[str], results: dict, args: argparse.Namespace) -> str:
+def model_card(model: FailureModel, trained_on: list[str], results: dict, args: argparse.Namespace) -> str:
     """The shipped model's card: what it was trained on and how it did on configurations it never saw."""
     lines = [
         "# Shipped failure model (models/data/default_model.skops)", "",
@@ -207,8 +207,8 @@ def model_card(model: dict, trained_on: list[str], results: dict, args: argparse
         f"Simulated fleets (`gpuwatch simulate --profile NAME`, docs/failure-model.md): {', '.join(trained_on)}; "
         f"each {args.nodes} nodes x {args.gpus} GPUs x {2 * args.days:g} days at {args.resolution:g} s, fault rate "
         f"x{args.fault_rate_multiplier:g}, each split in time on its own. No real hardware data. Horizon "
-        f"{model['horizon_s']:g} s; {len(model['features'])} features (the history across faults among them); "
-        f"start threshold {model['threshold']:.4f}, the highest of the training fleets' (only the start value: the "
+        f"{model.horizon_s:g} s; {len(model.features)} features (the history across faults among them); "
+        f"start threshold {model.threshold:.4f}, the highest of the training fleets' (only the start value: the "
         "collector and `gpuwatch score` calibrate it online to the false-alarm budget).", "",
         f"## Judged on fleets never trained on (budget {args.budget:g} false alarms per 1,000 GPU-days)", "",
         "Each fleet runs two periods; numbers are for the second. retrained = trained on the site's own first "

@@ -75,3 +75,12 @@ def test_help_is_wrapped_at_the_terminal_width_columns_says(monkeypatch, capsys)
         widest[columns] = max(map(len, lines))
         assert len(lines) > 5 and widest[columns] <= columns - 2, lines
     assert widest[120] > 70
+
+
+def test_every_command_has_help(capsys):
+    """argparse %-formats each option's help: a stray '%' in one crashes the command's --help."""
+    for name in cli.COMMANDS:
+        with pytest.raises(SystemExit) as done:
+            cli.main([name, "--help"])
+        assert done.value.code == 0, name
+        assert "usage: gpuwatch " + name in capsys.readouterr().out

@@ -15,7 +15,7 @@ from gpuwatch.models.evaluate import METRIC_KEYS, evaluate_model
 from gpuwatch.simulator.failing_fleet import FleetConfig, simulate_fleet
 from gpuwatch.models.features import feature_names
 from gpuwatch.models.labels import label, time_split
-from gpuwatch.models.model import default_model_path, load_model, save_model, score, top_signals
+from gpuwatch.models.model import TRUSTED_TYPES, default_model_path, load_model, save_model
 from gpuwatch.models.train import FIT_HORIZON_S, fit_labels, train_model
 from gpuwatch.core.recording import SCHEMAS
 from helpers import run_on_terminal
@@ -75,19 +75,19 @@ def test_split_blocks_cannot_leak(trained):
     val_rows = t[(t >= split.validation[0]) & (t < split.validation[1])]
     assert train_rows.max() + h < split.validation[0] + 1  # no training horizon reaches into validation
     assert val_rows.max() + h < split.test[0] + 1
-    assert model["training"]["test_ms"] == list(split.test)
+    assert model.training.test_ms == split.test
 
 
 def test_model_file_round_trip_with_trusted_types(trained, tmp_path):
     ds, model, path = trained
     assert path.stat().st_size < 2_000_000
     loaded = load_model(path)
-    assert set(loaded["features"]) <= set(feature_names()) and loaded["horizon_s"] == 3600
+    assert set(loaded.features) <= set(feature_names()) and loaded.horizon_s == 3600
     rows = ds.rows.head(500)
-    assert np.allclose(score(loaded, rows), score(model, rows))
-    assert ((score(loaded, rows) >= 0) & (score(loaded, rows) <= 1)).all()
-    signals = top_signals(loaded, ds.rows[ds.rows["label"] == 1].head(3))
-    assert len(signals) == 3 and all(s and s[0]["signal"] in loaded["features"] for s in signals)
+    assert np.allclose(loaded.risk(rows), model.risk(rows))
+    assert ((loaded.risk(rows) >= 0) & (loaded.risk(rows) <= 1)).all()
+    signals = loaded.top_signals(ds.rows[ds.rows["label"] == 1].head(3))
+    assert len(signals) == 3 and all(s and s[0]["signal"] in loaded.features for s in signals)
     bad = tmp_path / "bad.skops"
     sio.dump({"format": "gpuwatch-failure-model", "payload": pd.Timestamp("2026-01-01")}, bad)
     with pytest.raises(UserError, match="does not trust"):
@@ -97,10 +97,61 @@ def test_model_file_round_trip_with_trusted_types(trained, tmp_path):
         load_model(tmp_path / "junk.skops")
 
 
+def test_a_model_file_holds_the_same_dict_as_before(trained):
+    """The stored dict is the file format (files of every version, and other gpuwatch builds, read alike)."""
+    _, _, path = trained
+    for p in (path, default_model_path()):
+        stored = sio.load(p, trusted=TRUSTED_TYPES)
+        again = load_model(p).to_dict()
+        assert list(again) == list(stored) and list(again["training"]) == list(stored["training"])
+        assert {k: v for k, v in again.items() if k != "estimator"} == \
+            {k: v for k, v in stored.items() if k != "estimator"}
+        assert again["estimator"] is not None
+
+
+def test_a_file_that_is_not_a_gpuwatch_model_is_refused_in_one_line(trained, fleet, tmp_path, capsys):
+    _, model, path = trained
+    stored = sio.load(path, trusted=TRUSTED_TYPES)
+    cases = {
+        "estimator": (stored["estimator"], r"not a gpuwatch failure model$"),
+        "no-threshold": ({k: v for k, v in stored.items() if k != "threshold"},
+                         r"not a gpuwatch failure model: 'threshold' is missing, expected a number"),
+        "text-step": ({**stored, "step_s": "10m"}, r"'step_s' is a str, expected an integer"),
+        "short-importance": ({**stored, "importance": stored["importance"][:-1]},
+                             rf"{len(model.features) - 1} importance values for {len(model.features)} features"),
+        "newer": ({**stored, "version": 99}, r"model version 99 is newer than this gpuwatch reads"),
+    }
+    for name, (content, message) in cases.items():
+        bad = tmp_path / f"{name}.skops"
+        sio.dump(content, bad)
+        with pytest.raises(UserError, match=message):
+            load_model(bad)
+        assert main(["score", str(fleet / "heldout"), "--model", str(bad), "--json"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(bad) in err and "Traceback" not in err, err
+
+
+def test_a_model_file_from_before_the_baseline_still_scores(trained, fleet, tmp_path):
+    """The first model files lack the rule baseline and the dropped features; they score as they did, and
+    `gpuwatch evaluate`, which needs the baseline, says so in one line."""
+    ds, model, path = trained
+    stored = sio.load(path, trusted=TRUSTED_TYPES)
+    del stored["baseline_threshold"]
+    for key in ("dropped_features", "false_alarm_budget", "seconds"):
+        del stored["training"][key]
+    old = tmp_path / "old.skops"
+    sio.dump(stored, old)
+    loaded = load_model(old)
+    rows = ds.rows.head(200)
+    assert np.array_equal(loaded.risk(rows), model.risk(rows)) and loaded.training.dropped_features == ()
+    with pytest.raises(UserError, match="retrain it to evaluate"):
+        evaluate_model(loaded, build_dataset(fleet / "heldout"))
+
+
 def test_default_model_loads():
     model = load_model()
-    assert "simulated" in model["description"] and set(model["features"]) <= set(feature_names())
-    assert 0 < model["threshold"] < 1 and 0 < model["baseline_threshold"] <= 1
+    assert "simulated" in model.description and set(model.features) <= set(feature_names())
+    assert 0 < model.threshold < 1 and model.baseline_threshold is not None and 0 < model.baseline_threshold <= 1
     assert (default_model_path().parent / "MODEL_CARD.md").is_file()
 
 
@@ -112,8 +163,8 @@ def test_evaluation_reports_model_and_baseline_side_by_side(trained, fleet):
         assert key in result and key in result["baseline"] and key in result["baseline_calibrated"]
     assert result["evaluated_on"]["held_out"] == "whole data set"
     # side-by-side thresholds come from the training data: evaluating other data cannot move them
-    assert result["baseline"]["threshold"] == model["baseline_threshold"]
-    assert result["fixed_threshold"]["threshold"] == model["threshold"]
+    assert result["baseline"]["threshold"] == model.baseline_threshold
+    assert result["fixed_threshold"]["threshold"] == model.threshold
     assert sum(int(v.split("/")[1]) for v in result["recall_by_kind"].values()) == result["faults"]
     assert result["false_alert_hours_per_1000_gpu_days"] >= 0
     assert result["faults"] > 0 and result["event_recall"] is not None
@@ -214,6 +265,6 @@ def test_loading_a_model_leaves_array_libraries_unimported():
             "models = []\n"  # several collectors in one process load at once (each in its own thread)
             "threads = [threading.Thread(target=lambda: models.append(load_model(None))) for _ in range(3)]\n"
             "[t.start() for t in threads]; [t.join() for t in threads]\n"
-            "print('torch' in sys.modules, sum('threshold' in m for m in models))")
+            "print('torch' in sys.modules, sum(0 < m.threshold < 1 for m in models))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "3"]

@@ -119,7 +119,7 @@ def test_scoring_gives_the_same_alerts_on_rollups_as_on_raw_samples(kind, tmp_pa
             for index, g in raw.items():
                 assert rolled[index]["risk"] == pytest.approx(g["risk"], rel=1e-9)
                 assert rolled[index]["health"] == g["health"]
-        assert on_rollups[1][1]["risk"] >= model["threshold"]  # the failing GPU alerts at 28 h, on either tier
+        assert on_rollups[1][1]["risk"] >= model.threshold  # the failing GPU alerts at 28 h, on either tier
     finally:
         store.close()
 

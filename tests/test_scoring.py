@@ -16,7 +16,6 @@ from gpuwatch.collector.store import open_store
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from gpuwatch.simulator.failing_fleet import HOUR_MS
 from gpuwatch.models.model import load_model
-from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.v1 import query_pb2 as q
 from helpers import STORE_KINDS, T0, alertmanager_alerts, degrading_node, poll, sim_batches, store_url
 
@@ -48,17 +47,17 @@ def _alerts(store, include_resolved=False) -> list[dict]:
 
 
 def test_degrading_gpu_alerts_with_signals_and_action_then_resolves(store, model):
-    hub = AlertHub(AlertPolicy(model["threshold"]))
+    hub = AlertHub(model.alert_policy())
     hub.start(store)
     scorer = Scorer(model, hub)
     scorer.bind(store)
 
     early = scorer.score_once(T0 + 20 * HOUR_MS)  # 9 h before the fault: before the precursor shows
-    assert len(early) == 4 and max(g["risk"] for g in early) < model["threshold"] and not hub.engine.active()
+    assert len(early) == 4 and max(g["risk"] for g in early) < model.threshold and not hub.engine.active()
 
     scored = {g["gpu_index"]: g for g in scorer.score_once(T0 + 28 * HOUR_MS)}  # 1 h before the fault
-    assert scored[FAILING]["risk"] >= model["threshold"] and scored[FAILING]["health"] in ("warn", "fail")
-    assert all(g["risk"] < model["threshold"] / 2 and g["health"] == "ok" for i, g in scored.items() if i != FAILING)
+    assert scored[FAILING]["risk"] >= model.threshold and scored[FAILING]["health"] in ("warn", "fail")
+    assert all(g["risk"] < model.threshold / 2 and g["health"] == "ok" for i, g in scored.items() if i != FAILING)
     (alert,) = _alerts(store)
     assert alert["alertname"] == ALERT_NAME and alert["status"] == "firing"
     assert (alert["node"], alert["gpu_index"], alert["gpu_uuid"]) == ("node-0000", FAILING, f"GPU-node-0000-{FAILING}")
@@ -81,7 +80,7 @@ def test_a_restarted_hub_keeps_the_firing_alert_without_a_duplicate_then_resolve
         return hub.observe_risk([observation(g, now) for g in scorer.score_once(now)], now_ms=now)
 
     def started_hub():
-        hub = AlertHub(AlertPolicy(model["threshold"]))
+        hub = AlertHub(model.alert_policy())
         hub.start(store)
         return hub
 
@@ -124,7 +123,7 @@ def test_the_data_clock_scores_at_the_newest_sample(store, model):
 
 def test_auto_clock_follows_agents_on_simulated_time_and_the_budget_sets_the_alert_threshold(store, model, caplog):
     """A collector started on its own (the default auto clock) scores a --sim-speed fleet at its data time."""
-    hub = AlertHub(AlertPolicy(model["threshold"]))
+    hub = AlertHub(model.alert_policy())
     hub.start(store)
     scorer = Scorer(model, hub, clock="auto", false_alarm_budget=1.0)
     scorer.bind(store)
@@ -204,7 +203,7 @@ def test_samples_arriving_late_are_read_again(tmp_path, model, kind):
 def test_an_alert_on_a_gpu_that_then_fails_says_failed_until_the_gpu_is_reset(store, model):
     """XID 48 at 29 h: the risk alert of 28 h turns "failed" (peak risk, the failure's action) and stays, though
     the model's risk falls once the GPU is down; the driver reload at 33 h (energy counter restarts) clears it."""
-    hub = AlertHub(AlertPolicy(model["threshold"]))
+    hub = AlertHub(model.alert_policy())
     hub.start(store)
     scorer = Scorer(model, hub)
     scorer.bind(store)
@@ -230,7 +229,7 @@ def test_data_that_arrives_faster_than_rounds_is_scored_at_every_step_like_an_of
     (its rounds, on the data clock, jumped from before the risk rose to after the failure), where
     `replay --offline`, scoring every step, raised "GPUFailureRisk ... has failed"."""
     store = open_store(store_url(kind, tmp_path, "fast"))
-    hub = AlertHub(AlertPolicy(model["threshold"]))
+    hub = AlertHub(model.alert_policy())
     try:
         hub.start(store)
         gpu, events = degrading_node(T0, hours=31, fault_after_h=29, failing_gpu=FAILING)
@@ -257,7 +256,7 @@ def test_a_node_whose_data_arrives_after_the_data_clock_passed_its_times_is_stil
     clock to its end; node 0's recording of the same hours (its GPU failed at 29 h) arrives after that round.
     A catch-up keyed by the newest time in the store scored nothing new and raised no alert."""
     store = open_store(store_url(kind, tmp_path, "late"))
-    hub = AlertHub(AlertPolicy(model["threshold"]))
+    hub = AlertHub(AlertPolicy(model.threshold))
     try:
         hub.start(store)
         healthy, _ = degrading_node(T0, hours=31, fault_after_h=40, node=1)  # its fault lies past the data

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -30,6 +31,9 @@ from gpuwatch.apps.commandline import Command, add_json_flag, print_json
 from gpuwatch.apps.demo_report import DemoResult, event_counts, failure_report, node_row, summary_text
 from gpuwatch.apps.demo_view import DemoView, TerminalView, collect_view
 from gpuwatch.v1 import query_pb2, query_pb2_grpc
+
+if TYPE_CHECKING:  # loaded when the demo runs, not when the CLI starts
+    from gpuwatch.models.model import FailureModel
 
 #: hours: room for a precursor as long as failsim's typical memory fault (median 8 h). At one minute per tick
 #: (the model's training resolution) the 4 h span left a 3 h precursor, flagged only ~24 min ahead.
@@ -141,7 +145,7 @@ DEMO = Command(add_arguments, run)
 
 # ------------------------------------------------------------------------------------------ run
 def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[DemoView], None], record: bool = False,
-             model: dict | None = None) -> DemoResult:
+             model: FailureModel | None = None) -> DemoResult:
     """Run the simulated fleet into a fresh collector, score on the data clock, call ``show`` with each
     fleet view, and return what the store holds. ``model``: the failure model (default: the shipped one)."""
     from gpuwatch.collector.assembly import build_engines
@@ -174,7 +178,7 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[DemoView], None],
             jobs.check_once(scorer.scored_at_ms * 1000.0)
             job_rows = jobs.jobs(scorer.scored_at_ms * 1000.0)
         return collect_view(query, scorer.latest(), job_rows, elapsed_s=elapsed_s, plan=plan,
-                            data_ms=scorer.scored_at_ms, threshold=model["threshold"])
+                            data_ms=scorer.scored_at_ms, threshold=model.threshold)
 
     try:
         while (elapsed := time.monotonic() - started) < plan.duration_s:

@@ -67,7 +67,8 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", choices=sorted(PROFILES), default="base",
                    help="a fleet configuration to start from (the options below override it)")
     for name, help_text in FLEET_KNOBS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=float, help=help_text)
+        p.add_argument(f"--{name.replace('_', '-')}", type=float,
+                       help=help_text.replace("%", "%%"))  # argparse %-formats help: the texts are plain prose
     p.add_argument("--out", required=True, help="recording directory to write")
 
 
@@ -135,16 +136,16 @@ def _train(args: argparse.Namespace) -> dict:
     ds = build_dataset(args.data, horizon_s=args.horizon, quiet=args.quiet)
     model = train_model(ds, false_alarm_budget=args.false_alarm_budget,
                         description=f"trained on {args.data}", quiet=args.quiet)
-    if ds.uninformative_fields or model["training"]["dropped_features"]:
+    if ds.uninformative_fields or model.training.dropped_features:
         fields = ", ".join(f"{k} ({v})" for k, v in (ds.uninformative_fields or {}).items()) or "none"
-        print(f"gpuwatch train: left out {len(model['training']['dropped_features'])} features without information "
+        print(f"gpuwatch train: left out {len(model.training.dropped_features)} features without information "
               f"in {args.data}; fields never recorded or constant: {fields}", file=sys.stderr)
     try:
         save_model(model, args.output)
     except OSError as exc:
         raise UserError(f"{args.output}: cannot write the model: {exc.strerror or exc}") from None
-    return {"model": args.output, "threshold": model["threshold"], "training": model["training"],
-            "validation": model["validation_metrics"]}
+    return {"model": args.output, "threshold": model.threshold, "training": model.training.to_dict(),
+            "validation": model.validation_metrics}
 
 
 def check_writable(path: str) -> None:
@@ -195,8 +196,8 @@ def _evaluate(args: argparse.Namespace) -> dict:
     from gpuwatch.models.model import load_model
 
     model = load_model(args.model)
-    ds = build_dataset(args.data, horizon_s=model["horizon_s"], warning_s=model["warning_s"],
-                       step_s=model["step_s"], quiet=args.quiet)
+    ds = build_dataset(args.data, horizon_s=model.horizon_s, warning_s=model.warning_s, step_s=model.step_s,
+                       quiet=args.quiet)
     result = evaluate_model(model, ds, budget=args.false_alarm_budget)
     if not args.json:
         result["table"] = format_table(result)
@@ -208,20 +209,17 @@ def _score(args: argparse.Namespace) -> dict:
     from gpuwatch.models.alerting import replay
     from gpuwatch.models.dataset import build_dataset
     from gpuwatch.models.model import load_model
-    from gpuwatch.models.model import score as model_score
-    from gpuwatch.models.policy import AlertPolicy
 
     model = load_model(None if args.model == "default" else args.model)
-    ds = build_dataset(args.data, horizon_s=model["horizon_s"], warning_s=model["warning_s"],
-                       step_s=model["step_s"], quiet=args.quiet)
-    risk = model_score(model, ds.rows)
-    r = replay(ds.rows, risk, ds.episodes, policy=AlertPolicy(model["threshold"]), step_s=ds.step_s,
+    ds = build_dataset(args.data, horizon_s=model.horizon_s, warning_s=model.warning_s, step_s=model.step_s,
+                       quiet=args.quiet)
+    r = replay(ds.rows, model.risk(ds.rows), ds.episodes, policy=model.alert_policy(), step_s=ds.step_s,
                budget=args.false_alarm_budget, horizon_s=ds.horizon_s)
     alerts = [{"node": a.node, "gpu_index": int(a.gpu_index), "start_ms": int(a.start_ms),
                "end_ms": None if a.end_ms != a.end_ms else int(a.end_ms), "peak_risk": round(float(a.peak_risk), 4)}
               for a in r.alerts.sort_values(["start_ms", "node", "gpu_index"]).itertuples()]
     result = {"alerts": alerts, "gpu_days": round(len(ds.rows) * ds.step_s / 86400, 1),
-              "false_alarm_budget": args.false_alarm_budget, "model": model["description"][:120],
+              "false_alarm_budget": args.false_alarm_budget, "model": model.description[:120],
               "threshold_last": float(r.threshold[np.argmax(ds.rows["t_ms"].to_numpy())]) if len(ds.rows) else None}
     if not args.json:
         lines = [f"{len(alerts)} alerts over {result['gpu_days']} GPU-days (budget {args.false_alarm_budget:g} "

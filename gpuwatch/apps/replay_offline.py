@@ -7,7 +7,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -16,6 +16,9 @@ from gpuwatch.core.errors import UserError
 from gpuwatch.core.batch_tables import DEFAULT_TICKS_PER_BATCH
 from gpuwatch.core.progress import Progress
 from gpuwatch.core.recording import open_recording
+
+if TYPE_CHECKING:  # loaded when a replay scores, not when the CLI starts
+    from gpuwatch.models.model import FailureModel
 
 
 def replay_offline(path: str | Path, *, db: str | Path | None = None, speed: float | None = None,
@@ -74,8 +77,8 @@ def store_results(store: Any) -> dict[str, Any]:
     return {"nodes": nodes, "breakdowns": breakdowns}
 
 
-def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None, interval_s: float | None = None,
-                   quiet: bool = False) -> dict[str, Any]:
+def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: FailureModel | None,
+                   interval_s: float | None = None, quiet: bool = False) -> dict[str, Any]:
     """Run the collector's scorer and jobs monitor over the replayed time range as they would have run live;
     return the last round's GPU scores (at ``end_ms``), the highest risk each GPU reached, the GPUs failed at the
     end, and every alert raised (firing or resolved).
@@ -93,7 +96,7 @@ def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: dict | None
 
     if interval_s is not None and interval_s <= 0:
         raise UserError(f"--score-interval {interval_s:g}: must be > 0 seconds")
-    step_s = interval_s or (int(model["step_s"]) if model else DEFAULT_STEP_S)
+    step_s = interval_s or (model.step_s if model else DEFAULT_STEP_S)
     engines = build_engines(model=model, score_interval_s=step_s, jobs_interval_s=step_s)
     engines.drive(store)
     hub, scorer, monitor = engines.hub, engines.scorer, engines.jobs

@@ -30,11 +30,12 @@ if TYPE_CHECKING:  # the engines' modules (pandas, the model format) are importe
     from gpuwatch.collector.jobs import JobsMonitor
     from gpuwatch.collector.scoring import Scorer
     from gpuwatch.models.advisor import Advice
+    from gpuwatch.models.model import FailureModel
 
 log = logging.getLogger(__name__)
 
 
-def failure_model(path: str | Path | None) -> dict | None:
+def failure_model(path: str | Path | None) -> FailureModel | None:
     """The model at ``path``, else the shipped one; None (logged) when no path is given and none is shipped:
     the collector then gives GPUs health states and no failure risk. A named file that is missing or not a
     model raises UserError."""
@@ -67,7 +68,7 @@ class CollectorEngines:
         self.hub.stop()
 
 
-def build_engines(*, model: dict | None = None, model_path: str | Path | None = None,
+def build_engines(*, model: FailureModel | None = None, model_path: str | Path | None = None,
                   load_in_background: bool = False, senders: list[AlertSender] | None = None,
                   advice: Advice | None = None, score_interval_s: float | None = None, score_clock: str | None = None,
                   false_alarm_budget: float | None = None, jobs_interval_s: float | None = None,
@@ -83,14 +84,13 @@ def build_engines(*, model: dict | None = None, model_path: str | Path | None = 
     from gpuwatch.collector.alert_hub import AlertHub
     from gpuwatch.collector.jobs import JobsMonitor
     from gpuwatch.collector.scoring import Scorer
-    from gpuwatch.models.policy import AlertPolicy
 
     scoring_options = _given(interval_s=score_interval_s, clock=score_clock, false_alarm_budget=false_alarm_budget)
     if load_in_background:
         hub = AlertHub(None, senders or (), advice=advice)
         scorer = Scorer(None, hub, load_model=functools.partial(failure_model, model_path), **scoring_options)
     else:
-        hub = AlertHub(AlertPolicy(model["threshold"]) if model else None, senders or (), advice=advice)
+        hub = AlertHub(model.alert_policy() if model else None, senders or (), advice=advice)
         scorer = Scorer(model, hub, **scoring_options)
     jobs = JobsMonitor(hub if job_alerts else None, **_given(interval_s=jobs_interval_s, window_s=jobs_window_s,
                                                              hang_threshold_s=hang_threshold_s))

@@ -35,8 +35,7 @@ from gpuwatch.models import rules
 from gpuwatch.models.calibration import BudgetCalibrator
 from gpuwatch.models.faults import FATAL_XIDS
 from gpuwatch.models.history import LOOKBACK_S as FAULT_LOOKBACK_S
-from gpuwatch.models.model import score, top_signals
-from gpuwatch.models.policy import AlertPolicy
+from gpuwatch.models.model import FailureModel
 from gpuwatch.core.recording import ts_ms
 from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.core.vocabulary import FAIL
@@ -101,7 +100,7 @@ def fatal_xids(store: Store, until_ms: int, history_s: float = feature_module.HI
                          "t_ms": ts_ms(xid["ts"])})
 
 
-def score_gpus(store: Store, model: dict | None, now_ms: int, history: MinuteHistory | None = None
+def score_gpus(store: Store, model: FailureModel | None, now_ms: int, history: MinuteHistory | None = None
                ) -> list[dict[str, Any]]:
     """One dict per GPU with samples in the window: identity, job and rank, risk (None without a model),
     top signals, health state, the rules' reasons, and ``failed`` (collector/failed.py) when it has failed."""
@@ -110,14 +109,14 @@ def score_gpus(store: Store, model: dict | None, now_ms: int, history: MinuteHis
     events = xid_events(store, now_ms, max(history.history_s, FAULT_LOOKBACK_S))  # fault history: weeks
     if samples.empty:
         return []
-    step_s = int(model["step_s"]) if model else feature_module.DEFAULT_STEP_S
+    step_s = model.step_s if model else feature_module.DEFAULT_STEP_S
     feats = feature_module.features(samples, events, at=now_ms, step_s=step_s).reset_index(drop=True)
     last = samples.groupby(["node", "gpu_index"])[["job_id", "rank"]].last()
     owners = last.reindex(pd.MultiIndex.from_arrays([feats["node"], feats["gpu_index"].astype(int)]))
     return _scored_rows(store, model, feats, owners, failed_gpus(store, now_ms))
 
 
-def score_history(store: Store, model: dict | None, start_ms: int, end_ms: int
+def score_history(store: Store, model: FailureModel | None, start_ms: int, end_ms: int
                   ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
     """Every GPU scored at every step of the model in (start_ms, end_ms]: (time, :func:`score_gpus` rows).
 
@@ -125,7 +124,7 @@ def score_history(store: Store, model: dict | None, start_ms: int, end_ms: int
     whole range, with bins ending at multiples of the model's step, which is how the evaluation scores, instead
     of re-reading a day of history per round. A GPU is scored at the steps where it has samples.
     """
-    step_s = int(model["step_s"]) if model else feature_module.DEFAULT_STEP_S
+    step_s = model.step_s if model else feature_module.DEFAULT_STEP_S
     history_s = feature_module.HISTORY_S
     samples = _minutes(store, int(start_ms - history_s * 1000), end_ms)
     if samples.empty:
@@ -149,12 +148,12 @@ def score_history(store: Store, model: dict | None, start_ms: int, end_ms: int
         yield int(t), [_with_failure(rows[i], failures.get((rows[i]["node"], rows[i]["gpu_index"]))) for i in index]
 
 
-def _scored_rows(store: Store, model: dict | None, feats: pd.DataFrame, owners: pd.DataFrame,
+def _scored_rows(store: Store, model: FailureModel | None, feats: pd.DataFrame, owners: pd.DataFrame,
                  failures: Mapping[tuple[str, int], Failure]) -> list[dict[str, Any]]:
     """The :func:`score_gpus` rows of feature rows ``feats``; ``owners`` holds each row's job_id and rank."""
     health = rules.states(feats)
-    risks = score(model, feats) if model else [None] * len(feats)
-    signals = top_signals(model, feats, TOP_SIGNALS) if model else [[] for _ in range(len(feats))]
+    risks = model.risk(feats) if model else [None] * len(feats)
+    signals = model.top_signals(feats, TOP_SIGNALS) if model else [[] for _ in range(len(feats))]
     uuids = {(g["node"], g["index"]): g["uuid"] or "" for g in store.gpus()}
     jobs, ranks = owners["job_id"].to_numpy(), owners["rank"].to_numpy()
     out = []
@@ -216,9 +215,9 @@ class Scorer(PeriodicService):
 
     name = "gpu-scorer"
 
-    def __init__(self, model: dict | None, hub: AlertHub | None = None, *, interval_s: float = DEFAULT_INTERVAL_S,
-                 history_s: float = feature_module.HISTORY_S, clock: str = WALL,
-                 load_model: Callable[[], dict | None] | None = None,
+    def __init__(self, model: FailureModel | None, hub: AlertHub | None = None, *,
+                 interval_s: float = DEFAULT_INTERVAL_S, history_s: float = feature_module.HISTORY_S, clock: str = WALL,
+                 load_model: Callable[[], FailureModel | None] | None = None,
                  false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET) -> None:
         if clock not in (WALL, DATA, AUTO):
             raise ValueError(f"clock {clock!r}: expected {WALL!r}, {DATA!r} or {AUTO!r}")
@@ -259,7 +258,7 @@ class Scorer(PeriodicService):
             log.error("the failure model cannot be loaded (%s): GPUs get health states, no failure risk", exc)
         self._use_model_threshold()
         if self.model is not None and self.hub is not None:
-            self.hub.use_policy(AlertPolicy(self.model["threshold"]))
+            self.hub.use_policy(self.model.alert_policy())
         log.info("failure model %s in %.1f s; scoring every %g s", "loaded" if self.model else "not loaded",
                  time.perf_counter() - started, self.interval_s)
         self.ready.set()
@@ -269,11 +268,11 @@ class Scorer(PeriodicService):
         """The budget calibrator of the (now) loaded model, starting from its saved threshold."""
         if self.model is None:
             return
-        self.calibrator = BudgetCalibrator(self.false_alarm_budget, self.model["threshold"],
-                                           step_s=self.model["step_s"],
-                                           keep_firing_for_s=AlertPolicy(self.model["threshold"]).keep_firing_for_s,
-                                           horizon_s=self.model["horizon_s"])
-        self.threshold = self.model["threshold"]
+        model = self.model
+        self.calibrator = BudgetCalibrator(self.false_alarm_budget, model.threshold, step_s=model.step_s,
+                                           keep_firing_for_s=model.alert_policy().keep_firing_for_s,
+                                           horizon_s=model.horizon_s)
+        self.threshold = model.threshold
 
     def run_round(self) -> object:
         return self.score_once()
@@ -321,7 +320,7 @@ class Scorer(PeriodicService):
         newest = {(g["node"], int(g["index"])): int(g["last_sample_ms"]) for g in store.gpus()
                   if g.get("last_sample_ms") is not None}
         floor = now_ms - int(CATCH_UP_S * 1000)
-        keeps_up_ms = max(int(self.model["step_s"]) * 1000, int(self.interval_s * 1000))
+        keeps_up_ms = max(self.model.step_s * 1000, int(self.interval_s * 1000))
         # the GPUs whose new data this round's live score at ``now_ms`` does not cover (more of it than a step,
         # or behind the data clock), and where their new data starts
         since: dict[tuple[str, int], int] = {}

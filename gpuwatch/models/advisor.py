@@ -155,7 +155,7 @@ def model_recall() -> float | None:
 
     if not default_model_path().is_file():
         return None
-    return float(load_model(None)["validation_metrics"]["event_recall"])
+    return float(load_model(None).validation_metrics["event_recall"])
 
 
 def advice_table(n_gpus: int, checkpoint_s: float, *, failure_rate: float | None = None, data: str | None = None,

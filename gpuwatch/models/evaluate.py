@@ -16,10 +16,11 @@ import pandas as pd
 from sklearn.metrics import average_precision_score
 
 from gpuwatch.models.alerting import replay
+from gpuwatch.core.errors import UserError
 from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.models.dataset import Dataset
 from gpuwatch.models.labels import in_block
-from gpuwatch.models.model import score
+from gpuwatch.models.model import FailureModel
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.models.rules import rule_scores
 
@@ -152,7 +153,7 @@ def threshold_for_budget(ds: Dataset, scores: np.ndarray, block: tuple[int, int]
     return best
 
 
-def evaluate_model(model: dict, ds: Dataset, *, budget: float = DEFAULT_FALSE_ALARM_BUDGET,
+def evaluate_model(model: FailureModel, ds: Dataset, *, budget: float = DEFAULT_FALSE_ALARM_BUDGET,
                    truth: pd.DataFrame | None = None) -> dict:
     """Model vs rule baseline on ``ds``: its test block if the model was trained on this data, else all of it.
 
@@ -160,15 +161,17 @@ def evaluate_model(model: dict, ds: Dataset, *, budget: float = DEFAULT_FALSE_AL
     at the threshold chosen on its training data. ``baseline``: the DCGM-style rules at the threshold chosen
     on the same training data for the same budget; ``baseline_calibrated``: the rules calibrated online.
     """
-    same = model["training"]["fingerprint"] == ds.source.fingerprint
-    block = tuple(model["training"]["test_ms"]) if same else (ds.source.start_ms, ds.source.end_ms + 1)
-    ours, rules = score(model, ds.rows), rule_scores(ds.rows)
-    result = predictor_metrics(ds, ours, block, threshold=model["threshold"], budget=budget, truth=truth)
-    result["fixed_threshold"] = predictor_metrics(ds, ours, block, threshold=model["threshold"], budget=None,
+    if model.baseline_threshold is None:
+        raise UserError("the model file predates the rule baseline saved with it: retrain it to evaluate")
+    same = model.training.fingerprint == ds.source.fingerprint
+    block = model.training.test_ms if same else (ds.source.start_ms, ds.source.end_ms + 1)
+    ours, rules = model.risk(ds.rows), rule_scores(ds.rows)
+    result = predictor_metrics(ds, ours, block, threshold=model.threshold, budget=budget, truth=truth)
+    result["fixed_threshold"] = predictor_metrics(ds, ours, block, threshold=model.threshold, budget=None,
                                                   truth=truth)
-    result["baseline"] = predictor_metrics(ds, rules, block, threshold=model["baseline_threshold"], budget=None,
+    result["baseline"] = predictor_metrics(ds, rules, block, threshold=model.baseline_threshold, budget=None,
                                            truth=truth)
-    result["baseline_calibrated"] = predictor_metrics(ds, rules, block, threshold=model["baseline_threshold"],
+    result["baseline_calibrated"] = predictor_metrics(ds, rules, block, threshold=model.baseline_threshold,
                                                       budget=budget, truth=truth)
     result["evaluated_on"] = {"source": str(ds.source.path), "block_ms": list(block),
                               "held_out": "test block of the training data" if same else "whole data set",

@@ -25,14 +25,13 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.frozen import FrozenEstimator
 from sklearn.inspection import permutation_importance
 
-from gpuwatch import __version__
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.models.dataset import Dataset
 from gpuwatch.models.evaluate import block_faults, predictor_metrics, threshold_for_budget
 from gpuwatch.models.features import feature_names, monotone_direction
 from gpuwatch.models.labels import Split, in_block, time_split
-from gpuwatch.models.model import MODEL_FORMAT, MODEL_VERSION, score
+from gpuwatch.models.model import FailureModel, TrainingRecord, probabilities
 from gpuwatch.models.rules import rule_scores
 from gpuwatch.core.progress import Progress
 
@@ -87,8 +86,8 @@ STAGES = ("fit", "calibrate", "importance", "threshold")
 
 
 def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET,
-                seed: int = 0, description: str = "", quiet: bool = False) -> dict:
-    """Fit, calibrate and pick the start threshold; returns the model dict that save_model writes. Progress
+                seed: int = 0, description: str = "", quiet: bool = False) -> FailureModel:
+    """Fit, calibrate and pick the start threshold; returns the model that save_model writes. Progress
     by stage (STAGES) on a terminal unless ``quiet``."""
     sets = data if isinstance(data, list) else [data]
     splits = [time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s) for ds in sets]
@@ -121,41 +120,40 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
         calibrated.fit(val[names].to_numpy(float), val["label"].to_numpy())
         progress.advance()
         first, split = sets[0], splits[0]
-        model = {
-            "format": MODEL_FORMAT, "version": MODEL_VERSION, "gpuwatch_version": __version__,
-            "estimator": calibrated, "features": names, "horizon_s": first.horizon_s, "warning_s": first.warning_s,
-            "step_s": first.step_s, "description": description,
-            "training": {"source": ", ".join(str(ds.source.path) for ds in sets),
-                         "fingerprint": "+".join(ds.source.fingerprint for ds in sets),
-                         "train_ms": list(split.train), "validation_ms": list(split.validation),
-                         "test_ms": list(split.test), "rows": len(train), "positives": int(y.sum()),
-                         "dropped_features": dropped, "false_alarm_budget": false_alarm_budget},
-            "reference": _reference(train, names),
-            "importance": _importance(calibrated, val, names, seed),
-        }
-        if len(sets) == 1:
-            model["training"]["fingerprint"] = first.source.fingerprint
+        reference = _reference(train, names)
+        importance = _importance(calibrated, val, names, seed)
         progress.advance()
-        val_scores = score(model, val)
+        val_scores = probabilities(calibrated, names, val)
         if np.ptp(val_scores) < 1e-9:
             raise UserError(f"{first.source.path}: the trained model scores every GPU the same "
                             f"({val_scores[0]:.3g}); the data holds no usable warning signs of its faults")
         # The start threshold of the worst training fleet: it holds until the online calibration has the new
         # fleet's own tail, and a fleet whose false-alarm tail is longer than the median one's overran the budget.
-        model["threshold"] = float(np.max([threshold_for_budget(ds, score(model, ds.rows), sp.validation,
-                                                                false_alarm_budget)
-                                           for ds, sp in zip(sets, splits)]))
-        model["baseline_threshold"] = float(np.median([
+        threshold = float(np.max([threshold_for_budget(ds, probabilities(calibrated, names, ds.rows), sp.validation,
+                                                       false_alarm_budget)
+                                  for ds, sp in zip(sets, splits)]))
+        baseline_threshold = float(np.median([
             threshold_for_budget(ds, rule_scores(ds.rows), sp.validation, false_alarm_budget)
             for ds, sp in zip(sets, splits)]))
-        model["validation_metrics"] = predictor_metrics(first, score(model, first.rows), split.validation,
-                                                        threshold=model["threshold"], budget=None)
-        model["training"]["seconds"] = round(time.monotonic() - started, 1)
+        validation_metrics = predictor_metrics(first, probabilities(calibrated, names, first.rows), split.validation,
+                                               threshold=threshold, budget=None)
+        training = TrainingRecord(
+            source=", ".join(str(ds.source.path) for ds in sets),
+            fingerprint="+".join(ds.source.fingerprint for ds in sets), train_ms=split.train,
+            validation_ms=split.validation, test_ms=split.test, rows=len(train), positives=int(y.sum()),
+            dropped_features=tuple(dropped), false_alarm_budget=false_alarm_budget,
+            seconds=round(time.monotonic() - started, 1))
+        model = FailureModel(
+            estimator=calibrated, features=tuple(names), horizon_s=first.horizon_s, warning_s=first.warning_s,
+            step_s=first.step_s, threshold=threshold, baseline_threshold=baseline_threshold,
+            healthy_median=tuple(reference["median"]), healthy_spread=tuple(reference["spread"]),
+            importance=tuple(importance), training=training, validation_metrics=validation_metrics,
+            description=description)
         progress.advance()
     return model
 
 
-def _reference(train: pd.DataFrame, names: list[str]) -> dict:
+def _reference(train: pd.DataFrame, names: list[str]) -> dict[str, list[float]]:
     """Healthy-fleet median and spread per feature (for top_signals)."""
     healthy = train.loc[train["fit_label"] == 0, names]
     median = healthy.median().fillna(0.0)
@@ -173,8 +171,3 @@ def _importance(est: CalibratedClassifierCV, val: pd.DataFrame, names: list[str]
     r = permutation_importance(est, sample[names].to_numpy(float), sample["label"].to_numpy(),
                                scoring="average_precision", n_repeats=2, random_state=seed)
     return np.round(r.importances_mean, 6).tolist()
-
-
-def split_of(model: dict) -> Split:
-    t = model["training"]
-    return Split(tuple(t["train_ms"]), tuple(t["validation_ms"]), tuple(t["test_ms"]))
