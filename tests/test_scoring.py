@@ -256,7 +256,7 @@ def test_a_node_whose_data_arrives_after_the_data_clock_passed_its_times_is_stil
     clock to its end; node 0's recording of the same hours (its GPU failed at 29 h) arrives after that round.
     A catch-up keyed by the newest time in the store scored nothing new and raised no alert."""
     store = open_store(store_url(kind, tmp_path, "late"))
-    hub = AlertHub(AlertPolicy(model.threshold))
+    hub = AlertHub(model.alert_policy())
     try:
         hub.start(store)
         healthy, _ = degrading_node(T0, hours=31, fault_after_h=40, node=1)  # its fault lies past the data
