@@ -50,7 +50,7 @@ POISON_COLUMNS = {
 @pytest.mark.parametrize("kind", sorted(POISON_COLUMNS))
 def test_a_malformed_column_is_refused_as_invalid_argument_on_push_and_stream(collector, channel, kind, caplog):
     poison = _with_column(2, POISON_COLUMNS[kind])
-    caplog.set_level(logging.WARNING, "gpuwatch.collector.server")
+    caplog.set_level(logging.WARNING, "gpuwatch.collector.ingest_service")
     with pytest.raises(grpc.RpcError) as pushed:
         client.push(channel, poison)
     assert pushed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, pushed.value.details()
