@@ -9,6 +9,7 @@ from gpuwatch.apps import cli
 from gpuwatch.collector import client
 from gpuwatch.collector.owners import current_owners, owner_intervals
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.core import events as ev
 from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.v1 import query_pb2 as q
@@ -52,7 +53,7 @@ def _batches():
 
 @pytest.fixture(params=STORE_KINDS)
 def collector(request, tmp_path):
-    server = serve("127.0.0.1:0", store_url(request.param, tmp_path), retention_days=3650)
+    server = serve(local_collector(store_url(request.param, tmp_path)))
     channel = client.channel(server.address)
     list(client.stream_batches(channel, _batches()))
     channel.close()

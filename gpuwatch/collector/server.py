@@ -21,15 +21,16 @@ from typing import Any, Protocol
 
 import grpc
 
-from gpuwatch.collector.ingest_service import DEFAULT_STREAM_WINDOW, IngestService
+from gpuwatch.collector.ingest_service import IngestService
 from gpuwatch.collector.query_service import DEFAULT_QUERY_HANDLERS, QueryHandler, StoreGate, query_handler
 from gpuwatch.collector.store import open_store, redacted
 from gpuwatch.collector.store.base import Store
 from gpuwatch.core import security
 from gpuwatch.core.batches import MAX_BATCH_BYTES, TimeWindow
 from gpuwatch.core.errors import UserError
-from gpuwatch.core.settings import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_INGEST_STREAMS, DEFAULT_QUERY_WORKERS,
-                                     DEFAULT_STREAM_IDLE_S, split_address)
+from gpuwatch.core.security import read_token
+from gpuwatch.core.settings import CollectorSettings, split_address
+from gpuwatch.core.times import parse_duration
 
 log = logging.getLogger(__name__)
 
@@ -148,60 +149,44 @@ async def _start_grpc(listen: str, handlers: Sequence[grpc.GenericRpcHandler], q
     return server, port
 
 
-def serve(
-    listen: str,
-    db_path: str,
-    *,
-    retention_days: float | None = None,
-    max_workers: int = DEFAULT_QUERY_WORKERS,
-    stream_window: int = DEFAULT_STREAM_WINDOW,
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-    stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
-    max_ingest_streams: int = DEFAULT_MAX_INGEST_STREAMS,
-    time_window: TimeWindow | None = None,
-    query_handlers: Mapping[str, QueryHandler] | None = None,
-    services: Sequence[Service] | Callable[[], Sequence[Service]] = (),
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    tls_client_ca: str | None = None,
-    token: str | None = None,
-    insecure: bool = False,
-    **store_options: Any,
-) -> CollectorServer:
-    """Serve on ``listen`` ("host:port", port 0 picks a free one), then open the store and start ``services``.
+def serve(settings: CollectorSettings, *, services: Sequence[Service] | Callable[[], Sequence[Service]] = (),
+          query_handlers: Mapping[str, QueryHandler] | None = None) -> CollectorServer:
+    """Serve on ``settings.listen`` ("host:port", port 0 picks a free one), then open the store and start
+    ``services``.
 
     The port is bound first, so a starting collector accepts connections at once; calls that arrive before
     the store is open wait for it (ingest acknowledges nothing until its batches are committed, so nothing
     is lost when the store then fails to open: the calls end UNAVAILABLE and agents resend). ``services``
     may be a function that builds them, called once the port is bound (the collector command imports its
-    heavy modules there). TLS when ``tls_cert``/``tls_key`` are given (mutual with ``tls_client_ca``); with
-    ``token`` every call needs ``authorization: Bearer <token>``. A non-loopback ``listen`` without TLS is
-    refused unless ``insecure``. ``max_workers`` threads answer Query calls; ingest runs on the event loop,
-    bounded by ``stream_window``, ``max_in_flight``, ``max_ingest_streams`` and ``stream_idle_s`` (see the
-    module docstring). Batch times outside ``time_window`` (around the collector's clock; the collector
-    command always sets one) are refused.
+    heavy modules there). Transport security, the store and its retention, the query threads, the ingest
+    bounds and the accepted time window are the settings' (their help says what each does; see the module
+    docstrings of gpuwatch.collector.ingest_service for the bounds).
     Query methods: the defaults, SubmitTrace/Breakdown, the services', then ``query_handlers``.
     Raises UserError when the store is locked by another process or the address cannot be bound.
     """
+    listen, store_url = settings.listen, settings.store or settings.db
+    token = read_token(settings.token_file) if settings.token_file else None
     handlers: dict[str, QueryHandler] = dict(DEFAULT_QUERY_HANDLERS)
     gate = StoreGate()
-    ingest = IngestService(None, stream_window=stream_window, max_in_flight=max_in_flight,
-                           stream_idle_s=stream_idle_s, max_ingest_streams=max_ingest_streams, window=time_window)
-    query_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="query")
+    ingest = IngestService(None, max_in_flight=settings.max_in_flight, stream_idle_s=settings.stream_idle_timeout,
+                           max_ingest_streams=settings.max_ingest_streams,
+                           window=TimeWindow(settings.max_sample_age_days, settings.max_sample_ahead_days))
+    query_pool = ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="query")
     loop = _EventLoopThread()
     try:
         server, port = loop.run(_start_grpc(
             listen, (ingest.handler(), query_handler(gate, handlers)), query_pool, token,
-            {"cert": tls_cert, "key": tls_key, "client_ca": tls_client_ca}, insecure))
+            {"cert": settings.tls_cert, "key": settings.tls_key, "client_ca": settings.tls_client_ca},
+            settings.insecure))
     except BaseException:
         loop.close()
         query_pool.shutdown(wait=False)
         raise
-    log.debug("collector bound %s (port %d); opening store %s", listen, port, redacted(db_path))
+    log.debug("collector bound %s (port %d); opening store %s", listen, port, redacted(store_url))
     started: list[Service] = []
     store: Store | None = None
     try:
-        store = open_store(db_path, retention_days=retention_days, **store_options)
+        store = open_store(store_url, **store_options(settings))
         handlers.update(query_handlers or {})
         loop.loop.call_soon_threadsafe(ingest.attach, store)  # ingest and the default queries need only the store
         gate.open(store)
@@ -223,6 +208,16 @@ def serve(
         query_pool.shutdown(wait=False, cancel_futures=True)
         raise
     host, _ = split_address(listen)  # valid: it was bound
-    log.info("collector listening on %s:%d (%s), store %s", host, port,
-             "mutual TLS" if tls_client_ca else "TLS" if tls_cert or tls_key else "plaintext", redacted(db_path))
+    security_kind = ("mutual TLS" if settings.tls_client_ca else "TLS" if settings.tls_cert or settings.tls_key
+                     else "plaintext")
+    log.info("collector listening on %s:%d (%s), store %s", host, port, security_kind, redacted(store_url))
     return CollectorServer(server, loop, query_pool, store, host, port, started, ingest)
+
+
+def store_options(settings: CollectorSettings) -> dict[str, Any]:
+    """The store's options from the collector's settings (a duration of 0 turns its tier off)."""
+    return {"retention_days": settings.retention_days, "memory_limit": settings.memory_limit,
+            "span_retention_s": settings.span_retention or None,
+            "raw_retention_s": parse_duration(settings.raw_retention) or None,
+            "rollup_retention_s": parse_duration(settings.rollup_retention) or None,
+            "clickhouse_cluster": settings.clickhouse_cluster}
