@@ -127,3 +127,24 @@ def alerts_response(docs: Sequence[Mapping[str, Any]]) -> q.AlertsResponse:
 
 def alert_documents(response: q.AlertsResponse) -> list[dict[str, Any]]:
     return [alert_document(alert) for alert in response.alerts]
+
+
+# --------------------------------------------------------------------------------------------- usage
+def usage_response(rows: Sequence[Mapping[str, Any]], owner_keys: Sequence[str]) -> q.UsageResponse:
+    """The ``Usage`` reply of :func:`gpuwatch.collector.owners.usage` rows grouped by ``owner_keys``."""
+    replies = []
+    for row in rows:
+        reply = _message(q.UsageRow, row)
+        reply.owner.extend(q.Label(name=k, value=str(row[k])) for k in owner_keys)
+        replies.append(reply)
+    return q.UsageResponse(rows=replies)
+
+
+def usage_documents(response: q.UsageResponse) -> list[dict[str, Any]]:
+    """The rows ``gpuwatch usage --json`` prints: the owner's columns, then GPU time, loss and energy."""
+    docs = []
+    for row in response.rows:
+        values = _document(row)
+        del values["owner"]
+        docs.append({**{label.name: label.value for label in row.owner}, **values})
+    return docs

@@ -78,7 +78,7 @@ def events(request: q.EventsRequest, store: Store) -> q.EventsResponse:
         for r in rows])
 
 
-def usage(request: q.UsageRequest, store: Store) -> q.JsonResponse:
+def usage(request: q.UsageRequest, store: Store) -> q.UsageResponse:
     from gpuwatch.collector.owners import usage_rpc  # pandas: after the port is bound
 
     return usage_rpc(request, store)

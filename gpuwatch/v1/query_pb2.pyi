@@ -407,6 +407,26 @@ class AlertsResponse(_message.Message):
     alerts: _containers.RepeatedCompositeFieldContainer[Alert]
     def __init__(self, alerts: _Optional[_Iterable[_Union[Alert, _Mapping]]] = ...) -> None: ...
 
+class UsageRow(_message.Message):
+    __slots__ = ("owner", "gpu_seconds", "lost_gpu_seconds", "mean_utilization", "energy_kwh")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOST_GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_KWH_FIELD_NUMBER: _ClassVar[int]
+    owner: _containers.RepeatedCompositeFieldContainer[Label]
+    gpu_seconds: float
+    lost_gpu_seconds: float
+    mean_utilization: float
+    energy_kwh: float
+    def __init__(self, owner: _Optional[_Iterable[_Union[Label, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., lost_gpu_seconds: _Optional[float] = ..., mean_utilization: _Optional[float] = ..., energy_kwh: _Optional[float] = ...) -> None: ...
+
+class UsageResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[UsageRow]
+    def __init__(self, rows: _Optional[_Iterable[_Union[UsageRow, _Mapping]]] = ...) -> None: ...
+
 class SubmitTraceRequest(_message.Message):
     __slots__ = ("job_id", "filename", "content")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

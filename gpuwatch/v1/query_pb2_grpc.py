@@ -82,7 +82,7 @@ class QueryStub:
         self.Usage = channel.unary_unary(
                 '/gpuwatch.v1.Query/Usage',
                 request_serializer=gpuwatch_dot_v1_dot_query__pb2.UsageRequest.SerializeToString,
-                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.UsageResponse.FromString,
                 _registered_method=True)
 
 
@@ -200,7 +200,7 @@ def add_QueryServicer_to_server(servicer, server):
             'Usage': grpc.unary_unary_rpc_method_handler(
                     servicer.Usage,
                     request_deserializer=gpuwatch_dot_v1_dot_query__pb2.UsageRequest.FromString,
-                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.SerializeToString,
+                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.UsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -472,7 +472,7 @@ class Query:
             target,
             '/gpuwatch.v1.Query/Usage',
             gpuwatch_dot_v1_dot_query__pb2.UsageRequest.SerializeToString,
-            gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+            gpuwatch_dot_v1_dot_query__pb2.UsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
