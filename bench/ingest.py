@@ -152,9 +152,10 @@ def main() -> int:
         address = args.collector
     else:
         from gpuwatch.collector.server import serve
+        from gpuwatch.core.settings import local_collector
         url = (os.path.join(tmp.name, "bench.duckdb") if args.store == "duckdb"
                else f"chdb://{os.path.join(tmp.name, 'bench-chdb')}")
-        server = serve("127.0.0.1:0", url)
+        server = serve(local_collector(url))
         address = server.address
 
     ctx = mp.get_context("spawn")

@@ -21,7 +21,7 @@ from gpuwatch.core import fields
 from gpuwatch.agent.spool import write_durably
 from gpuwatch.agent.spool import decode_record, encode_record
 from gpuwatch.core.batches import BatchBuilder, TimeWindow
-from gpuwatch.collector.server import decode_batch
+from gpuwatch.collector.ingest_service import decode_batch
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 

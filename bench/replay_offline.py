@@ -35,6 +35,7 @@ from pathlib import Path
 from gpuwatch.apps.replay import replay
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.core.recording import open_recording
 
 _HEADER = (f"{'way':<52}{'load':>5}{'replay s':>9}{'replay samples/s':>18}{'scoring s':>10}{'wall s':>8}{'cpu s':>7}"
@@ -66,7 +67,7 @@ def _row(name: str, load: float, samples: int, replay_s: float, scoring: dict | 
 
 def _in_process_grpc(rec_path: Path, db: Path) -> float:
     """Replay stage seconds streaming into a collector started in this process (the former --offline)."""
-    server = serve("127.0.0.1:0", str(db))
+    server = serve(local_collector(str(db)))
     try:
         ch = client.channel(server.address)
         try:

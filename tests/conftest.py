@@ -1,5 +1,5 @@
-"""Fixtures shared by the test files: a test PKI, a real Alertmanager and an in-memory Ingest server, each
-on loopback. Plain helper functions live in helpers.py."""
+"""Fixtures shared by the test files: a test PKI, a real Alertmanager, a channel to a module's collector and an
+in-memory Ingest server, each on loopback. Plain helper functions live in helpers.py."""
 from __future__ import annotations
 
 import datetime as dt
@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from gpuwatch.collector import client
 from gpuwatch.simulator.collector_sink import IngestSink
 from helpers import start_alertmanager
 
@@ -75,6 +76,15 @@ def alertmanager(tmp_path):
     yield url
     proc.terminate()
     proc.wait(10)
+
+
+# ------------------------------------------------------------------------------------- collector
+@pytest.fixture
+def channel(collector):
+    """A gRPC channel to the test module's ``collector`` fixture (helpers.serving)."""
+    ch = client.channel(collector.address)
+    yield ch
+    ch.close()
 
 
 # ------------------------------------------------------------------------------------------ sink

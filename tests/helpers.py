@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -137,6 +137,21 @@ def run_on_terminal(*argv: str, timeout: float = 300.0) -> tuple[int, str, str]:
         return proc.returncode, out.decode(), shown.decode(errors="replace")
     finally:
         os.close(master)
+
+
+# ----------------------------------------------------------------------------- in-process collector
+def serving(store: str, *, query_handlers: Mapping[str, Any] | None = None, **changes: Any) -> Iterator[Any]:
+    """A collector in this process over ``store`` (:func:`~gpuwatch.core.settings.local_collector` settings
+    with ``changes``) for a fixture to ``yield from``; stopped when the fixture ends. conftest's ``channel``
+    fixture connects to the module's ``collector`` fixture made this way."""
+    from gpuwatch.collector.server import serve
+    from gpuwatch.core.settings import local_collector
+
+    server = serve(local_collector(store, **changes), query_handlers=query_handlers)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 # ------------------------------------------------------------------------------- collector process

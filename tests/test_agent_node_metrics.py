@@ -15,7 +15,7 @@ from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.core.prometheus import EXPORTED_METRICS
 from gpuwatch.collector.snapshot import MetricsService
-from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
 from helpers import poll, running_simulated_agent
 
 PROMTOOL = shutil.which("promtool")
@@ -51,7 +51,7 @@ def running_agent(tmp_path):
     """A collector with /metrics, and an agent on 4 simulated GPUs streaming to it with its own /metrics."""
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
                                           "metrics_listen": "127.0.0.1:0"}, env={})
-    collector = start_collector(cfg)
+    collector = start_collector(cfg.build(CollectorSettings))
     cfg = AgentConfig(collector=collector.address, node="n7", interval=0.05, slow_interval=3600, batch_interval=0.1,
                       spool=tmp_path / "spool", metrics_listen="127.0.0.1:0")
     try:

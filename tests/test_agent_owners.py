@@ -118,13 +118,13 @@ def test_owner_info_series_on_the_agent_and_the_collector_follow_a_gpu_between_p
     from gpuwatch.agent.daemon import AgentConfig
     from gpuwatch.collector.assembly import start_collector
     from gpuwatch.collector.snapshot import MetricsService
-    from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+    from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
     from helpers import poll, running_simulated_agent
     from test_agent_node_metrics import _scrape
 
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
                                           "metrics_listen": "127.0.0.1:0"}, env={})
-    collector = start_collector(cfg)
+    collector = start_collector(cfg.build(CollectorSettings))
     agent_cfg = AgentConfig(collector=collector.address, node="k2", interval=0.05, slow_interval=0.05,
                             batch_interval=0.1, spool=tmp_path / "spool", metrics_listen="127.0.0.1:0",
                             kubelet_socket=kubelet.socket)

@@ -119,11 +119,11 @@ def test_dead_receiver_does_not_block_and_queue_is_bounded():
 def test_collector_gives_the_alerts_advice_for_its_configured_job(tmp_path):
     from gpuwatch.collector.alert_hub import AlertHub
     from gpuwatch.collector.assembly import start_collector
-    from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+    from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
 
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "c.duckdb"),
                                           "job_gpus": 16384, "checkpoint_cost": 60.0}, env={})
-    server = start_collector(cfg)
+    server = start_collector(cfg.build(CollectorSettings))
     try:
         hub = next(s for s in server.services if isinstance(s, AlertHub))
         engine = poll(lambda: hub.engine, 120, "risk alerting once the model has loaded")

@@ -22,6 +22,7 @@ from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.client import connect
 from gpuwatch.efficiency import analyze, load_paths
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.efficiency.traces.spans import timelines_from_spans
 from gpuwatch.v1 import query_pb2 as q
@@ -33,7 +34,7 @@ RANKS = [os.path.join(KINETO_SAMPLED, f"rank{r}.json.gz") for r in (0, 1)]
 
 @pytest.fixture(params=STORE_KINDS)
 def collector(tmp_path, request):
-    server = serve("127.0.0.1:0", store_url(request.param, tmp_path), max_workers=8,
+    server = serve(local_collector(store_url(request.param, tmp_path), max_workers=8),
                    query_handlers=BreakdownService().handlers())
     try:
         yield server, connect(server.address)
@@ -171,7 +172,7 @@ def test_cli_with_a_token_collector(tmp_path, capsys, monkeypatch):
     token_file = tmp_path / "token"
     token_file.write_text("breakdown-token\n")
     token_file.chmod(0o600)
-    server = serve("127.0.0.1:0", str(tmp_path / "t.duckdb"), token="breakdown-token")
+    server = serve(local_collector(str(tmp_path / "t.duckdb"), token_file=str(token_file)))
     try:
         flags = ["--collector", server.address, "--json"]
         assert cli.main(["submit-trace", "--job", "T", RANKS[0], *flags]) == 2

@@ -15,7 +15,7 @@ from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.lease import ClusterLease
 from gpuwatch.collector.store import open_store
 from gpuwatch.core.columnar import from_message
-from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
 from helpers import ROWS_PER_BATCH, make_batch, poll
 
 INTERVAL_S = 0.5
@@ -46,7 +46,7 @@ def _collector(store: str, webhook_url: str):
     cfg = load_config(COLLECTOR_OPTIONS, {
         "listen": "127.0.0.1:0", "store": store, "jobs_interval": INTERVAL_S, "score_interval": INTERVAL_S,
         "webhook_url": webhook_url, "log_level": "warning"}, env={})
-    return start_collector(cfg)
+    return start_collector(cfg.build(CollectorSettings))
 
 
 def _lease(server) -> ClusterLease:

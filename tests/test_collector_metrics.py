@@ -12,7 +12,7 @@ import pytest
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.snapshot import MetricsService
-from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
 from gpuwatch.simulator.failing_fleet import HOUR_MS
 from helpers import data_parallel_job, degrading_node, make_batch, poll, sim_batches, write_spans
 
@@ -24,7 +24,7 @@ def collector(tmp_path):
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "m.duckdb"),
                                 "metrics_listen": "127.0.0.1:0", "score_interval": 0.2, "jobs_interval": 0.2},
                       env={})
-    server = start_collector(cfg)
+    server = start_collector(cfg.build(CollectorSettings))
     yield server
     server.stop()
 

@@ -7,8 +7,11 @@ import pytest
 
 from gpuwatch.apps import cli
 from gpuwatch.collector import client
-from gpuwatch.collector.owners import current_owners, owner_intervals
+from gpuwatch.apps.commandline import json_text
+from gpuwatch.collector.owners import USAGE_GROUPS, current_owners, owner_intervals, usage, usage_rpc
+from gpuwatch.collector.query_documents import usage_documents
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.core import events as ev
 from gpuwatch.core.batches import BatchBuilder
 from gpuwatch.v1 import query_pb2 as q
@@ -52,7 +55,7 @@ def _batches():
 
 @pytest.fixture(params=STORE_KINDS)
 def collector(request, tmp_path):
-    server = serve("127.0.0.1:0", store_url(request.param, tmp_path), retention_days=3650)
+    server = serve(local_collector(store_url(request.param, tmp_path)))
     channel = client.channel(server.address)
     list(client.stream_batches(channel, _batches()))
     channel.close()
@@ -89,6 +92,10 @@ def test_gpus_show_the_pod_holding_each_gpu_now_and_usage_sums_per_pod(collector
     assert table[0].split()[:3] == ["namespace", "pod", "gpu_seconds"] and table[1].split()[:2] == ["ml", "eval-0"]
     users = _json(capsys, address, "usage", "--by", "user")
     assert [(r["user"], r["gpu_seconds"], r["lost_gpu_seconds"]) for r in users] == [("alice", 540.0, 405.0)]
+    store = collector.store
+    for by in USAGE_GROUPS:  # the typed Usage reply prints the rows the collector computed, keys and numbers alike
+        rows = usage(store, by, 0, store.newest_sample_ms())
+        assert rows and json_text(usage_documents(usage_rpc(q.UsageRequest(by=by), store))) == json_text(rows)
 
 
 @pytest.mark.parametrize("kind", STORE_KINDS)

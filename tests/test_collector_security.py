@@ -11,6 +11,7 @@ from gpuwatch.apps import cli
 from gpuwatch.core import security
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.settings import ClientSecurity
 from gpuwatch.v1 import query_pb2 as q
@@ -27,8 +28,8 @@ def token_file(tmp_path):
 
 @pytest.fixture
 def collector(tmp_path, pki, token_file):
-    server = serve("127.0.0.1:0", str(tmp_path / "s.duckdb"), tls_cert=pki["server"], tls_key=pki["server_key"],
-                   tls_client_ca=pki["ca"], token=security.read_token(token_file))
+    server = serve(local_collector(str(tmp_path / "s.duckdb"), tls_cert=pki["server"], tls_key=pki["server_key"],
+                                 tls_client_ca=pki["ca"], token_file=str(token_file)))
     yield server
     server.stop()
 
@@ -84,9 +85,9 @@ def test_queries_need_the_token(collector, pki, token_file, capsys):
 def test_plaintext_beyond_loopback_is_refused_unless_insecure(tmp_path):
     db = tmp_path / "open.duckdb"
     with pytest.raises(UserError, match="without TLS"):
-        serve("0.0.0.0:0", str(db))
+        serve(local_collector(str(db), listen="0.0.0.0:0"))
     assert not db.exists()  # refused before the store was opened
-    server = serve("0.0.0.0:0", str(db), insecure=True)
+    server = serve(local_collector(str(db), listen="0.0.0.0:0", insecure=True))
     server.stop()
     result = subprocess.run([sys.executable, "-m", "gpuwatch", "collector", "--listen", "0.0.0.0:0",
                              "--db", str(tmp_path / "cli.duckdb")], capture_output=True, text=True, timeout=120)

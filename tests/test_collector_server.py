@@ -9,10 +9,11 @@ from gpuwatch.apps import cli
 from gpuwatch.core.batches import MAX_BATCH_BYTES
 from gpuwatch.collector import client
 from gpuwatch.collector.server import CONNECTION_IDLE_S, _server_options, serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
-from helpers import ROWS_PER_BATCH, STORE_KINDS, TICKS, free_port, make_batch, poll, store_url
+from helpers import ROWS_PER_BATCH, STORE_KINDS, TICKS, free_port, make_batch, poll, serving, store_url
 
 
 def _not_found(request, store):
@@ -21,18 +22,9 @@ def _not_found(request, store):
 
 @pytest.fixture(params=STORE_KINDS)
 def collector(tmp_path, request):
-    server = serve("127.0.0.1:0", store_url(request.param, tmp_path, "c"),
-                   query_handlers={"Jobs": lambda request, store: q.JsonResponse(json=json.dumps(store.jobs_seen())),
-                                   "Alerts": _not_found})
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def channel(collector):
-    ch = client.channel(collector.address)
-    yield ch
-    ch.close()
+    yield from serving(store_url(request.param, tmp_path, "c"), query_handlers={
+        "Jobs": lambda request, store: q.JobsResponse(jobs=[q.Job(job_id=j["job_id"]) for j in store.jobs_seen()]),
+        "Alerts": _not_found})
 
 
 def test_streamed_batches_are_stored_once_and_queryable(collector, channel):
@@ -112,8 +104,7 @@ def test_plug_in_handlers_and_error_statuses(collector, channel):
     with pytest.raises(grpc.RpcError) as err:
         stub.Alerts(q.AlertsRequest())
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no such alert list" in err.value.details()
-    jobs = json.loads(stub.Jobs(q.JobsRequest()).json)
-    assert [j["job_id"] for j in jobs] == ["job-7"]
+    assert [j.job_id for j in stub.Jobs(q.JobsRequest()).jobs] == ["job-7"]
     with pytest.raises(grpc.RpcError) as err:
         stub.Series(q.SeriesRequest(node="node-1", field="gpu_bogus"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gpu_bogus" in err.value.details()
@@ -121,7 +112,7 @@ def test_plug_in_handlers_and_error_statuses(collector, channel):
 
 def test_refuses_to_start_on_a_locked_store_or_a_taken_address(collector, tmp_path):
     with pytest.raises(UserError, match="address in use"):
-        serve(collector.address, str(tmp_path / "other.duckdb"))
+        serve(local_collector(str(tmp_path / "other.duckdb"), listen=collector.address))
     # the store is opened and locked by this process; a second process cannot take it
     import subprocess
     import sys
@@ -232,7 +223,7 @@ def test_a_new_stream_may_wait_for_a_saturated_server_as_long_as_a_connection_ma
 
 
 def test_a_stream_silent_past_the_idle_limit_is_closed_and_its_batches_were_acked(tmp_path):
-    server = serve("127.0.0.1:0", str(tmp_path / "idle.duckdb"), stream_idle_s=0.5)
+    server = serve(local_collector(str(tmp_path / "idle.duckdb"), stream_idle_timeout=0.5))
     ch = client.channel(server.address)
     release = threading.Event()
 

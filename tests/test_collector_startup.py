@@ -16,6 +16,7 @@ from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector import server as server_module
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.collector.store import open_store
 from gpuwatch.core.errors import UserError
 from gpuwatch.models.model import load_model
@@ -27,7 +28,7 @@ from helpers import free_port, make_batch, poll
 def _serve_in_background(pool: ThreadPoolExecutor, db: str, **options):
     """serve() on a known port in a thread (it returns once the store is open); the port accepts before."""
     address = f"127.0.0.1:{free_port()}"
-    started = pool.submit(serve, address, db, **options)
+    started = pool.submit(serve, local_collector(db, listen=address), **options)
     ch = poll(lambda: _connected(address), 120, "the port to accept before the collector finished starting")
     return address, started, ch
 
@@ -104,7 +105,7 @@ def test_a_batch_sent_while_the_store_fails_to_open_is_not_acknowledged_and_its_
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         ch.close()
     outcome.clear()
-    server = serve("127.0.0.1:0", db)
+    server = serve(local_collector(db))
     try:
         assert server.store.count("ingested") == 0  # nothing of it was stored, so nothing was acknowledged
         resend = client.channel(server.address)
@@ -126,7 +127,7 @@ def test_queries_and_ingest_are_served_while_the_model_loads_and_scoring_follows
 
     hub = AlertHub(None)
     scorer = Scorer(None, hub, interval_s=0.1, load_model=slow_load)
-    server = serve("127.0.0.1:0", str(tmp_path / "s.duckdb"), services=[hub, scorer])
+    server = serve(local_collector(str(tmp_path / "s.duckdb")), services=[hub, scorer])
     try:
         ch = client.channel(server.address)
         assert not client.push(ch, make_batch(1)).duplicate
@@ -148,7 +149,7 @@ def test_a_model_that_fails_to_load_leaves_health_scoring_running(tmp_path):
         raise ValueError("truncated model file")
 
     scorer = Scorer(None, AlertHub(None), interval_s=0.1, load_model=broken)
-    server = serve("127.0.0.1:0", str(tmp_path / "s.duckdb"), services=[scorer])
+    server = serve(local_collector(str(tmp_path / "s.duckdb")), services=[scorer])
     try:
         poll(lambda: scorer.ready.is_set() and scorer.rounds >= 1, 120, "health-only scoring")
         assert scorer.model is None and scorer.hub.engine is None

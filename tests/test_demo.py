@@ -203,12 +203,12 @@ def test_piped_the_view_prints_a_frame_on_change_and_hourly_in_simulated_time_an
 def test_streaming_the_recording_into_a_live_collector_raises_the_alert_replay_offline_raises(demo, tmp_path):
     """Issue 29.21: `replay --offline` raised "GPUFailureRisk ... has failed" for the failed GPU; the same
     recording streamed into a live collector raised none (its rounds jumped over the risk's rise)."""
-    import json
 
     from gpuwatch.apps import cli
     from gpuwatch.collector.alert_hub import list_alerts
+    from gpuwatch.collector.query_documents import alert_documents
     from gpuwatch.collector.assembly import start_collector
-    from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+    from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
     from gpuwatch.v1 import query_pb2 as q
     from helpers import poll
 
@@ -216,13 +216,13 @@ def test_streaming_the_recording_into_a_live_collector_raises_the_alert_replay_o
     failed = result.report["failed"][0]
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path / "live.duckdb"),
                                           "score_interval": 0.5}, env={})
-    server = start_collector(cfg)
+    server = start_collector(cfg.build(CollectorSettings))
     try:
         for path in result.recordings:
             assert cli.main(["replay", str(path), "--collector", server.address, "--quiet"]) == 0
 
         def failed_alert() -> list[dict]:
-            alerts = json.loads(list_alerts(q.AlertsRequest(include_resolved=True), server.store).json)
+            alerts = alert_documents(list_alerts(q.AlertsRequest(include_resolved=True), server.store))
             return [a for a in alerts if a["alertname"] == "GPUFailureRisk" and a["state"] == "failed"]
 
         (alert,) = poll(failed_alert, 120, "the failed GPU's GPUFailureRisk alert")

@@ -17,6 +17,7 @@ from gpuwatch.collector import client
 from gpuwatch.apps import query_cli
 from gpuwatch.apps.commandline import json_text
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
@@ -114,7 +115,7 @@ def batches(draw):
 
 @pytest.fixture(scope="module", params=STORE_KINDS)
 def collector(tmp_path_factory, request):
-    server = serve("127.0.0.1:0", store_url(request.param, tmp_path_factory.mktemp("fuzz"), "fuzz"))
+    server = serve(local_collector(store_url(request.param, tmp_path_factory.mktemp("fuzz"), "fuzz")))
     channel = client.channel(server.address)
     yield server, channel, client.connect(server.address)
     channel.close()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.v1 import query_pb2 as q
 
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
@@ -70,7 +71,7 @@ def span_tables(draw) -> bytes:
 
 @pytest.fixture(scope="module")
 def query(tmp_path_factory):
-    server = serve("127.0.0.1:0", str(tmp_path_factory.mktemp("fuzz-traces") / "t.duckdb"))
+    server = serve(local_collector(str(tmp_path_factory.mktemp("fuzz-traces") / "t.duckdb")))
     yield client.connect(server.address)
     server.stop()
 

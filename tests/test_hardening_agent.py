@@ -11,11 +11,12 @@ import pytest
 from gpuwatch.agent.spool import Spool
 from gpuwatch.agent.uplink import Uplink
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from helpers import CollectorProcess, make_batch
 
 
 def test_an_unstorable_batch_is_quarantined_counted_and_the_rest_are_stored(tmp_path):
-    server = serve("127.0.0.1:0", str(tmp_path / "c.duckdb"))
+    server = serve(local_collector(str(tmp_path / "c.duckdb")))
     spool = Spool(tmp_path / "spool")
     for _ in range(6):
         seq = spool.next_sequence()

@@ -8,27 +8,19 @@ import pytest
 
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.collector.store import open_store
 from gpuwatch.collector.store import duckdb as duckdb_store
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import ingest_view_pb2 as view
 from gpuwatch.v1 import query_pb2 as q
-from helpers import ROWS_PER_BATCH, make_batch
+from helpers import ROWS_PER_BATCH, make_batch, serving
 
 
 @pytest.fixture
 def collector(tmp_path):
-    server = serve("127.0.0.1:0", str(tmp_path / "c.duckdb"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def channel(collector):
-    ch = client.channel(collector.address)
-    yield ch
-    ch.close()
+    yield from serving(str(tmp_path / "c.duckdb"))
 
 
 def _with_column(seq: int, column: bytes, agent: str = "poison-col") -> bytes:
@@ -50,7 +42,7 @@ POISON_COLUMNS = {
 @pytest.mark.parametrize("kind", sorted(POISON_COLUMNS))
 def test_a_malformed_column_is_refused_as_invalid_argument_on_push_and_stream(collector, channel, kind, caplog):
     poison = _with_column(2, POISON_COLUMNS[kind])
-    caplog.set_level(logging.WARNING, "gpuwatch.collector.server")
+    caplog.set_level(logging.WARNING, "gpuwatch.collector.ingest_service")
     with pytest.raises(grpc.RpcError) as pushed:
         client.push(channel, poison)
     assert pushed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, pushed.value.details()
@@ -174,7 +166,7 @@ def test_a_store_found_unreadable_while_serving_answers_unavailable_not_ack(tmp_
         store.write(make_batch(seq))
     store.close()
     monkeypatch.setattr(duckdb_store, "_check_size", lambda con, path: None)  # cut after the open's check
-    server = serve("127.0.0.1:0", str(path))
+    server = serve(local_collector(str(path)))
     ch = client.channel(server.address)
     try:
         with open(path, "r+b") as f:

@@ -10,25 +10,17 @@ import grpc
 import pytest
 
 from gpuwatch.apps import cli
-from gpuwatch.core.batches import INSTANCE_METADATA, TimeWindow
+from gpuwatch.core.batches import INSTANCE_METADATA
 from gpuwatch.collector import client
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.v1 import query_pb2 as q
-from helpers import fill_disk, make_batch, poll, small_filesystem
+from helpers import fill_disk, make_batch, poll, serving, small_filesystem
 
 
 @pytest.fixture
 def collector(tmp_path):
-    server = serve("127.0.0.1:0", str(tmp_path / "c.duckdb"), time_window=TimeWindow(past_days=3650, future_days=1))
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def channel(collector):
-    ch = client.channel(collector.address)
-    yield ch
-    ch.close()
+    yield from serving(str(tmp_path / "c.duckdb"), max_sample_age_days=3650, max_sample_ahead_days=1)
 
 
 def _poisoned(seq: int, kind: str):
@@ -84,7 +76,7 @@ def test_refusals_are_counted_per_agent(collector, channel):
 
 
 def test_times_outside_the_configured_window_are_refused(tmp_path):
-    server = serve("127.0.0.1:0", str(tmp_path / "w.duckdb"), time_window=TimeWindow(past_days=1, future_days=1))
+    server = serve(local_collector(str(tmp_path / "w.duckdb"), max_sample_age_days=1, max_sample_ahead_days=1))
     try:
         with client.channel(server.address) as ch, pytest.raises(grpc.RpcError) as exc:
             client.push(ch, make_batch(1))  # helpers' batches are from 2023
@@ -152,8 +144,8 @@ def test_a_clone_that_reuses_sequences_later_is_refused_not_taken_for_resends(co
 
 # ---- point 9: idle streams and per-client limits -------------------------------------------------
 def test_idle_streams_are_bounded_and_timed_out_while_agents_and_queries_are_served(tmp_path):
-    server = serve("127.0.0.1:0", str(tmp_path / "idle.duckdb"), max_workers=12, max_ingest_streams=4,
-                   stream_idle_s=1.0)
+    server = serve(local_collector(str(tmp_path / "idle.duckdb"), max_workers=12, max_ingest_streams=4,
+                                 stream_idle_timeout=1.0))
     stop = threading.Event()
     channels = [client.channel(server.address) for _ in range(6)]
     try:
@@ -188,7 +180,10 @@ def test_server_sets_per_connection_limits():
 
 # ---- point 10: causes in the logs ----------------------------------------------------------------
 def test_a_failed_token_check_is_logged_with_the_peer(tmp_path, caplog):
-    server = serve("127.0.0.1:0", str(tmp_path / "t.duckdb"), token="right-token")
+    token_file = tmp_path / "token"
+    token_file.write_text("right-token\n")
+    token_file.chmod(0o600)
+    server = serve(local_collector(str(tmp_path / "t.duckdb"), token_file=str(token_file)))
     try:
         with caplog.at_level(logging.WARNING, logger="gpuwatch.core.security"), client.channel(server.address) as ch:
             with pytest.raises(grpc.RpcError):

@@ -14,8 +14,11 @@ from gpuwatch.collector.alerts import AlertmanagerSender
 from gpuwatch.apps import cli
 from gpuwatch.collector import client
 from gpuwatch.collector.breakdowns import BreakdownService
+from gpuwatch.apps.commandline import json_text
 from gpuwatch.collector.jobs import JobsMonitor, list_jobs_rpc
+from gpuwatch.collector.query_documents import alert_documents, job_documents, jobs_response
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from gpuwatch.collector.store import open_store
@@ -38,7 +41,18 @@ def _monitor(store, hub=None, **options) -> JobsMonitor:
 
 
 def _alerts(store, include_resolved=False):
-    return json.loads(list_alerts(q.AlertsRequest(include_resolved=include_resolved), store).json)
+    """The Alerts RPC's typed alerts as documents, checked to be the stored documents, keys and numbers alike."""
+    typed = alert_documents(list_alerts(q.AlertsRequest(include_resolved=include_resolved), store))
+    assert json.dumps(typed) == json.dumps([json.loads(doc) for doc in store.alert_docs(include_resolved)])
+    return typed
+
+
+def _jobs(monitor, now):
+    """The monitor's job documents, checked to come back the same, keys and numbers alike, through the
+    typed Jobs message (what `gpuwatch jobs --json` prints)."""
+    docs = monitor.jobs(now)
+    assert json_text(job_documents(jobs_response(docs))) == json_text(docs)
+    return docs
 
 
 def test_slow_rank_is_flagged_with_evidence_and_alerted_balanced_job_is_not(store, alertmanager):
@@ -59,7 +73,7 @@ def test_slow_rank_is_flagged_with_evidence_and_alerted_balanced_job_is_not(stor
     assert later["slow-job"]["stragglers"][0]["since"] == slow["since"]
     lost = first["slow-job"]["lost_gpu_seconds_total"]  # counted once per ingested span, not per round
     assert 0 < lost < WORLD * 20 * STEP_US / 1e6 and later["slow-job"]["lost_gpu_seconds_total"] == lost
-    jobs = {j["job_id"]: j for j in monitor.jobs(now)}
+    jobs = {j["job_id"]: j for j in _jobs(monitor, now)}
     assert jobs["slow-job"]["ranks"] == WORLD and jobs["slow-job"]["nodes"] == ["node-0", "node-1"]
     assert jobs["slow-job"]["stragglers"][0]["rank"] == 2 and jobs["even-job"]["stragglers"] == []
     assert 9 < jobs["slow-job"]["step_rate"] < 11 and 0 < jobs["slow-job"]["lost_fraction"] < 1
@@ -129,6 +143,7 @@ def test_hang_names_the_stuck_rank_and_collective_then_clears(store):
     hang = monitor.check_once(now)["hung-job"]["hang"]
     assert hang["culprits"] == [2] and hang["stalled_s"] > 500
     stuck = {e["rank"]: e for e in hang["stuck"]}
+    assert _jobs(monitor, now)[0]["hang"] == hang
     assert stuck[2]["op"] == "all_reduce" and stuck[2]["seq"] == 10 and stuck[2]["state"] == "absent"
     (alert,) = _alerts(store)
     assert alert["alertname"] == JOB_HANG and alert["job_id"] == "hung-job" and "rank(s) 2" in alert["summary"]
@@ -140,7 +155,7 @@ def test_hang_names_the_stuck_rank_and_collective_then_clears(store):
 
 
 def test_jobs_lists_every_job_the_collector_knows_and_from_where(tmp_path, capsys):
-    server = serve("127.0.0.1:0", str(tmp_path / "c.duckdb"),
+    server = serve(local_collector(str(tmp_path / "c.duckdb")),
                    query_handlers={"Jobs": list_jobs_rpc, **BreakdownService().handlers()})
     try:
         address = ["--collector", server.address]
@@ -178,7 +193,7 @@ def test_steps_and_per_step_breakdowns_outlive_the_raw_span_window(kind, tmp_pat
         monitor.check_once(now)  # analyses the new spans and keeps their per-step breakdown
         store.span_retention_s = 5 * STEP_US / 1e6  # keep the last 5 steps' raw spans
         assert store.trim_spans() > 0 and len(store.spans("long-job")) < 20 * WORLD * 2
-        (job,) = monitor.jobs(now)
+        (job,) = _jobs(monitor, now)
         assert job["steps"] == 20 and job["ranks"] == WORLD  # from the step marks, not the trimmed spans
         doc = json.loads(BreakdownService().breakdown(q.BreakdownRequest(job_id="long-job"), store).json)
         assert doc["history"]["steps"] == 20 and doc["history"]["ranks"] == WORLD

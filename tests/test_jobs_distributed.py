@@ -14,7 +14,7 @@ import torch.distributed as dist  # noqa: E402
 import gpuwatch.probe  # noqa: E402
 from gpuwatch.apps import cli  # noqa: E402
 from gpuwatch.collector.assembly import start_collector  # noqa: E402
-from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config  # noqa: E402
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config  # noqa: E402
 from gloo_jobs import finish_rank, init_rank, pipeline_worker, run_job  # noqa: E402
 from helpers import SPAN_FIELDS, poll  # noqa: E402
 
@@ -44,7 +44,7 @@ def balanced_worker(rank: int, world: int, port: int, sock: str, out_dir: str) -
 def collector(tmp_path_factory):
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp_path_factory.mktemp("c") / "c.duckdb"),
                                 "jobs_interval": 0.2}, env={})
-    server = start_collector(cfg)
+    server = start_collector(cfg.build(CollectorSettings))
     yield server
     server.stop()
 

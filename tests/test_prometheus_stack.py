@@ -24,7 +24,7 @@ import yaml
 from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.snapshot import MetricsService
-from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
 from helpers import (PROMETHEUS, alertmanager_alerts, free_port, get_json, poll, running_simulated_agent,
                      start_alertmanager)
 
@@ -119,7 +119,7 @@ def stack(tmp_path_factory):
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": str(tmp / "c.duckdb"),
                                           "metrics_listen": "127.0.0.1:0", "score_interval": 1.0,
                                           "jobs_interval": 1.0}, env={})
-    collector = start_collector(cfg)
+    collector = start_collector(cfg.build(CollectorSettings))
     agent_cfg = AgentConfig(collector=collector.address, node=NODE, interval=0.2, slow_interval=1.0,
                             batch_interval=0.5, spool=tmp / "spool", metrics_listen="127.0.0.1:0")
     in_process = contextlib.ExitStack()  # closed in the finally below, after Prometheus and the dcgm agent

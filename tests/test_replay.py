@@ -13,6 +13,7 @@ from gpuwatch.core.batches import validate
 from gpuwatch.efficiency.engine import analyze
 from gpuwatch.collector.scoring import Scorer
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.efficiency.traces.spans import timelines_from_spans
 from gpuwatch.core.errors import UserError
@@ -208,7 +209,7 @@ def test_replay_into_a_token_collector(agent_recording, tmp_path, capsys):
     token_file = tmp_path / "token"
     token_file.write_text("replay-token\n")
     token_file.chmod(0o600)
-    server = serve("127.0.0.1:0", str(tmp_path / "t.duckdb"), token="replay-token")
+    server = serve(local_collector(str(tmp_path / "t.duckdb"), token_file=str(token_file)))
     try:
         argv = ["replay", str(agent_recording), "--collector", server.address, "--quiet", "--json"]
         assert cli.main(argv) == 2

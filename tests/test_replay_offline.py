@@ -10,6 +10,7 @@ from gpuwatch.apps.replay_offline import replay_offline, score_replayed
 from gpuwatch.collector import client
 from gpuwatch.collector.assembly import failure_model
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.collector.store.duckdb import DuckDBStore
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.fields import GPU_FIELD_NAMES, HOST_FIELD_NAMES
@@ -58,7 +59,7 @@ def _alerts(scoring: dict) -> list[dict]:
 def _streamed(path, db) -> tuple[dict, dict, dict]:
     """Stream the recording at ``path`` to a collector on loopback: (replay result, stored counts, scoring)."""
     rec = open_recording(path)
-    server = serve("127.0.0.1:0", str(db))
+    server = serve(local_collector(str(db)))
     try:
         ch = client.channel(server.address)
         try:

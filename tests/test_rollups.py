@@ -13,6 +13,7 @@ from gpuwatch.apps.export import export_store
 from gpuwatch.collector import client
 from gpuwatch.collector.scoring import score_gpus
 from gpuwatch.collector.server import serve
+from gpuwatch.core.settings import local_collector
 from gpuwatch.collector.store import open_store, rollups
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.recording import open_recording
@@ -125,7 +126,7 @@ def test_scoring_gives_the_same_alerts_on_rollups_as_on_raw_samples(kind, tmp_pa
 
 
 def test_series_json_states_each_points_resolution(kind, tmp_path, capsys):
-    server = serve("127.0.0.1:0", store_url(kind, tmp_path, "served"), raw_retention_s=60.0)
+    server = serve(local_collector(store_url(kind, tmp_path, "served"), raw_retention="60s"))
     try:
         channel = client.channel(server.address)
         list(client.stream_batches(channel, [make_batch(seq) for seq in range(1, BATCHES + 1)]))

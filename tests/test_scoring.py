@@ -9,11 +9,12 @@ import pytest
 
 from gpuwatch.apps import cli
 from gpuwatch.collector.alert_hub import AlertHub, list_alerts
+from gpuwatch.collector.query_documents import alert_documents
 from gpuwatch.collector.alerts import ALERT_NAME
 from gpuwatch.collector.assembly import start_collector
 from gpuwatch.collector.scoring import MinuteHistory, Scorer, observation, score_gpus
 from gpuwatch.collector.store import open_store
-from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
+from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
 from gpuwatch.simulator.failing_fleet import HOUR_MS
 from gpuwatch.models.model import load_model
 from gpuwatch.v1 import query_pb2 as q
@@ -43,7 +44,7 @@ def store(tmp_path, kind):
 
 
 def _alerts(store, include_resolved=False) -> list[dict]:
-    return json.loads(list_alerts(q.AlertsRequest(include_resolved=include_resolved), store).json)
+    return alert_documents(list_alerts(q.AlertsRequest(include_resolved=include_resolved), store))
 
 
 def test_degrading_gpu_alerts_with_signals_and_action_then_resolves(store, model):
@@ -150,7 +151,7 @@ def test_running_collector_delivers_the_alert_to_alertmanager_and_alerts_cli(tmp
     gpu, events = degrading_node(now - 28 * HOUR_MS, hours=28, fault_after_h=29, failing_gpu=FAILING)
     cfg = load_config(COLLECTOR_OPTIONS, {"listen": "127.0.0.1:0", "db": store_url(kind, tmp_path, "c"),
                                             "alertmanager_url": alertmanager, "score_interval": 0.5}, env={})
-    server = start_collector(cfg)
+    server = start_collector(cfg.build(CollectorSettings))
     try:
         for batch in sim_batches(gpu, events):
             server.store.write(batch)

@@ -11,6 +11,8 @@ import pandas as pd
 import pytest
 
 from gpuwatch.collector.alert_hub import SLOW_RANK, AlertHub, list_alerts
+from gpuwatch.apps.commandline import json_text
+from gpuwatch.collector.query_documents import alert_documents, job_documents, jobs_response
 from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.change_point import upward_shift
 from gpuwatch.collector.jobs import JobsMonitor
@@ -124,11 +126,13 @@ def test_jobs_monitor_names_the_cause_live_on_both_engines(kind, tmp_path):
         assert (slow["rank"], slow["node"], slow["gpu_index"], slow["cause"]) == (2, "node-live", 2, "power")
         assert "power cap/brake active" in slow["evidence"] and slow["lost_gpu_seconds"] > 0
         assert 0.1 < slow["speedup_without"] < 1
-        (job,) = [j for j in monitor.jobs(check.now_s * 1e6) if j["job_id"] == "live-job"]
+        jobs = monitor.jobs(check.now_s * 1e6)
+        assert json_text(job_documents(jobs_response(jobs))) == json_text(jobs)  # the typed Jobs message keeps all
+        (job,) = [j for j in jobs if j["job_id"] == "live-job"]
         assert job["slow_ranks"] == [slow]
         doc = json.loads(BreakdownService().breakdown(q.BreakdownRequest(job_id="live-job"), store).json)
         assert [(r["rank"], r["cause"]) for r in doc["slow_ranks"]] == [(2, "power")]
-        alerts = json.loads(list_alerts(q.AlertsRequest(), store).json)
+        alerts = alert_documents(list_alerts(q.AlertsRequest(), store))
         (alert,) = [a for a in alerts if a["alertname"] == SLOW_RANK]
         assert alert["rank"] == "2" and "power" in alert["summary"] and "power cap/brake" in alert["summary"]
     finally:

@@ -53,7 +53,7 @@ def refuse_busy_addresses(listens: dict[str, str | None]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config.load_config(config.COLLECTOR_OPTIONS, args)
+    cfg = config.load_config(config.COLLECTOR_OPTIONS, args).build(config.CollectorSettings)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if raise_open_file_limit() < 4 * 1024:
         log.warning("open-file limit %d: the collector can hold fewer agents than that; raise it (ulimit -n)",

@@ -151,6 +151,7 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[DemoView], None],
     from gpuwatch.collector.assembly import build_engines
     from gpuwatch.models.model import load_model
     from gpuwatch.collector.server import serve
+    from gpuwatch.core.settings import local_collector
 
     model = model if model is not None else load_model(None)
     # "now" is the agents' simulated time. The jobs monitor runs on the data clock too, over the last
@@ -159,7 +160,7 @@ def run_demo(workdir: Path, plan: DemoPlan, *, show: Callable[[DemoView], None],
     engines = build_engines(model=model, score_clock="data", jobs_window_s=JOBS_WINDOW_S,
                             hang_threshold_s=2 * plan.sim_span_s, job_alerts=False)
     scorer, jobs = engines.scorer, engines.jobs
-    server = serve("127.0.0.1:0", str(workdir / "gpuwatch.duckdb"), services=[engines.hub])
+    server = serve(local_collector(str(workdir / "gpuwatch.duckdb")), services=[engines.hub])
     scorer.bind(server.store)  # no periodic threads: the demo scores and checks jobs before each view below
     jobs.bind(server.store)
     origin = time.time()

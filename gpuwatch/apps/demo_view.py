@@ -2,11 +2,11 @@
 or as plain text frames (pipes, logs, tests); both render the same :class:`DemoView`."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from gpuwatch.collector.query_documents import alert_documents
 from gpuwatch.core.vocabulary import FAIL, WARN
 from gpuwatch.v1 import query_pb2, query_pb2_grpc
 
@@ -67,7 +67,7 @@ def collect_view(query: query_pb2_grpc.QueryStub, scores: dict[tuple[str, int], 
     latest: dict[str, dict[int, Any]] = {}
     for row in query.Latest(query_pb2.LatestRequest(node="", gpu_index=-1), timeout=5).rows:
         latest.setdefault(row.node, {})[row.gpu_index] = row.values
-    alerts = json.loads(query.Alerts(query_pb2.AlertsRequest(), timeout=5).json)
+    alerts = alert_documents(query.Alerts(query_pb2.AlertsRequest(), timeout=5))
     rows = []
     for name in sorted(set(nodes) | set(latest)):
         gpus = []

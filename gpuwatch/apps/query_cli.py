@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from gpuwatch.apps.commandline import (Command, add_connection_arguments, add_json_flag, collector_errors,
                                        connection, format_table, int_in, print_json, time_flag)
 from gpuwatch.collector.client import connect
+from gpuwatch.collector.query_documents import alert_documents, job_documents, usage_documents
 from gpuwatch.core.times import iso_utc
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import query_pb2_grpc
@@ -77,13 +77,13 @@ def fetch_events(stub: query_pb2_grpc.QueryStub, *, node: str | None = None, kin
 def fetch_jobs(stub: query_pb2_grpc.QueryStub) -> list[dict[str, Any]]:
     """One dict per job: job_id, ranks, nodes, steps, step_rate, lost_fraction, stragglers, delayed, slow_ranks,
     hang."""
-    return json.loads(stub.Jobs(q.JobsRequest(), timeout=_RPC_TIMEOUT_S).json)
+    return job_documents(stub.Jobs(q.JobsRequest(), timeout=_RPC_TIMEOUT_S))
 
 
 def fetch_alerts(stub: query_pb2_grpc.QueryStub, *, include_resolved: bool = False) -> list[dict[str, Any]]:
     """One dict per alert (GPUFailureRisk, SlowRank, JobHang), firing first; resolved ones too if asked."""
     request = q.AlertsRequest(include_resolved=include_resolved)
-    return json.loads(stub.Alerts(request, timeout=_RPC_TIMEOUT_S).json)
+    return alert_documents(stub.Alerts(request, timeout=_RPC_TIMEOUT_S))
 
 
 def fetch_usage(stub: query_pb2_grpc.QueryStub, *, by: str = "pod", since_ms: int | None = None
@@ -91,7 +91,7 @@ def fetch_usage(stub: query_pb2_grpc.QueryStub, *, by: str = "pod", since_ms: in
     """One dict per owner (``by``: pod, namespace, job or user), most GPU time first: the owner's columns
     (namespace and pod; namespace; job_id; user), gpu_seconds, lost_gpu_seconds, mean_utilization, energy_kwh."""
     request = q.UsageRequest(by=by, since_ms=since_ms or 0)
-    return json.loads(stub.Usage(request, timeout=_RPC_TIMEOUT_S).json)
+    return usage_documents(stub.Usage(request, timeout=_RPC_TIMEOUT_S))
 
 
 # ------------------------------------------------------------------------------------ commands

@@ -150,7 +150,7 @@ def replay_into_store(rec: Recording, store: Any, *, speed: float | None = None,
                       quiet: bool = False) -> ReplayResult:
     """Offline replay: what :func:`replay` streams, stored as the collector's Ingest would store it, minus the
     network. Each batch goes through the bytes the agent would send and the collector's own decoder
-    (:func:`gpuwatch.collector.server.decode_batch`: the same checks and refusals), then to ``store``'s writer
+    (:func:`gpuwatch.collector.ingest_service.decode_batch`: the same checks and refusals), then to ``store``'s writer
     (grouped commits, deduplication by agent and sequence) and is counted when committed, as an ack.
 
     Offline the network only costs: a channel, a server event loop and acks, all taking the GIL from the
@@ -160,7 +160,7 @@ def replay_into_store(rec: Recording, store: Any, *, speed: float | None = None,
     A refused batch ends the replay with the same UserError as :func:`replay`, after the batches before it
     are committed.
     """
-    from gpuwatch.collector.server import BatchRejected, decode_batch, store_failure
+    from gpuwatch.collector.ingest_service import BatchRejected, decode_batch, store_failure
 
     _check_speed(speed)
     result = ReplayResult(str(rec.path), recording_id(rec))

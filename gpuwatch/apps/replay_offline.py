@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gpuwatch.apps.replay import replay_into_store
+from gpuwatch.collector.query_documents import alert_documents
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.batch_tables import DEFAULT_TICKS_PER_BATCH
 from gpuwatch.core.progress import Progress
@@ -132,7 +133,7 @@ def score_replayed(store: Any, start_ms: int, end_ms: int, *, model: FailureMode
         keep_peak(gpus)
     finally:
         engines.stop()
-    alerts = json.loads(list_alerts(q.AlertsRequest(include_resolved=True), store).json)
+    alerts = alert_documents(list_alerts(q.AlertsRequest(include_resolved=True), store))
     failed = [{"node": f.node, "gpu_index": f.gpu_index, "since_ms": f.since_ms, "reason": f.reason}
               for f in failed_gpus(store, end_ms).values()]
     return {"model": bool(model), "rounds": len(rounds), "gpus": gpus, "peak_risk": peak, "failed": failed,

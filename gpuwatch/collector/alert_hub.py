@@ -19,6 +19,7 @@ import pandas as pd
 
 from gpuwatch.collector.alerts import ALERT_NAME as GPU_FAILURE_RISK
 from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition
+from gpuwatch.collector.query_documents import alerts_response
 from gpuwatch.collector.store.base import Store
 from gpuwatch.core.times import iso_ms, iso_utc
 from gpuwatch.collector.store.duckdb import ms_to_datetime
@@ -212,10 +213,9 @@ class AlertHub:
         self._store.upsert_alerts(table)
 
 
-def list_alerts(request: q.AlertsRequest, store: Store) -> q.JsonResponse:
+def list_alerts(request: q.AlertsRequest, store: Store) -> q.AlertsResponse:
     """The ``Alerts`` RPC: firing alerts (and resolved ones with include_resolved), newest first."""
-    docs = store.alert_docs(bool(request.include_resolved))
-    return q.JsonResponse(json="[" + ",".join(docs) + "]")
+    return alerts_response([json.loads(doc) for doc in store.alert_docs(bool(request.include_resolved))])
 
 
 def _gpu_row(alert: Alert) -> dict:

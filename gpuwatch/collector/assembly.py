@@ -17,11 +17,9 @@ from typing import TYPE_CHECKING, Any
 from gpuwatch.collector.lease import ClusterLease, holder_id
 from gpuwatch.collector.server import CollectorServer, Service, serve
 from gpuwatch.collector.store.base import Store
-from gpuwatch.core import settings
-from gpuwatch.core.batches import TimeWindow
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.security import read_token
-from gpuwatch.core.times import parse_duration
+from gpuwatch.core.settings import CollectorSettings
 
 if TYPE_CHECKING:  # the engines' modules (pandas, the model format) are imported when they are built, so
     # `gpuwatch collector` binds its port before it spends a second importing them (docs/operations.md)
@@ -102,37 +100,27 @@ def _given(**options: Any) -> dict[str, Any]:
     return {name: value for name, value in options.items() if value is not None}
 
 
-def start_collector(cfg: settings.Config) -> CollectorServer:
-    """Start a collector with everything ``cfg`` (:func:`gpuwatch.core.settings.load_config` over
-    COLLECTOR_OPTIONS) asks: ingest and queries, the engines with periodic rounds, the cluster lease and,
-    with ``metrics_listen``, the Prometheus endpoint. The port is bound first; the engines are built (their
-    modules imported) once it is, and started once the store is open."""
-    if cfg.model is not None and not Path(cfg.model).is_file():
-        raise UserError(f"{cfg.model}: no such model file")
+def start_collector(settings: CollectorSettings) -> CollectorServer:
+    """Start a collector with everything ``settings`` asks: ingest and queries, the engines with periodic
+    rounds, the cluster lease and, with ``metrics_listen``, the Prometheus endpoint. The port is bound first;
+    the engines are built (their modules imported) once it is, and started once the store is open."""
+    if settings.model is not None and not Path(settings.model).is_file():
+        raise UserError(f"{settings.model}: no such model file")
     built: list[Service] = []
 
     def services() -> list[Service]:  # called by serve once the port is bound
-        built.extend(_collector_services(cfg))
+        built.extend(_collector_services(settings))
         return built
 
     try:
-        return serve(cfg.listen, cfg.store or cfg.db, retention_days=cfg.retention_days, max_workers=cfg.max_workers,
-                     max_in_flight=cfg.max_in_flight, stream_idle_s=cfg.stream_idle_timeout,
-                     max_ingest_streams=cfg.max_ingest_streams,
-                     time_window=TimeWindow(cfg.max_sample_age_days, cfg.max_sample_ahead_days),
-                     memory_limit=cfg.memory_limit, span_retention_s=cfg.span_retention or None,
-                     raw_retention_s=parse_duration(cfg.raw_retention) or None,
-                     rollup_retention_s=parse_duration(cfg.rollup_retention) or None,
-                     clickhouse_cluster=cfg.clickhouse_cluster,
-                     services=services, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca,
-                     token=read_token(cfg.token_file) if cfg.token_file else None, insecure=cfg.insecure)
+        return serve(settings, services=services)
     except BaseException:
         if built:
             built[0].stop()  # the hub: its senders' threads started with it; serve stops only what it started
         raise
 
 
-def _collector_services(cfg: settings.Config) -> list[Service]:
+def _collector_services(cfg: CollectorSettings) -> list[Service]:
     """The hub, the cluster lease, the scorer, the jobs monitor and, with ``metrics_listen``, the metrics
     endpoint, in the order they start."""
     from gpuwatch.collector.snapshot import MetricsService
@@ -157,7 +145,7 @@ def _collector_services(cfg: settings.Config) -> list[Service]:
     return services
 
 
-def _senders(cfg: settings.Config) -> list[AlertSender]:
+def _senders(cfg: CollectorSettings) -> list[AlertSender]:
     from gpuwatch.collector.alerts import AlertmanagerSender, WebhookSender
 
     senders: list[AlertSender] = []

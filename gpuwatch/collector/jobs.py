@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-import orjson
 import pandas as pd
 
 from gpuwatch.collector.alert_hub import JOB_HANG, SLOW_RANK, AlertHub, JobFinding
@@ -32,6 +31,7 @@ from gpuwatch.efficiency.engine import analyze
 from gpuwatch.efficiency.result import Analysis
 from gpuwatch.collector.live import detect_hangs, job_summaries, probe_timelines
 from gpuwatch.collector.periodic import PeriodicService
+from gpuwatch.collector.query_documents import jobs_response
 from gpuwatch.collector.slow_ranks import job_slow_ranks, slow_rank_docs
 from gpuwatch.core.times import iso_utc
 from gpuwatch.collector.store.base import STEP_MARK_KINDS, Store
@@ -119,13 +119,9 @@ def _traced_jobs(store: Store) -> list[dict[str, Any]]:
             for r in store.traced_jobs()]
 
 
-def list_jobs_rpc(request: q.JobsRequest, store: Store) -> q.JsonResponse:
+def list_jobs_rpc(request: q.JobsRequest, store: Store) -> q.JobsResponse:
     """The ``Jobs`` RPC of a collector without a monitor: the list without flags."""
-    return _json_response(list_jobs(store))
-
-
-def _json_response(jobs: list[dict[str, Any]]) -> q.JsonResponse:
-    return q.JsonResponse(json=orjson.dumps(jobs, option=orjson.OPT_NON_STR_KEYS).decode())
+    return jobs_response(list_jobs(store))
 
 
 def analyse_spans(rows: pd.DataFrame, job_id: str, per_step: bool = False) -> Analysis | None:
@@ -162,8 +158,8 @@ class JobsMonitor(PeriodicService):
     def run_round(self) -> object:
         return self.check_once()
 
-    def jobs_rpc(self, request: q.JobsRequest, store: Store) -> q.JsonResponse:
-        return _json_response(self.jobs())
+    def jobs_rpc(self, request: q.JobsRequest, store: Store) -> q.JobsResponse:
+        return jobs_response(self.jobs())
 
     def jobs(self, now_us: float | None = None) -> list[dict[str, Any]]:
         """:func:`list_jobs` with this monitor's latest flags."""

@@ -8,7 +8,6 @@ each GPU now (``gpuwatch gpus``), and rolls per-minute samples up per owner (``g
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from gpuwatch.collector.store.base import Store
 from gpuwatch.core import events as ev
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.recording import ts_ms
+from gpuwatch.collector.query_documents import usage_response
 from gpuwatch.v1 import query_pb2 as q
 
 OWNER_KEYS = ("namespace", "pod", "container", "job_id", "rank", "user")
@@ -120,13 +120,13 @@ def _join_owners(minutes: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame
     return joined.drop(columns=["_t"])
 
 
-def usage_rpc(request: q.UsageRequest, store: Store) -> q.JsonResponse:
-    """The ``Usage`` RPC: :func:`usage` as JSON; until 0 means up to the newest sample."""
+def usage_rpc(request: q.UsageRequest, store: Store) -> q.UsageResponse:
+    """The ``Usage`` RPC: :func:`usage` rows; until 0 means up to the newest sample."""
     if request.by not in USAGE_GROUPS:
         raise UserError(f"--by {request.by!r}: expected one of {', '.join(USAGE_GROUPS)}")
     until_ms = request.until_ms or store.newest_sample_ms() or 0
     rows = usage(store, request.by, request.since_ms, until_ms)
-    return q.JsonResponse(json=json.dumps(rows))
+    return usage_response(rows, USAGE_GROUPS[request.by])
 
 
 def owner_columns(owner: dict[str, Any] | None, keys: Sequence[str] = ("namespace", "pod", "container")

@@ -23,7 +23,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -227,7 +227,8 @@ class AgentSettings(ClientSecurity):
 
 @dataclass(frozen=True)
 class CollectorSettings:
-    """``gpuwatch collector`` (deploy/collector.toml); :func:`gpuwatch.apps.collector_cli.start_collector`."""
+    """``gpuwatch collector`` (deploy/collector.toml): the command builds it once from its sources;
+    :func:`gpuwatch.collector.assembly.start_collector` and :func:`gpuwatch.collector.server.serve` take it whole."""
 
     listen: str = setting(DEFAULT_COLLECTOR_ADDRESS, "gRPC listen address HOST:PORT", address)
     db: str = setting("gpuwatch.duckdb", "DuckDB database file (shorthand for --store PATH)")
@@ -290,6 +291,19 @@ class CollectorSettings:
     checkpoint_cost: float = setting(DEFAULT_CHECKPOINT_COST_S, "seconds one checkpoint stalls a job: the alerts' "
                                      "checkpoint-now break-even", positive)
     log_level: str = log_level_setting()
+
+
+_ALL_TIME_DAYS = 4e6  # wider than the years 1970 to 9999 a store keeps
+
+
+def local_collector(store: str, **changes: Any) -> CollectorSettings:
+    """Settings of a collector on a free loopback port over ``store`` (a path or store URL) that takes and
+    keeps every time it is given (no time window, retention or rollups): what the demo, tests and benchmarks
+    run, whose telemetry is simulated or recorded, often older or further ahead than a production collector
+    accepts. ``changes``: other settings."""
+    return replace(CollectorSettings(listen="127.0.0.1:0", store=store, retention_days=0.0, raw_retention="0",
+                                     max_sample_age_days=_ALL_TIME_DAYS, max_sample_ahead_days=_ALL_TIME_DAYS),
+                   **changes)
 
 
 AGENT_OPTIONS: tuple[Option, ...] = options(AgentSettings)

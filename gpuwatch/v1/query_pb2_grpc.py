@@ -72,17 +72,17 @@ class QueryStub:
         self.Jobs = channel.unary_unary(
                 '/gpuwatch.v1.Query/Jobs',
                 request_serializer=gpuwatch_dot_v1_dot_query__pb2.JobsRequest.SerializeToString,
-                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.JobsResponse.FromString,
                 _registered_method=True)
         self.Alerts = channel.unary_unary(
                 '/gpuwatch.v1.Query/Alerts',
                 request_serializer=gpuwatch_dot_v1_dot_query__pb2.AlertsRequest.SerializeToString,
-                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.AlertsResponse.FromString,
                 _registered_method=True)
         self.Usage = channel.unary_unary(
                 '/gpuwatch.v1.Query/Usage',
                 request_serializer=gpuwatch_dot_v1_dot_query__pb2.UsageRequest.SerializeToString,
-                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+                response_deserializer=gpuwatch_dot_v1_dot_query__pb2.UsageResponse.FromString,
                 _registered_method=True)
 
 
@@ -190,17 +190,17 @@ def add_QueryServicer_to_server(servicer, server):
             'Jobs': grpc.unary_unary_rpc_method_handler(
                     servicer.Jobs,
                     request_deserializer=gpuwatch_dot_v1_dot_query__pb2.JobsRequest.FromString,
-                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.SerializeToString,
+                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.JobsResponse.SerializeToString,
             ),
             'Alerts': grpc.unary_unary_rpc_method_handler(
                     servicer.Alerts,
                     request_deserializer=gpuwatch_dot_v1_dot_query__pb2.AlertsRequest.FromString,
-                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.SerializeToString,
+                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.AlertsResponse.SerializeToString,
             ),
             'Usage': grpc.unary_unary_rpc_method_handler(
                     servicer.Usage,
                     request_deserializer=gpuwatch_dot_v1_dot_query__pb2.UsageRequest.FromString,
-                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.JsonResponse.SerializeToString,
+                    response_serializer=gpuwatch_dot_v1_dot_query__pb2.UsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -418,7 +418,7 @@ class Query:
             target,
             '/gpuwatch.v1.Query/Jobs',
             gpuwatch_dot_v1_dot_query__pb2.JobsRequest.SerializeToString,
-            gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+            gpuwatch_dot_v1_dot_query__pb2.JobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -445,7 +445,7 @@ class Query:
             target,
             '/gpuwatch.v1.Query/Alerts',
             gpuwatch_dot_v1_dot_query__pb2.AlertsRequest.SerializeToString,
-            gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+            gpuwatch_dot_v1_dot_query__pb2.AlertsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -472,7 +472,7 @@ class Query:
             target,
             '/gpuwatch.v1.Query/Usage',
             gpuwatch_dot_v1_dot_query__pb2.UsageRequest.SerializeToString,
-            gpuwatch_dot_v1_dot_query__pb2.JsonResponse.FromString,
+            gpuwatch_dot_v1_dot_query__pb2.UsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
