@@ -165,3 +165,38 @@ def test_mig_instances_on_the_simulated_nvml_are_matched_to_their_gpu(kubelet):
     tracker.refresh({})
     assert (tracker.owner(1).pod, tracker.owner(1).mig) == ("small-a", migs[0])  # the first pod by name
     assert tracker.owner(0).pod == "" and tracker.owner(2).pod == ""
+
+
+def test_time_sliced_pods_get_their_own_utilization_from_per_process_nvml(tmp_path, sink, kubelet):
+    """Two pods time-slicing one GPU (replica ids ``<uuid>::0/1``): NVML's per-process samples (the
+    simulated nvmlDeviceGetProcessUtilization beneath pynvml) split the GPU's utilisation between them, 3:1 as
+    their processes' weights; no PID leaves the node."""
+    import json
+
+    from gpuwatch.agent.daemon import AgentConfig
+    from gpuwatch.apps.agent_cli import simulated_agent
+    from gpuwatch.simulator.node import SimulatedNode
+
+    server, address = sink
+    cfg = AgentConfig(collector=address, node="ts1", interval=0.02, batch_interval=0.1, slow_interval=0.02,
+                      spool=tmp_path, kubelet_socket=kubelet.socket)
+    with SimulatedNode(2, node="ts1") as sim:
+        gpu = sim.fleet.gpus[1]
+        gpu.processes.clear()
+        sim.fleet.start_job(1, "big", 0, 0, pod="big-0", weight=3.0)
+        sim.fleet.start_job(1, "small", 0, 0, pod="small-0", weight=1.0)
+        kubelet.set_pods(pod("ml", "big-0", ("w", GPU, [f"{gpu.uuid}::0"])),
+                         pod("ml", "small-0", ("w", GPU, [f"{gpu.uuid}::1"])))
+        agent = simulated_agent(cfg, sim)
+        agent.run(ticks=8)
+    events = [e for b in server.store.batches.values() for e in b.events if e.kind == ev.GPU_PROCESSES]
+    shared = [json.loads(e.attrs["owners"]) for e in events if e.gpu_index == 1]
+    assert shared, "no gpu_processes event for the time-sliced GPU"
+    sampled = [o for o in shared if all(x["sm_util"] is not None for x in o)]
+    assert sampled, "no per-process utilisation sample"
+    owners = {x["pod"]: x for x in sampled[-1]}
+    assert set(owners) == {"big-0", "small-0"}
+    assert owners["big-0"]["job_id"] == "big" and owners["small-0"]["job_id"] == "small"
+    big, small = owners["big-0"]["sm_util"], owners["small-0"]["sm_util"]
+    assert big > small > 0 and abs(big - 3 * small) <= 0.02  # NVML reports whole percent per process
+    assert all("pid" not in x for o in shared for x in o) and owners["big-0"]["memory_bytes"] > 0

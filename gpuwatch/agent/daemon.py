@@ -31,6 +31,7 @@ from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.kubelet import PodResourcesClient
 from gpuwatch.agent.nvml import GpuDevice, NvmlSampler
 from gpuwatch.agent.owners import OwnerTracker
+from gpuwatch.agent.processes import process_events, rollup
 from gpuwatch.agent.probe_socket import ProbeListener
 from gpuwatch.agent.spool import Spool, SpoolFull
 from gpuwatch.agent.uplink import Uplink
@@ -310,10 +311,16 @@ class Agent:
         ts_ms = self._now_ms()
         tick = sampler.sample()
         if tick.slow:
-            jobs.refresh(sampler.running_pids())
+            procs = sampler.running_processes()
+            jobs.refresh({gpu: [p.pid for p in ps] for gpu, ps in procs.items()})
             if self.owners is not None:
                 for event in self.owners.refresh(jobs.by_gpu):
                     self.emit(event)
+            holders = self.owners.holders if self.owners is not None else {}
+            uses = {gpu: rollup(ps, holders.get(gpu, []), {p.pid: jobs.job_of_pid(p.pid) for p in ps},
+                                jobs.environ_reader) for gpu, ps in procs.items()}
+            for event in process_events(uses):
+                self.emit(event)
         for gpu, values in tick.rows.items():
             job = jobs.job(gpu)
             builder.add_gpu_row(gpu, ts_ms, values, job.job_id, job.rank, job.local_rank)

@@ -67,6 +67,8 @@ class OwnerTracker:
         self._mig_parents = dict(mig_parents or {})
         self._uuids = dict(uuids)
         self.by_gpu: dict[int, GpuOwner] = {}
+        #: GPU index -> every pod holding it (several with time-slicing), from the last refresh
+        self.holders: dict[int, list[PodOwner]] = {}
         self.kubelet_error: str | None = None
 
     def owner(self, gpu_index: int) -> GpuOwner:
@@ -74,15 +76,21 @@ class OwnerTracker:
 
     def pods(self) -> dict[int, tuple[PodOwner, str]]:
         """GPU index -> (its pod, the MIG UUID or "") from the kubelet; empty without one or when unreachable."""
+        self.holders = {}
         if self.kubelet is None:
             return {}
         try:
-            devices = self.kubelet.list_devices()
+            holders = self.kubelet.list_holders()
         except KubeletUnavailable as exc:
             if self.kubelet_error != str(exc):
                 log.warning("%s; GPU owners fall back to process environments", exc)
             self.kubelet_error = str(exc)
             return {}
+        devices = {device: owners[0] for device, owners in holders.items()}
+        for device_id, owners in holders.items():
+            index = self._index_of.get(device_id, self._mig_parents.get(device_id))
+            if index is not None:
+                self.holders.setdefault(index, []).extend(o for o in owners if o not in self.holders.get(index, []))
         if self.kubelet_error is not None:
             log.info("kubelet pod-resources socket %s answers again", self.kubelet.socket_path)
         self.kubelet_error = None

@@ -29,6 +29,10 @@ _MINUTE_S = 60.0
 _UTILIZATION = "gpu_utilization_ratio"
 _ENERGY = "gpu_energy_joules_total"
 _J_PER_KWH = 3.6e6
+#: The owner columns a ``gpu_processes`` event names per owner (no rank: processes of one job share one row).
+PROCESS_OWNER_KEYS = ("namespace", "pod", "container", "job_id", "user")
+#: A GPU's processes event speaks for the minutes up to this long after it (agents send one per slow tick).
+PROCESS_STALE_S = 300.0
 
 
 def owner_intervals(store: Store, since_ms: int | None = None) -> pd.DataFrame:
@@ -79,22 +83,29 @@ def usage(store: Store, by: str, since_ms: int, until_ms: int) -> list[dict[str,
     energy = energy_step.where(~(energy_step < 0), minutes[_ENERGY]).fillna(0.0)  # first minute: 0
     minutes = minutes.assign(held_s=held, energy_j=energy)
     owned = _join_owners(minutes, owner_intervals(store, since_ms))
+    owned = _split_by_processes(owned, process_uses(store, since_ms, until_ms))
     owned = owned[owned[list(keys)].astype(str).ne("").all(axis=1)]
     if owned.empty:
         return []
     util = owned[_UTILIZATION].astype(float)
     known = util.notna()
+    proc_known = owned["process_sm_util"].notna()
     owned = owned.assign(busy_s=(owned["held_s"] * util).where(known, 0.0),
-                         known_s=owned["held_s"].where(known, 0.0))
+                         known_s=owned["held_s"].where(known, 0.0),
+                         proc_s=owned["held_s"].where(proc_known, 0.0),
+                         proc_busy_s=(owned["held_s"] * owned["process_sm_util"]).where(proc_known, 0.0),
+                         proc_mem=(owned["held_s"] * owned["process_memory_bytes"]).where(proc_known, 0.0))
     out = []
     for group, g in owned.groupby(list(keys), sort=True):
         values = group if isinstance(group, tuple) else (group,)
-        known_s = float(g["known_s"].sum())
+        known_s, proc_s = float(g["known_s"].sum()), float(g["proc_s"].sum())
         mean = float(g["busy_s"].sum()) / known_s if known_s else None
         out.append({**dict(zip(keys, values)), "gpu_seconds": round(float(g["held_s"].sum()), 3),
                     "lost_gpu_seconds": round(known_s - float(g["busy_s"].sum()), 3),
                     "mean_utilization": None if mean is None else round(mean, 4),
-                    "energy_kwh": round(float(g["energy_j"].sum()) / _J_PER_KWH, 6)})
+                    "energy_kwh": round(float(g["energy_j"].sum()) / _J_PER_KWH, 6),
+                    "process_utilization": round(float(g["proc_busy_s"].sum()) / proc_s, 4) if proc_s else None,
+                    "process_memory_bytes": int(float(g["proc_mem"].sum()) / proc_s) if proc_s else None})
     return sorted(out, key=lambda r: -r["gpu_seconds"])
 
 
@@ -118,6 +129,67 @@ def _join_owners(minutes: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame
     # a job the samples name where no owner event does (agents that send no gpu_owner events)
     joined["job_id"] = joined["job_id"].where(joined["job_id"] != "", joined.pop("_sampled_job"))
     return joined.drop(columns=["_t"])
+
+
+def process_uses(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
+    """node, gpu_index, ts_ms and one row per owner of each ``gpu_processes`` event in the window (and
+    PROCESS_STALE_S before it): the owner columns, sm_util, memory_bytes and n_owners (owners in that event)."""
+    columns = ["node", "gpu_index", "ts_ms", *PROCESS_OWNER_KEYS, "sm_util", "memory_bytes", "n_owners"]
+    rows = []
+    for e in store.events(kind=ev.GPU_PROCESSES, since_ms=max(0, since_ms - int(PROCESS_STALE_S * 1000)) or None):
+        if until_ms and int(e["ts_ms"]) > until_ms:
+            continue
+        try:
+            owners = json.loads(e["attrs"].get("owners", "[]"))
+        except ValueError:  # a cut (over-long) attribute: the GPU counts as seen without processes
+            continue
+        for owner in owners:
+            rows.append({"node": e["node"], "gpu_index": int(e["gpu_index"]), "ts_ms": int(e["ts_ms"]),
+                         **{k: str(owner.get(k) or "") for k in PROCESS_OWNER_KEYS},
+                         "sm_util": owner.get("sm_util"), "memory_bytes": owner.get("memory_bytes") or 0,
+                         "n_owners": len(owners)})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _split_by_processes(minutes: pd.DataFrame, procs: pd.DataFrame) -> pd.DataFrame:
+    """Each minute with its GPU's newest ``gpu_processes`` event (at most PROCESS_STALE_S old): the minute of
+    a GPU several owners share (time-slicing) becomes one row per owner, holding the GPU the whole minute, at
+    its own processes' utilisation and with the GPU's energy split by their SM shares (evenly when all idle);
+    a GPU one owner uses keeps its owner and gains that owner's process utilisation and memory."""
+    minutes = minutes.assign(process_sm_util=np.nan, process_memory_bytes=np.nan)
+    if procs.empty or minutes.empty:
+        return minutes
+    stamps = procs[["node", "gpu_index", "ts_ms"]].drop_duplicates()
+    left = minutes.assign(_row=np.arange(len(minutes)), _t=minutes["t_ms"].astype(np.int64),
+                          gpu_index=minutes["gpu_index"].astype(np.int64)).sort_values("_t", kind="stable")
+    right = stamps.assign(_t=stamps["ts_ms"].astype(np.int64)).sort_values("_t", kind="stable")
+    matched = pd.merge_asof(left[["_row", "_t", "node", "gpu_index"]], right, on="_t", by=["node", "gpu_index"],
+                            direction="backward", tolerance=int(PROCESS_STALE_S * 1000))
+    matched = matched.dropna(subset=["ts_ms"]).astype({"ts_ms": np.int64})
+    if matched.empty:
+        return minutes
+    per_owner = matched.merge(procs, on=["node", "gpu_index", "ts_ms"])
+    sm = per_owner["sm_util"].astype(float)
+    total = sm.groupby(per_owner["_row"]).transform("sum")
+    even = 1.0 / per_owner["n_owners"]
+    per_owner = per_owner.assign(share=(sm / total).where((total > 0) & sm.notna(), even))
+    base = minutes.reset_index(drop=True)
+    shared = per_owner[per_owner["n_owners"] > 1]
+    single = per_owner[per_owner["n_owners"] == 1].set_index("_row")
+    base.loc[single.index, "process_sm_util"] = single["sm_util"].astype(float)
+    base.loc[single.index, "process_memory_bytes"] = single["memory_bytes"].astype(float)
+    if shared.empty:
+        return base
+    split = base.loc[shared["_row"].to_numpy()].reset_index(drop=True)
+    shared = shared.reset_index(drop=True)
+    for key in PROCESS_OWNER_KEYS:
+        split[key] = shared[key]
+    split["rank"] = -1
+    split["energy_j"] = split["energy_j"] * shared["share"]
+    split[_UTILIZATION] = shared["sm_util"].astype(float)
+    split["process_sm_util"] = shared["sm_util"].astype(float)
+    split["process_memory_bytes"] = shared["memory_bytes"].astype(float)
+    return pd.concat([base.drop(index=shared["_row"].unique()), split], ignore_index=True)
 
 
 def usage_rpc(request: q.UsageRequest, store: Store) -> q.JsonResponse:

@@ -21,6 +21,8 @@ GPU_OWNER = "gpu_owner"  # the GPU's owner changed: attrs namespace, pod, contai
 #: Agents send every GPU's owner again this often although unchanged, so readers need look back only this far
 #: (twice, for margin) to find who holds a GPU at a time, and an owner outlives the store's event retention.
 GPU_OWNER_REANNOUNCE_S = 3600.0
+GPU_PROCESSES = "gpu_processes"  # per slow tick, a GPU's compute processes rolled up per owner: attrs["owners"]
+#                  = JSON list of {namespace, pod, container, job_id, user, sm_util, mem_util, memory_bytes, processes}
 NVML_EVENT = "nvml_event"  # any other NVML event type, attrs["event_type"]
 FAULT = "fault"  # one fault of an operator's fault log (gpuwatch import --format faults); code = XID or 0,
 #                  message = the log's description, attrs["kind"], ["gpu"], ["class"], ["end_ms"] (repair end)

@@ -333,6 +333,28 @@ class FakeNvmlLib:
         c_count.value = len(gpu.processes)
         return N.NVML_SUCCESS
 
+    def nvmlDeviceGetProcessUtilization(self, handle, samples, count, last_seen) -> int:
+        """One sample per process, newer than ``last_seen`` (µs); NOT_FOUND when there is none, as NVML."""
+        gpu, rc = self._gpu(handle, "nvmlDeviceGetProcessUtilization")
+        if gpu is None:
+            return rc
+        now_us = int(self._fleet.clock() * 1e6)
+        procs = gpu.processes if now_us > _out(last_seen).value else []
+        c_count = _out(count)
+        if not procs:
+            c_count.value = 0
+            return N.NVML_ERROR_NOT_FOUND
+        if samples is None or c_count.value < len(procs):
+            c_count.value = len(procs)
+            return N.NVML_ERROR_INSUFFICIENT_SIZE
+        for slot, proc in zip(samples, procs):
+            slot.pid, slot.timeStamp = proc.pid, now_us
+            slot.smUtil = round(100 * gpu.process_sm_util(proc))
+            slot.memUtil = round(100 * 0.48 * gpu.process_sm_util(proc))  # the DRAM share advance() uses
+            slot.encUtil = slot.decUtil = 0
+        c_count.value = len(procs)
+        return N.NVML_SUCCESS
+
     # --- GPM (Hopper+) -----------------------------------------------------------------------------
     def nvmlGpmQueryDeviceSupport(self, handle, out) -> int:
         gpu, rc = self._gpu(handle, "nvmlGpmQueryDeviceSupport")
