@@ -200,3 +200,35 @@ def test_time_sliced_pods_get_their_own_utilization_from_per_process_nvml(tmp_pa
     big, small = owners["big-0"]["sm_util"], owners["small-0"]["sm_util"]
     assert big > small > 0 and abs(big - 3 * small) <= 0.02  # NVML reports whole percent per process
     assert all("pid" not in x for o in shared for x in o) and owners["big-0"]["memory_bytes"] > 0
+
+
+def test_mig_instances_are_sampled_as_devices_with_gpm_and_attributed_to_their_pods(tmp_path, sink, kubelet):
+    """A GPU in MIG mode with two instances, one busy and one at a quarter of its activity, each held by a pod:
+    the agent's mig_instances events carry each instance's memory slice and GPM activity
+    (nvmlGpmMigSampleGet on the simulated NVML) and the pod holding it."""
+    import json
+
+    from gpuwatch.agent.daemon import AgentConfig
+    from gpuwatch.apps.agent_cli import simulated_agent
+    from gpuwatch.simulator.node import SimulatedNode
+
+    server, address = sink
+    cfg = AgentConfig(collector=address, node="mig1", interval=0.02, batch_interval=0.1, slow_interval=0.02,
+                      spool=tmp_path, kubelet_socket=kubelet.socket)
+    with SimulatedNode(2, node="mig1") as sim:
+        migs = sim.fleet.partition_mig(1, 2)
+        sim.fleet.gpus[1].mig_loads = [1.0, 0.25]
+        kubelet.set_pods(pod("ml", "infer-a", ("w", "nvidia.com/mig-3g.40gb", [migs[0]])),
+                         pod("ml", "infer-b", ("w", "nvidia.com/mig-3g.40gb", [migs[1]])))
+        total = sim.fleet.gpus[1].model.memory_bytes
+        agent = simulated_agent(cfg, sim)
+        agent.run(ticks=10)
+    events = [e for b in server.store.batches.values() for e in b.events if e.kind == ev.MIG_INSTANCES]
+    assert {e.gpu_index for e in events} == {1}  # GPU 0 is not in MIG mode
+    sampled = [json.loads(e.attrs["instances"]) for e in events]
+    with_gpm = [s for s in sampled if all("sm_active" in i for i in s)]
+    assert with_gpm, "no GPM sample per MIG instance"
+    a, b = with_gpm[-1]
+    assert (a["uuid"], a["pod"], b["uuid"], b["pod"]) == (migs[0], "infer-a", migs[1], "infer-b")
+    assert a["memory_total_bytes"] == b["memory_total_bytes"] == total // 2
+    assert a["sm_active"] > 0 and b["sm_active"] == pytest.approx(a["sm_active"] / 4, abs=0.01)

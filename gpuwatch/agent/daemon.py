@@ -30,6 +30,7 @@ from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.kubelet import PodResourcesClient
 from gpuwatch.agent.nvml import GpuDevice, NvmlSampler
+from gpuwatch.agent.mig import MigSampler, mig_events
 from gpuwatch.agent.owners import OwnerTracker
 from gpuwatch.agent.processes import process_events, rollup
 from gpuwatch.agent.probe_socket import ProbeListener
@@ -172,6 +173,7 @@ class Agent:
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.owners: OwnerTracker | None = None  # GPU owners (pods, jobs), refreshed on the slow cadence
+        self.migs: MigSampler | None = None  # MIG instances, sampled on the slow cadence
         self._local_sequence = itertools.count(1)  # record-only mode has no spool to number batches
 
     def stop(self) -> None:
@@ -193,6 +195,8 @@ class Agent:
             sampler = NvmlSampler(slow_interval=cfg.slow_interval)
             stack.callback(sampler.close)
             devices = sampler.open()
+            self.migs = MigSampler(devices, sampler.clock)
+            stack.callback(self.migs.close)  # before nvmlShutdown (callbacks run last-first)
             jobs = JobResolver(self.environ, cfg.job_label or "")
             kubelet = PodResourcesClient(cfg.kubelet_socket) if cfg.kubelet_socket else None
             if kubelet is not None:
@@ -321,6 +325,11 @@ class Agent:
                                 jobs.environ_reader) for gpu, ps in procs.items()}
             for event in process_events(uses):
                 self.emit(event)
+            if self.migs is not None:
+                self.migs.refresh()
+                device_holders = self.owners.device_holders if self.owners is not None else {}
+                for event in mig_events(self.migs.instances, self.migs.sample(), device_holders):
+                    self.emit(event)
         for gpu, values in tick.rows.items():
             job = jobs.job(gpu)
             builder.add_gpu_row(gpu, ts_ms, values, job.job_id, job.rank, job.local_rank)

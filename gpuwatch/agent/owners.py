@@ -69,6 +69,8 @@ class OwnerTracker:
         self.by_gpu: dict[int, GpuOwner] = {}
         #: GPU index -> every pod holding it (several with time-slicing), from the last refresh
         self.holders: dict[int, list[PodOwner]] = {}
+        #: device id (GPU or MIG UUID) -> the pods holding it, from the last refresh
+        self.device_holders: dict[str, list[PodOwner]] = {}
         self.kubelet_error: str | None = None
 
     def owner(self, gpu_index: int) -> GpuOwner:
@@ -76,7 +78,7 @@ class OwnerTracker:
 
     def pods(self) -> dict[int, tuple[PodOwner, str]]:
         """GPU index -> (its pod, the MIG UUID or "") from the kubelet; empty without one or when unreachable."""
-        self.holders = {}
+        self.holders, self.device_holders = {}, {}
         if self.kubelet is None:
             return {}
         try:
@@ -86,6 +88,7 @@ class OwnerTracker:
                 log.warning("%s; GPU owners fall back to process environments", exc)
             self.kubelet_error = str(exc)
             return {}
+        self.device_holders = holders
         devices = {device: owners[0] for device, owners in holders.items()}
         for device_id, owners in holders.items():
             index = self._index_of.get(device_id, self._mig_parents.get(device_id))

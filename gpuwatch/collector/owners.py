@@ -29,9 +29,10 @@ _MINUTE_S = 60.0
 _UTILIZATION = "gpu_utilization_ratio"
 _ENERGY = "gpu_energy_joules_total"
 _J_PER_KWH = 3.6e6
-#: The owner columns a ``gpu_processes`` event names per owner (no rank: processes of one job share one row).
+#: The owner columns a ``gpu_processes`` event names per owner (no rank: processes of one job share one row);
+#: a ``mig_instances`` event names the first three.
 PROCESS_OWNER_KEYS = ("namespace", "pod", "container", "job_id", "user")
-#: A GPU's processes event speaks for the minutes up to this long after it (agents send one per slow tick).
+#: A GPU's processes or MIG event speaks for the minutes up to this long after it (agents send one per slow tick).
 PROCESS_STALE_S = 300.0
 
 
@@ -83,7 +84,7 @@ def usage(store: Store, by: str, since_ms: int, until_ms: int) -> list[dict[str,
     energy = energy_step.where(~(energy_step < 0), minutes[_ENERGY]).fillna(0.0)  # first minute: 0
     minutes = minutes.assign(held_s=held, energy_j=energy)
     owned = _join_owners(minutes, owner_intervals(store, since_ms))
-    owned = _split_by_processes(owned, process_uses(store, since_ms, until_ms))
+    owned = _split_by_devices(owned, device_shares(store, since_ms, until_ms))
     owned = owned[owned[list(keys)].astype(str).ne("").all(axis=1)]
     if owned.empty:
         return []
@@ -131,65 +132,101 @@ def _join_owners(minutes: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame
     return joined.drop(columns=["_t"])
 
 
-def process_uses(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
-    """node, gpu_index, ts_ms and one row per owner of each ``gpu_processes`` event in the window (and
-    PROCESS_STALE_S before it): the owner columns, sm_util, memory_bytes and n_owners (owners in that event)."""
-    columns = ["node", "gpu_index", "ts_ms", *PROCESS_OWNER_KEYS, "sm_util", "memory_bytes", "n_owners"]
-    rows = []
-    for e in store.events(kind=ev.GPU_PROCESSES, since_ms=max(0, since_ms - int(PROCESS_STALE_S * 1000)) or None):
-        if until_ms and int(e["ts_ms"]) > until_ms:
+def device_shares(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
+    """How the agents' slow ticks in the window (and PROCESS_STALE_S before it) divide each GPU among owners,
+    one row per owner and tick: node, gpu_index, ts_ms, the owner columns, util (its utilisation), time_share and
+    energy_share (of the GPU's minute and energy), memory_bytes, split (rows of their own, not an annotation of
+    the GPU's owner) and process (from per-process data).
+
+    ``gpu_processes``: each owner's processes' SM share of the GPU; with several owners (time-slicing) each holds
+    the whole minute and the energy splits by SM share (evenly while all idle). ``mig_instances``: each instance
+    is a device of its own, weighed by its memory slice of the GPU, at its own GPM activity; a MIG event
+    wins over a processes event of the same tick.
+    """
+    columns = ["node", "gpu_index", "ts_ms", *PROCESS_OWNER_KEYS, "util", "time_share", "energy_share",
+               "memory_bytes", "split", "process"]
+    since = max(0, since_ms - int(PROCESS_STALE_S * 1000)) or None
+    rows: list[dict[str, Any]] = []
+    mig_ticks: set[tuple[str, int, int]] = set()
+    for e in store.events(kind=ev.MIG_INSTANCES, since_ms=since):
+        instances = _listed(e, "instances", until_ms)
+        slices = [float(i.get("memory_total_bytes") or 0) for i in instances]
+        total = sum(slices)
+        mig_ticks.add((e["node"], int(e["gpu_index"]), int(e["ts_ms"])))
+        for inst, size in zip(instances, slices):
+            share = size / total if total > 0 else 1.0 / len(instances)
+            rows.append({**_tick(e), **{k: str(inst.get(k) or "") for k in ("namespace", "pod", "container")},
+                         "job_id": None, "user": None, "util": inst.get("sm_active"), "time_share": share,
+                         "energy_share": share, "memory_bytes": inst.get("memory_used_bytes"), "split": True,
+                         "process": False})
+    for e in store.events(kind=ev.GPU_PROCESSES, since_ms=since):
+        owners = _listed(e, "owners", until_ms)
+        if (e["node"], int(e["gpu_index"]), int(e["ts_ms"])) in mig_ticks:
             continue
-        try:
-            owners = json.loads(e["attrs"].get("owners", "[]"))
-        except ValueError:  # a cut (over-long) attribute: the GPU counts as seen without processes
-            continue
-        for owner in owners:
-            rows.append({"node": e["node"], "gpu_index": int(e["gpu_index"]), "ts_ms": int(e["ts_ms"]),
-                         **{k: str(owner.get(k) or "") for k in PROCESS_OWNER_KEYS},
-                         "sm_util": owner.get("sm_util"), "memory_bytes": owner.get("memory_bytes") or 0,
-                         "n_owners": len(owners)})
+        sm = [owner.get("sm_util") for owner in owners]
+        total = sum(u for u in sm if u is not None)
+        for owner, util in zip(owners, sm):
+            share = util / total if util is not None and total > 0 else 1.0 / len(owners)
+            rows.append({**_tick(e), **{k: str(owner.get(k) or "") for k in PROCESS_OWNER_KEYS}, "util": util,
+                         "time_share": 1.0, "energy_share": share, "memory_bytes": owner.get("memory_bytes"),
+                         "split": len(owners) > 1, "process": True})
     return pd.DataFrame(rows, columns=columns)
 
 
-def _split_by_processes(minutes: pd.DataFrame, procs: pd.DataFrame) -> pd.DataFrame:
-    """Each minute with its GPU's newest ``gpu_processes`` event (at most PROCESS_STALE_S old): the minute of
-    a GPU several owners share (time-slicing) becomes one row per owner, holding the GPU the whole minute, at
-    its own processes' utilisation and with the GPU's energy split by their SM shares (evenly when all idle);
-    a GPU one owner uses keeps its owner and gains that owner's process utilisation and memory."""
-    minutes = minutes.assign(process_sm_util=np.nan, process_memory_bytes=np.nan)
-    if procs.empty or minutes.empty:
+def _tick(e: dict[str, Any]) -> dict[str, Any]:
+    return {"node": e["node"], "gpu_index": int(e["gpu_index"]), "ts_ms": int(e["ts_ms"])}
+
+
+def _listed(e: dict[str, Any], attr: str, until_ms: int) -> list[dict[str, Any]]:
+    """The JSON list in an event's attribute; empty past ``until_ms`` or when cut (an over-long attribute)."""
+    if until_ms and int(e["ts_ms"]) > until_ms:
+        return []
+    try:
+        listed = json.loads(e["attrs"].get(attr, "[]"))
+    except ValueError:
+        return []
+    return [x for x in listed if isinstance(x, dict)] if isinstance(listed, list) else []
+
+
+def _split_by_devices(minutes: pd.DataFrame, shares: pd.DataFrame) -> pd.DataFrame:
+    """Each minute with its GPU's newest tick of :func:`device_shares` (at most PROCESS_STALE_S old): a split
+    tick turns the minute into one row per owner (held seconds and energy times its shares, utilisation its
+    own; a MIG instance with no job keeps the GPU's); a single-owner processes tick annotates the minute with that
+    owner's process utilisation and memory."""
+    minutes = minutes.assign(process_sm_util=np.nan, process_memory_bytes=np.nan).reset_index(drop=True)
+    if shares.empty or minutes.empty:
         return minutes
-    stamps = procs[["node", "gpu_index", "ts_ms"]].drop_duplicates()
+    stamps = shares[["node", "gpu_index", "ts_ms"]].drop_duplicates()
     left = minutes.assign(_row=np.arange(len(minutes)), _t=minutes["t_ms"].astype(np.int64),
                           gpu_index=minutes["gpu_index"].astype(np.int64)).sort_values("_t", kind="stable")
     right = stamps.assign(_t=stamps["ts_ms"].astype(np.int64)).sort_values("_t", kind="stable")
     matched = pd.merge_asof(left[["_row", "_t", "node", "gpu_index"]], right, on="_t", by=["node", "gpu_index"],
                             direction="backward", tolerance=int(PROCESS_STALE_S * 1000))
     matched = matched.dropna(subset=["ts_ms"]).astype({"ts_ms": np.int64})
-    if matched.empty:
+    per_owner = matched.merge(shares, on=["node", "gpu_index", "ts_ms"])
+    if per_owner.empty:
         return minutes
-    per_owner = matched.merge(procs, on=["node", "gpu_index", "ts_ms"])
-    sm = per_owner["sm_util"].astype(float)
-    total = sm.groupby(per_owner["_row"]).transform("sum")
-    even = 1.0 / per_owner["n_owners"]
-    per_owner = per_owner.assign(share=(sm / total).where((total > 0) & sm.notna(), even))
-    base = minutes.reset_index(drop=True)
-    shared = per_owner[per_owner["n_owners"] > 1]
-    single = per_owner[per_owner["n_owners"] == 1].set_index("_row")
-    base.loc[single.index, "process_sm_util"] = single["sm_util"].astype(float)
-    base.loc[single.index, "process_memory_bytes"] = single["memory_bytes"].astype(float)
+    util = per_owner["util"].astype(float)
+    memory = per_owner["memory_bytes"].astype(float)
+    process = per_owner["process"].astype(bool).to_numpy()
+    single = per_owner[~per_owner["split"].astype(bool).to_numpy() & process]
+    minutes.loc[single["_row"], "process_sm_util"] = util[single.index].to_numpy()
+    minutes.loc[single["_row"], "process_memory_bytes"] = memory[single.index].to_numpy()
+    split_mask = per_owner["split"].astype(bool).to_numpy()
+    shared = per_owner[split_mask].reset_index(drop=True)
     if shared.empty:
-        return base
-    split = base.loc[shared["_row"].to_numpy()].reset_index(drop=True)
-    shared = shared.reset_index(drop=True)
+        return minutes
+    split = minutes.loc[shared["_row"].to_numpy()].reset_index(drop=True)
     for key in PROCESS_OWNER_KEYS:
-        split[key] = shared[key]
-    split["rank"] = -1
-    split["energy_j"] = split["energy_j"] * shared["share"]
-    split[_UTILIZATION] = shared["sm_util"].astype(float)
-    split["process_sm_util"] = shared["sm_util"].astype(float)
-    split["process_memory_bytes"] = shared["memory_bytes"].astype(float)
-    return pd.concat([base.drop(index=shared["_row"].unique()), split], ignore_index=True)
+        split[key] = shared[key].where(shared[key].notna(), split[key])
+    split["rank"] = np.where(shared["job_id"].isna(), split["rank"], -1)
+    split["held_s"] = split["held_s"] * shared["time_share"].astype(float)
+    split["energy_j"] = split["energy_j"] * shared["energy_share"].astype(float)
+    split[_UTILIZATION] = shared["util"].astype(float)
+    from_processes = shared["process"].astype(bool)
+    split["process_sm_util"] = shared["util"].astype(float).where(from_processes)
+    split["process_memory_bytes"] = shared["memory_bytes"].astype(float).where(from_processes)
+    return pd.concat([minutes.drop(index=shared["_row"].unique()), split], ignore_index=True)
 
 
 def usage_rpc(request: q.UsageRequest, store: Store) -> q.JsonResponse:

@@ -23,6 +23,9 @@ GPU_OWNER = "gpu_owner"  # the GPU's owner changed: attrs namespace, pod, contai
 GPU_OWNER_REANNOUNCE_S = 3600.0
 GPU_PROCESSES = "gpu_processes"  # per slow tick, a GPU's compute processes rolled up per owner: attrs["owners"]
 #                  = JSON list of {namespace, pod, container, job_id, user, sm_util, mem_util, memory_bytes, processes}
+MIG_INSTANCES = "mig_instances"  # per slow tick, a MIG-mode GPU's instances: attrs["instances"] = JSON list of
+#                  {uuid, gpu_instance_id, namespace, pod, container, memory_used_bytes, memory_total_bytes,
+#                   sm_active, sm_occupancy, tensor_active, dram_active} (ratios of the instance's own slice)
 NVML_EVENT = "nvml_event"  # any other NVML event type, attrs["event_type"]
 FAULT = "fault"  # one fault of an operator's fault log (gpuwatch import --format faults); code = XID or 0,
 #                  message = the log's description, attrs["kind"], ["gpu"], ["class"], ["end_ms"] (repair end)

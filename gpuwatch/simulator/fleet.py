@@ -104,6 +104,7 @@ class SimulatedFleet(FaultScripting):
         derived from the GPU's UUID so a fleet rebuilt from the same seed names them alike."""
         g = self.gpus[gpu]
         g.mig_uuids = [f"MIG-{g.uuid.removeprefix('GPU-')[:-3]}{i:03x}" for i in range(instances)]
+        g.mig_loads = [1.0] * instances
         return list(g.mig_uuids)
 
     def environ(self, pid: int) -> dict[str, str] | None:

@@ -141,6 +141,7 @@ class SimGpu:
             *(ident.getrandbits(b) for b in (32, 16, 16, 16, 48)))
         self.pci_bus = 0x18 + 0x10 * self.index
         self.mig_uuids: list[str] = []  # MIG instances (SimulatedFleet.partition_mig); empty: MIG off
+        self.mig_loads: list[float] = []  # each instance's activity against the GPU's workload (1.0: the same)
         self.serial = f"{1650000000000 + self.seed * 1000 + self.index}"
 
     @property
