@@ -232,3 +232,18 @@ def test_mig_instances_are_sampled_as_devices_with_gpm_and_attributed_to_their_p
     assert (a["uuid"], a["pod"], b["uuid"], b["pod"]) == (migs[0], "infer-a", migs[1], "infer-b")
     assert a["memory_total_bytes"] == b["memory_total_bytes"] == total // 2
     assert a["sm_active"] > 0 and b["sm_active"] == pytest.approx(a["sm_active"] / 4, abs=0.01)
+
+
+def test_per_tick_owner_events_are_paced_per_gpu_unless_their_owners_change():
+    from gpuwatch.agent.processes import EventPacing
+
+    now = [0.0]
+    pacing = EventPacing(lambda: now[0], shared_s=60.0, single_s=240.0)
+    sent = []
+    for tick in range(0, 600, 10):  # a slow tick every 10 s for 10 minutes
+        now[0] = float(tick)
+        owners = ("a",) if tick < 300 else ("b",)  # the single owner changes at 300 s
+        sent += [("single", tick)] if pacing.due(0, owners, shared=False) else []
+        sent += [("shared", tick)] if pacing.due(1, ("a", "b"), shared=True) else []
+    assert [t for kind, t in sent if kind == "single"] == [0, 240, 300, 540]
+    assert [t for kind, t in sent if kind == "shared"] == list(range(0, 600, 60))

@@ -32,7 +32,7 @@ from gpuwatch.agent.kubelet import PodResourcesClient
 from gpuwatch.agent.nvml import GpuDevice, NvmlSampler
 from gpuwatch.agent.mig import MigSampler, mig_events
 from gpuwatch.agent.owners import OwnerTracker
-from gpuwatch.agent.processes import process_events, rollup
+from gpuwatch.agent.processes import EventPacing, process_events, rollup
 from gpuwatch.agent.probe_socket import ProbeListener
 from gpuwatch.agent.spool import Spool, SpoolFull
 from gpuwatch.agent.uplink import Uplink
@@ -174,6 +174,9 @@ class Agent:
         self.metrics_server: MetricsServer | None = None
         self.owners: OwnerTracker | None = None  # GPU owners (pods, jobs), refreshed on the slow cadence
         self.migs: MigSampler | None = None  # MIG instances, sampled on the slow cadence
+        # per-GPU process and MIG events at most every minute or few (on the agent's, maybe simulated, clock)
+        self._process_pacing = EventPacing(self.clock)
+        self._mig_pacing = EventPacing(self.clock)
         self._local_sequence = itertools.count(1)  # record-only mode has no spool to number batches
 
     def stop(self) -> None:
@@ -323,12 +326,12 @@ class Agent:
             holders = self.owners.holders if self.owners is not None else {}
             uses = {gpu: rollup(ps, holders.get(gpu, []), {p.pid: jobs.job_of_pid(p.pid) for p in ps},
                                 jobs.environ_reader) for gpu, ps in procs.items()}
-            for event in process_events(uses):
+            for event in process_events(uses, self._process_pacing):
                 self.emit(event)
             if self.migs is not None:
                 self.migs.refresh()
                 device_holders = self.owners.device_holders if self.owners is not None else {}
-                for event in mig_events(self.migs.instances, self.migs.sample(), device_holders):
+                for event in mig_events(self.migs.instances, self.migs.sample(), device_holders, self._mig_pacing):
                     self.emit(event)
         for gpu, values in tick.rows.items():
             job = jobs.job(gpu)

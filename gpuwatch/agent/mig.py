@@ -17,6 +17,7 @@ import pynvml as N
 
 from gpuwatch.agent.kubelet import PodOwner
 from gpuwatch.agent.nvml import GPM_MIN_SPACING_S, GpuDevice
+from gpuwatch.agent.processes import EventPacing
 from gpuwatch.core import events as ev
 from gpuwatch.core.events import Event
 
@@ -136,8 +137,9 @@ def _free(inst: MigInstance) -> None:
 
 
 def mig_events(instances: Mapping[str, MigInstance], values: Mapping[str, Mapping[str, float]],
-               holders: Mapping[str, Sequence[PodOwner]]) -> list[Event]:
-    """One ``mig_instances`` event per GPU in MIG mode: each instance's values and the pod holding it."""
+               holders: Mapping[str, Sequence[PodOwner]], pacing: EventPacing | None = None) -> list[Event]:
+    """One ``mig_instances`` event per GPU in MIG mode whose event is due: each instance's values and the pod
+    holding it (a MIG GPU counts as shared: the collector divides it among its instances)."""
     by_gpu: dict[int, list[dict[str, object]]] = {}
     for uuid, inst in sorted(instances.items(), key=lambda kv: (kv[1].gpu_index, kv[1].gpu_instance_id)):
         pods = holders.get(uuid, ())
@@ -149,4 +151,5 @@ def mig_events(instances: Mapping[str, MigInstance], values: Mapping[str, Mappin
                for k, v in values.get(uuid, {}).items()}})
     return [Event(ev.MIG_INSTANCES, gpu_index=gpu, message=f"GPU {gpu}: {len(listed)} MIG instances",
                   attrs={"instances": json.dumps(listed, separators=(",", ":"))})
-            for gpu, listed in sorted(by_gpu.items())]
+            for gpu, listed in sorted(by_gpu.items())
+            if pacing is None or pacing.due(gpu, tuple((i["uuid"], i["pod"], "sm_active" in i) for i in listed), True)]

@@ -10,7 +10,7 @@ with the processes summed per owner. PIDs stay on the node: no per-PID series, n
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatch.agent.jobs import EnvironReader, JobInfo
@@ -21,6 +21,9 @@ from gpuwatch.core.events import Event
 
 #: Owners listed per GPU and event at most (the busiest); the event's attribute stays under the batch's text cap.
 MAX_OWNERS = 16
+#: Seconds between the events of a GPU several owners share, and of any other GPU (whose owners did not change).
+SHARED_EVERY_S = 60.0
+SINGLE_EVERY_S = 240.0
 #: Kubernetes sets a container's hostname, and so this variable, to its pod's name.
 POD_NAME_VARIABLE = "HOSTNAME"
 
@@ -81,11 +84,37 @@ def rollup(processes: Sequence[GpuProcess], holders: Sequence[PodOwner], job_of:
     return sorted(owners.values(), key=lambda u: (-(u.sm_util or 0.0), -u.memory_bytes, u.key()))
 
 
-def process_events(by_gpu: Mapping[int, Sequence[OwnerUse]]) -> list[Event]:
-    """One ``gpu_processes`` event per GPU with processes (at most MAX_OWNERS owners, the busiest)."""
+class EventPacing:
+    """When a GPU's next per-tick event (``gpu_processes``, ``mig_instances``) is due, so they cost a few rows
+    per GPU and hour, not one per slow tick: a GPU shared by several owners (whose split needs its numbers) every
+    ``shared_s``, any other every ``single_s`` (under the collector's PROCESS_STALE_S), and whenever its owners
+    (or which of their values are known) change.
+    """
+
+    def __init__(self, clock: Callable[[], float], shared_s: float = SHARED_EVERY_S,
+                 single_s: float = SINGLE_EVERY_S) -> None:
+        self.clock, self.shared_s, self.single_s = clock, shared_s, single_s
+        self._last: dict[int, tuple[float, tuple]] = {}
+
+    def due(self, gpu: int, owners: tuple, shared: bool) -> bool:
+        now = self.clock()
+        last = self._last.get(gpu)
+        every = self.shared_s if shared else self.single_s
+        if last is not None and last[1] == owners and now - last[0] < every:
+            return False
+        self._last[gpu] = (now, owners)
+        return True
+
+
+def process_events(by_gpu: Mapping[int, Sequence[OwnerUse]], pacing: EventPacing | None = None) -> list[Event]:
+    """One ``gpu_processes`` event per GPU with processes whose event is due (at most MAX_OWNERS owners, the
+    busiest)."""
     out = []
     for gpu, uses in sorted(by_gpu.items()):
         if not uses:
+            continue
+        owners = tuple(sorted((*u.key(), u.sm_util is None) for u in uses))  # a first sample is news too
+        if pacing is not None and not pacing.due(gpu, owners, len(uses) > 1):
             continue
         listed = [u.as_dict() for u in uses[:MAX_OWNERS]]
         attrs = {"owners": json.dumps(listed, separators=(",", ":"))}
