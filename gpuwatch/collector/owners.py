@@ -39,15 +39,17 @@ PROCESS_STALE_S = 300.0
 def owner_intervals(store: Store, since_ms: int | None = None) -> pd.DataFrame:
     """node, gpu_index, from_ms, to_ms (None: still open), uuid and the owner columns, in time order: the
     intervals that hold any time after ``since_ms`` (None: all). Agents announce every owner again each
-    GPU_OWNER_REANNOUNCE_S, so the change points of twice that before ``since_ms`` are all that is read."""
+    GPU_OWNER_REANNOUNCE_S, so the change points of twice that before ``since_ms`` are all that is read; an
+    announcement of the owner already holding the GPU continues its interval."""
     start = None if since_ms is None else max(0, int(since_ms - 2 * ev.GPU_OWNER_REANNOUNCE_S * 1000))
-    rows = [{"node": e["node"], "gpu_index": int(e["gpu_index"]), "from_ms": int(e["ts_ms"]),
-             "uuid": e["attrs"].get("uuid", ""), **{k: e["attrs"].get(k, "") for k in OWNER_KEYS}}
-            for e in store.events(kind=ev.GPU_OWNER, since_ms=start or None)]
     columns = ["node", "gpu_index", "from_ms", "to_ms", "uuid", *OWNER_KEYS]
-    if not rows:
+    df = store.event_attrs(ev.GPU_OWNER, ("uuid", *OWNER_KEYS), since_ms=start or None)
+    if df.empty:
         return pd.DataFrame(columns=columns)
-    df = pd.DataFrame(rows).sort_values(["node", "gpu_index", "from_ms"], kind="stable").reset_index(drop=True)
+    df = df.rename(columns={"ts_ms": "from_ms"}).astype({"gpu_index": int, "from_ms": np.int64})
+    df = df.sort_values(["node", "gpu_index", "from_ms"], kind="stable").reset_index(drop=True)
+    same = ["node", "gpu_index", "uuid", *OWNER_KEYS]
+    df = df[df[same].ne(df[same].shift()).any(axis=1)].reset_index(drop=True)  # re-announcements continue
     following = df.groupby(["node", "gpu_index"])["from_ms"].shift(-1)
     df["to_ms"] = following.astype(object).where(following.notna(), None)
     df["rank"] = pd.to_numeric(df["rank"], errors="coerce").fillna(-1).astype(int)
@@ -146,10 +148,11 @@ def device_shares(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
     columns = ["node", "gpu_index", "ts_ms", *PROCESS_OWNER_KEYS, "util", "time_share", "energy_share",
                "memory_bytes", "split", "process"]
     since = max(0, since_ms - int(PROCESS_STALE_S * 1000)) or None
+    until = until_ms or None
     rows: list[dict[str, Any]] = []
     mig_ticks: set[tuple[str, int, int]] = set()
-    for e in store.events(kind=ev.MIG_INSTANCES, since_ms=since):
-        instances = _listed(e, "instances", until_ms)
+    for e in store.event_attrs(ev.MIG_INSTANCES, ("instances",), since, until).to_dict("records"):
+        instances = _listed(e["instances"])
         slices = [float(i.get("memory_total_bytes") or 0) for i in instances]
         total = sum(slices)
         mig_ticks.add((e["node"], int(e["gpu_index"]), int(e["ts_ms"])))
@@ -159,8 +162,8 @@ def device_shares(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
                          "job_id": None, "user": None, "util": inst.get("sm_active"), "time_share": share,
                          "energy_share": share, "memory_bytes": inst.get("memory_used_bytes"), "split": True,
                          "process": False})
-    for e in store.events(kind=ev.GPU_PROCESSES, since_ms=since):
-        owners = _listed(e, "owners", until_ms)
+    for e in store.event_attrs(ev.GPU_PROCESSES, ("owners",), since, until).to_dict("records"):
+        owners = _listed(e["owners"])
         if (e["node"], int(e["gpu_index"]), int(e["ts_ms"])) in mig_ticks:
             continue
         sm = [owner.get("sm_util") for owner in owners]
@@ -177,12 +180,10 @@ def _tick(e: dict[str, Any]) -> dict[str, Any]:
     return {"node": e["node"], "gpu_index": int(e["gpu_index"]), "ts_ms": int(e["ts_ms"])}
 
 
-def _listed(e: dict[str, Any], attr: str, until_ms: int) -> list[dict[str, Any]]:
-    """The JSON list in an event's attribute; empty past ``until_ms`` or when cut (an over-long attribute)."""
-    if until_ms and int(e["ts_ms"]) > until_ms:
-        return []
+def _listed(text: str) -> list[dict[str, Any]]:
+    """The JSON list of an event's attribute; empty when cut (an over-long attribute) or not a list."""
     try:
-        listed = json.loads(e["attrs"].get(attr, "[]"))
+        listed = json.loads(text or "[]")
     except ValueError:
         return []
     return [x for x in listed if isinstance(x, dict)] if isinstance(listed, list) else []
