@@ -41,6 +41,8 @@ MEANINGS: dict[str, str] = {
     ECC_DBE: "uncorrectable memory errors reported as events",
     ECC_SBE: "correctable memory errors reported as events",
     NVML_EVENT: "other NVML events (clock changes, power events)",
+    GPU_PROCESSES: "per-owner process use of a GPU (per-process utilisation and memory, for gpuwatch usage)",
+    MIG_INSTANCES: "MIG instances' memory and activity with the pods holding them (for gpuwatch usage)",
     FAULT: "faults from an imported fault log (gpuwatch import --format faults; gpuwatch fleet counts them)",
 }
 
