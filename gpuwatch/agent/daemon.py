@@ -320,7 +320,11 @@ class Agent:
         if tick.slow:
             procs = sampler.running_processes()
             jobs.refresh({gpu: [p.pid for p in ps] for gpu, ps in procs.items()})
+            if self.migs is not None:
+                self.migs.refresh()
             if self.owners is not None:
+                if self.migs is not None:  # a GPU repartitioned since start: its new instances match too
+                    self.owners.mig_parents = {u: inst.gpu_index for u, inst in self.migs.instances.items()}
                 for event in self.owners.refresh(jobs.by_gpu):
                     self.emit(event)
             holders = self.owners.holders if self.owners is not None else {}
@@ -329,7 +333,6 @@ class Agent:
             for event in process_events(uses, self._process_pacing):
                 self.emit(event)
             if self.migs is not None:
-                self.migs.refresh()
                 device_holders = self.owners.device_holders if self.owners is not None else {}
                 for event in mig_events(self.migs.instances, self.migs.sample(), device_holders, self._mig_pacing):
                     self.emit(event)

@@ -64,7 +64,7 @@ class OwnerTracker:
         self._announced: float | None = None
         self._index_of: dict[str, int] = {uuid: index for index, uuid in uuids.items() if uuid}
         self._index_of.update({str(index): index for index in uuids})
-        self._mig_parents = dict(mig_parents or {})
+        self.mig_parents = dict(mig_parents or {})  # MIG UUID -> its GPU's index
         self._uuids = dict(uuids)
         self.by_gpu: dict[int, GpuOwner] = {}
         #: GPU index -> every pod holding it (several with time-slicing), from the last refresh
@@ -91,7 +91,7 @@ class OwnerTracker:
         self.device_holders = holders
         devices = {device: owners[0] for device, owners in holders.items()}
         for device_id, owners in holders.items():
-            index = self._index_of.get(device_id, self._mig_parents.get(device_id))
+            index = self._index_of.get(device_id, self.mig_parents.get(device_id))
             if index is not None:
                 self.holders.setdefault(index, []).extend(o for o in owners if o not in self.holders.get(index, []))
         if self.kubelet_error is not None:
@@ -102,7 +102,7 @@ class OwnerTracker:
             if device_id in self._index_of:  # the whole GPU wins over any MIG instance of it
                 by_gpu[self._index_of[device_id]] = (pod, "")
         for device_id, pod in devices.items():
-            parent = self._mig_parents.get(device_id)
+            parent = self.mig_parents.get(device_id)
             if parent is not None and parent not in by_gpu:  # several pods on one GPU's instances: the first
                 by_gpu[parent] = (pod, device_id)
         return by_gpu
