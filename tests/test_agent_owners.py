@@ -165,3 +165,85 @@ def test_mig_instances_on_the_simulated_nvml_are_matched_to_their_gpu(kubelet):
     tracker.refresh({})
     assert (tracker.owner(1).pod, tracker.owner(1).mig) == ("small-a", migs[0])  # the first pod by name
     assert tracker.owner(0).pod == "" and tracker.owner(2).pod == ""
+
+
+def test_time_sliced_pods_get_their_own_utilization_from_per_process_nvml(tmp_path, sink, kubelet):
+    """Two pods time-slicing one GPU (replica ids ``<uuid>::0/1``): NVML's per-process samples (the
+    simulated nvmlDeviceGetProcessUtilization beneath pynvml) split the GPU's utilisation between them, 3:1 as
+    their processes' weights; no PID leaves the node."""
+    import json
+
+    from gpuwatch.agent.daemon import AgentConfig
+    from gpuwatch.apps.agent_cli import simulated_agent
+    from gpuwatch.simulator.node import SimulatedNode
+
+    server, address = sink
+    cfg = AgentConfig(collector=address, node="ts1", interval=0.02, batch_interval=0.1, slow_interval=0.02,
+                      spool=tmp_path, kubelet_socket=kubelet.socket)
+    with SimulatedNode(2, node="ts1") as sim:
+        gpu = sim.fleet.gpus[1]
+        gpu.processes.clear()
+        sim.fleet.start_job(1, "big", 0, 0, pod="big-0", weight=3.0)
+        sim.fleet.start_job(1, "small", 0, 0, pod="small-0", weight=1.0)
+        kubelet.set_pods(pod("ml", "big-0", ("w", GPU, [f"{gpu.uuid}::0"])),
+                         pod("ml", "small-0", ("w", GPU, [f"{gpu.uuid}::1"])))
+        agent = simulated_agent(cfg, sim)
+        agent.run(ticks=8)
+    events = [e for b in server.store.batches.values() for e in b.events if e.kind == ev.GPU_PROCESSES]
+    shared = [json.loads(e.attrs["owners"]) for e in events if e.gpu_index == 1]
+    assert shared, "no gpu_processes event for the time-sliced GPU"
+    sampled = [o for o in shared if all(x["sm_util"] is not None for x in o)]
+    assert sampled, "no per-process utilisation sample"
+    owners = {x["pod"]: x for x in sampled[-1]}
+    assert set(owners) == {"big-0", "small-0"}
+    assert owners["big-0"]["job_id"] == "big" and owners["small-0"]["job_id"] == "small"
+    big, small = owners["big-0"]["sm_util"], owners["small-0"]["sm_util"]
+    assert big > small > 0 and abs(big - 3 * small) <= 0.02  # NVML reports whole percent per process
+    assert all("pid" not in x for o in shared for x in o) and owners["big-0"]["memory_bytes"] > 0
+
+
+def test_mig_instances_are_sampled_as_devices_with_gpm_and_attributed_to_their_pods(tmp_path, sink, kubelet):
+    """A GPU in MIG mode with two instances, one busy and one at a quarter of its activity, each held by a pod:
+    the agent's mig_instances events carry each instance's memory slice and GPM activity
+    (nvmlGpmMigSampleGet on the simulated NVML) and the pod holding it."""
+    import json
+
+    from gpuwatch.agent.daemon import AgentConfig
+    from gpuwatch.apps.agent_cli import simulated_agent
+    from gpuwatch.simulator.node import SimulatedNode
+
+    server, address = sink
+    cfg = AgentConfig(collector=address, node="mig1", interval=0.02, batch_interval=0.1, slow_interval=0.02,
+                      spool=tmp_path, kubelet_socket=kubelet.socket)
+    with SimulatedNode(2, node="mig1") as sim:
+        migs = sim.fleet.partition_mig(1, 2)
+        sim.fleet.gpus[1].mig_loads = [1.0, 0.25]
+        kubelet.set_pods(pod("ml", "infer-a", ("w", "nvidia.com/mig-3g.40gb", [migs[0]])),
+                         pod("ml", "infer-b", ("w", "nvidia.com/mig-3g.40gb", [migs[1]])))
+        total = sim.fleet.gpus[1].model.memory_bytes
+        agent = simulated_agent(cfg, sim)
+        agent.run(ticks=10)
+    events = [e for b in server.store.batches.values() for e in b.events if e.kind == ev.MIG_INSTANCES]
+    assert {e.gpu_index for e in events} == {1}  # GPU 0 is not in MIG mode
+    sampled = [json.loads(e.attrs["instances"]) for e in events]
+    with_gpm = [s for s in sampled if all("sm_active" in i for i in s)]
+    assert with_gpm, "no GPM sample per MIG instance"
+    a, b = with_gpm[-1]
+    assert (a["uuid"], a["pod"], b["uuid"], b["pod"]) == (migs[0], "infer-a", migs[1], "infer-b")
+    assert a["memory_total_bytes"] == b["memory_total_bytes"] == total // 2
+    assert a["sm_active"] > 0 and b["sm_active"] == pytest.approx(a["sm_active"] / 4, abs=0.01)
+
+
+def test_per_tick_owner_events_are_paced_per_gpu_unless_their_owners_change():
+    from gpuwatch.agent.processes import EventPacing
+
+    now = [0.0]
+    pacing = EventPacing(lambda: now[0], shared_s=60.0, single_s=240.0)
+    sent = []
+    for tick in range(0, 600, 10):  # a slow tick every 10 s for 10 minutes
+        now[0] = float(tick)
+        owners = ("a",) if tick < 300 else ("b",)  # the single owner changes at 300 s
+        sent += [("single", tick)] if pacing.due(0, owners, shared=False) else []
+        sent += [("shared", tick)] if pacing.due(1, ("a", "b"), shared=True) else []
+    assert [t for kind, t in sent if kind == "single"] == [0, 240, 300, 540]
+    assert [t for kind, t in sent if kind == "shared"] == list(range(0, 600, 60))

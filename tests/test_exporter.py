@@ -235,12 +235,12 @@ def test_a_collector_whose_agents_are_scraped_exports_scores_not_per_gpu_telemet
     assert "gpu_power_watts" in {s.name for s in _samples(full)}
 
 
-def test_dcgm_naming_serves_dcgm_exporter_names_units_and_labels():
+def test_dcgm_legacy_naming_serves_dcgm_exporter_4_8_names_units_and_labels():
     gpu = _gpu("n1", 0, xid_counts={48: 1}, last_xid=48, pci_bus_id="00000000:18:00.0", driver_version="570.1",
                job_id="job-1", rank=0)
     gpu["values"].update(gpu_utilization_ratio=0.5, gpu_memory_used_bytes=2 * 2**30, gpu_memory_total_bytes=80 * 2**30,
                          gpu_sm_clock_hertz=1.98e9, gpu_energy_joules_total=10.0)
-    text = _render({"gpus": [gpu]}, names="dcgm")
+    text = _render({"gpus": [gpu]}, names="dcgm-legacy")
     labels = {"gpu": "0", "UUID": "GPU-n1-0", "pci_bus_id": "00000000:18:00.0", "device": "nvidia0",
               "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "n1", "DCGM_FI_DRIVER_VERSION": "570.1",
               "hpc_job": "job-1"}
@@ -255,6 +255,34 @@ def test_dcgm_naming_serves_dcgm_exporter_names_units_and_labels():
         build_registry(lambda: {}, names="nvidia")
 
 
+def test_dcgm_naming_follows_dcgm_exporter_4_9_names_base_units_and_labels():
+    """4.9 (DCGM 4.7): deprecated fields under their DCGM names, clocks in Hz, energy in J, utilisation as a
+    ratio, memory in bytes; labels hostname and DCGM_FI_SYSTEM_DRIVER_VERSION. None of 4.8's names remain."""
+    from gpuwatch.core.dcgm_names import DCGM_4_9, LEGACY, RENAMED_4_9
+
+    gpu = _gpu("n1", 0, last_xid=48, pci_bus_id="00000000:18:00.0", driver_version="570.1")
+    gpu["values"].update(gpu_utilization_ratio=0.5, gpu_memory_used_bytes=2 * 2**30, gpu_memory_total_bytes=80 * 2**30,
+                         gpu_sm_clock_hertz=1.98e9, gpu_energy_joules_total=10.0, gpu_memory_utilization_ratio=0.25)
+    text = _render({"gpus": [gpu]}, names="dcgm")
+    labels = {"gpu": "0", "UUID": "GPU-n1-0", "pci_bus_id": "00000000:18:00.0", "device": "nvidia0",
+              "modelName": "NVIDIA H100 80GB HBM3", "hostname": "n1", "DCGM_FI_SYSTEM_DRIVER_VERSION": "570.1"}
+    assert _value(text, "DCGM_FI_DEV_GPU_UTIL_RATIO", **labels) == 0.5
+    assert _value(text, "DCGM_FI_DEV_MEMORY_UTIL_RATIO") == 0.25
+    assert _value(text, "DCGM_FI_DEV_FB_USED_BYTES") == 2 * 2**30
+    assert _value(text, "DCGM_FI_DEV_FB_FREE_BYTES") == 78 * 2**30
+    assert _value(text, "DCGM_FI_DEV_FB_CAPACITY_BYTES") == 80 * 2**30
+    assert _value(text, "DCGM_FI_DEV_SM_CLOCK_HERTZ") == pytest.approx(1.98e9)
+    assert _value(text, "DCGM_FI_DEV_GPU_ENERGY_JOULES_TOTAL") == 10.0
+    assert _value(text, "DCGM_FI_DEV_XID_ERROR", err_code="48") == 48.0
+    served = {s.name for s in _samples(text)}
+    assert not served & set(LEGACY.metrics()) - set(DCGM_4_9.metrics())  # no 4.8 name left beside its new one
+    # 4.9's eleven unit changes less the four fields gpuwatch does not serve (ENC/DEC_UTIL, FB_RESERVED, NVLink
+    # throughput), plus FB_TOTAL whose bytes twin 4.9 collects by default
+    unit_changes = {old.removeprefix("DCGM_FI_DEV_") for old, (_, scale, _) in RENAMED_4_9.items() if scale is not None}
+    assert unit_changes == {"SM_CLOCK", "MEM_CLOCK", "TOTAL_ENERGY_CONSUMPTION", "GPU_UTIL", "MEM_COPY_UTIL",
+                            "FB_USED", "FB_FREE", "FB_TOTAL"}
+
+
 def test_one_owner_info_series_per_held_gpu_for_group_left_joins():
     pod = {"pod": "train-0", "namespace": "ml", "container": "trainer"}
     text = _render({"gpus": [_gpu("n1", 0, job_id="job-1", rank=3, **pod), _gpu("n1", 1, job_id="slurm-9", rank=0),
@@ -267,9 +295,11 @@ def test_one_owner_info_series_per_held_gpu_for_group_left_joins():
     assert all("pod" not in s.labels for s in _samples(text) if s.name == "gpu_power_watts")
 
 
-def test_dcgm_naming_puts_the_pod_labels_on_a_held_gpus_series_as_dcgm_exporter_does():
+@pytest.mark.parametrize("names, util_name", [("dcgm", "DCGM_FI_DEV_GPU_UTIL_RATIO"),
+                                               ("dcgm-legacy", "DCGM_FI_DEV_GPU_UTIL")])
+def test_dcgm_naming_puts_the_pod_labels_on_a_held_gpus_series_as_dcgm_exporter_does(names, util_name):
     text = _render({"gpus": [_gpu("n1", 0, pod="train-0", namespace="ml", container="trainer"), _gpu("n1", 1)]},
-                   names="dcgm")
-    util = {s.labels["gpu"]: s.labels for s in _samples(text) if s.name == "DCGM_FI_DEV_GPU_UTIL"}
+                   names=names)
+    util = {s.labels["gpu"]: s.labels for s in _samples(text) if s.name == util_name}
     assert (util["0"]["pod"], util["0"]["namespace"], util["0"]["container"]) == ("train-0", "ml", "trainer")
     assert not {"pod", "namespace", "container"} & set(util["1"])  # not held by a pod: no empty labels

@@ -56,6 +56,34 @@ def test_a_dcgm_exporter_history_becomes_a_recording_in_gpuwatch_units(tmp_path)
     assert set(gpus["name"]) == {"NVIDIA H100 80GB HBM3"}
 
 
+def test_a_dcgm_exporter_4_9_history_in_base_units_imports_alike(tmp_path):
+    """The same history under dcgm-exporter 4.9's names and units (Hz, J, ratio, bytes): the same recording."""
+    renames = {"DCGM_FI_DEV_GPU_UTIL": ("DCGM_FI_DEV_GPU_UTIL_RATIO", 0.01),
+               "DCGM_FI_DEV_FB_USED": ("DCGM_FI_DEV_FB_USED_BYTES", 2**20),
+               "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": ("DCGM_FI_DEV_GPU_ENERGY_JOULES_TOTAL", 1e-3),
+               "DCGM_FI_DEV_SM_CLOCK": ("DCGM_FI_DEV_SM_CLOCK_HERTZ", 1e6),
+               "DCGM_FI_DEV_GPU_TEMP": ("DCGM_FI_DEV_GPU_TEMP_CELSIUS", 1.0),
+               "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("DCGM_FI_PROF_TENSOR_UTIL_RATIO", 1.0),
+               "DCGM_FI_DEV_XID_ERRORS": ("DCGM_FI_DEV_XID_ERROR", 1.0)}
+    history = _dcgm_history()
+    for old, (new, factor) in renames.items():
+        rows = history["__name__"] == old
+        history.loc[rows, "value"] = history.loc[rows, "value"] * factor
+        history.loc[rows, "__name__"] = new
+    old_src, new_src = tmp_path / "old.csv", tmp_path / "new.csv"
+    _dcgm_history().to_csv(old_src, index=False)
+    history.to_csv(new_src, index=False)
+    import_files([old_src], tmp_path / "OLD", quiet=True)
+    result = import_files([new_src], tmp_path / "NEW", quiet=True)
+    assert result["unknown_metrics"] == {"DCGM_FI_DEV_VGPU_LICENSE_STATUS": 36}
+    old_rec, new_rec = open_recording(tmp_path / "OLD"), open_recording(tmp_path / "NEW")
+    key = ["node", "gpu_index", "ts"]
+    old_df = old_rec.table("gpu_samples").sort_values(key).reset_index(drop=True)
+    new_df = new_rec.table("gpu_samples").sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(new_df[old_df.columns], old_df, check_exact=False, rtol=1e-9)
+    assert list(new_rec.table("events")["code"]) == [79]
+
+
 def test_an_imported_recording_replays_and_the_training_loader_reads_it(tmp_path):
     src = tmp_path / "dcgm.parquet"
     _dcgm_history().to_parquet(src)

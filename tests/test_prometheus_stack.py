@@ -52,6 +52,19 @@ DCGM_DASHBOARD = {
     'DCGM_FI_DEV_FB_USED{instance=~"$instance", gpu=~"$gpu"}': (100, 81920),           # MiB
     'DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{instance=~"$instance", gpu=~"$gpu"}': (0, 1),     # percentunit
 }
+# The same panels after dcgm-exporter 4.9's renames and base units (its release notes; the names from DCGM's
+# deprecated-field table): no MHz-to-Hz factor any more, utilisation a ratio, memory in bytes.
+DCGM_4_9_DASHBOARD = {
+    'DCGM_FI_DEV_GPU_TEMP_CELSIUS{instance=~"$instance", gpu=~"$gpu"}': (10, 110),    # celsius
+    'avg(DCGM_FI_DEV_GPU_TEMP_CELSIUS{instance=~"$instance", gpu=~"$gpu"})': (10, 110),
+    'DCGM_FI_DEV_BOARD_POWER_WATTS{instance=~"$instance", gpu=~"$gpu"}': (10, 700),   # watt
+    'sum(DCGM_FI_DEV_BOARD_POWER_WATTS{instance=~"$instance", gpu=~"$gpu"})': (20, 1400),
+    'DCGM_FI_DEV_SM_CLOCK_HERTZ{instance=~"$instance", gpu=~"$gpu"}': (1e8, 3e9),     # hertz
+    'DCGM_FI_DEV_GPU_UTIL_RATIO{instance=~"$instance", gpu=~"$gpu"}': (0, 1),         # percentunit
+    'DCGM_FI_DEV_FB_USED_BYTES{instance=~"$instance", gpu=~"$gpu"}': (1e8, 81920 * 2**20),  # bytes
+    'DCGM_FI_PROF_TENSOR_UTIL_RATIO{instance=~"$instance", gpu=~"$gpu"}': (0, 1),     # percentunit
+    'rate(DCGM_FI_DEV_GPU_ENERGY_JOULES_TOTAL{instance=~"$instance", gpu=~"$gpu"}[30s])': (10, 700),  # J/s = W
+}
 
 pytestmark = pytest.mark.skipif(not shutil.which(PROMETHEUS), reason=f"{PROMETHEUS} is not installed")
 
@@ -131,12 +144,19 @@ def stack(tmp_path_factory):
          "--sim-fault", "gpu=1,kind=ecc,after=1s,fail=20s",
          "--metrics-listen", f"127.0.0.1:{dcgm_port}", "--metrics-names", "dcgm"],
         stdout=subprocess.DEVNULL, stderr=(tmp / "dcgm-agent.log").open("wb"))
+    legacy_port = free_port()
+    legacy_agent = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "agent", "--simulate", "1", "--node", DCGM_NODE, "--record",
+         str(tmp / "legacy-rec"), "--interval", "0.2", "--slow-interval", "1", "--no-probe-socket",
+         "--metrics-listen", f"127.0.0.1:{legacy_port}", "--metrics-names", "dcgm-legacy"],
+        stdout=subprocess.DEVNULL, stderr=(tmp / "dcgm-legacy-agent.log").open("wb"))
     prometheus = None
     try:
         poll(lambda: agent.metrics_server is not None, 30, "the agent's metrics endpoint")
         (service,) = [s for s in collector.services if isinstance(s, MetricsService)]
         targets = {"gpuwatch-agent": agent.metrics_server.url.split("/")[2],
-                   "gpuwatch-collector": service.server.url.split("/")[2], "dcgm-agent": f"127.0.0.1:{dcgm_port}"}
+                   "gpuwatch-collector": service.server.url.split("/")[2], "dcgm-agent": f"127.0.0.1:{dcgm_port}",
+                   "dcgm-legacy-agent": f"127.0.0.1:{legacy_port}"}
         started = time.time()
         prometheus = Prometheus(tmp, targets, am_url)
         poll(prometheus.targets_up, 60, "prometheus to scrape every target", every=0.5)
@@ -145,8 +165,9 @@ def stack(tmp_path_factory):
     finally:
         if prometheus is not None:
             prometheus.stop()
-        dcgm_agent.terminate()
-        dcgm_agent.wait(30)
+        for process in (dcgm_agent, legacy_agent):
+            process.terminate()
+            process.wait(30)
         in_process.close()
         collector.stop()
         am_proc.terminate()
@@ -292,29 +313,40 @@ def test_sums_count_each_gpu_once_though_agent_and_collector_both_export_it(stac
 
 
 @pytest.mark.parametrize("expr, bounds", list(DCGM_DASHBOARD.items()))
-def test_nvidias_dcgm_exporter_dashboard_queries_work_on_a_dcgm_named_agent(stack, expr, bounds):
-    prometheus = stack["prometheus"]
-    query = _substitute(expr).replace('instance=~".*"', 'instance=~".*", job="dcgm-agent"')
+def test_nvidias_dcgm_exporter_dashboard_queries_work_on_a_dcgm_legacy_named_agent(stack, expr, bounds):
+    _dashboard_query_works(stack["prometheus"], expr, bounds, "dcgm-legacy-agent",
+                           ("Hostname", "DCGM_FI_DRIVER_VERSION"))
+
+
+@pytest.mark.parametrize("expr, bounds", list(DCGM_4_9_DASHBOARD.items()))
+def test_dcgm_exporter_4_9_dashboard_queries_work_on_a_dcgm_named_agent(stack, expr, bounds):
+    _dashboard_query_works(stack["prometheus"], expr, bounds, "dcgm-agent",
+                           ("hostname", "DCGM_FI_SYSTEM_DRIVER_VERSION"))
+
+
+def _dashboard_query_works(prometheus, expr, bounds, job, host_and_driver_labels):
+    query = _substitute(expr).replace('instance=~".*"', f'instance=~".*", job="{job}"')
     result = poll(lambda: prometheus.query(query), 60, f"{query} to answer", every=0.5)
     low, high = bounds
     assert all(low <= v <= high for v in _values(result)), (query, _values(result))
     if "avg(" not in expr and "sum(" not in expr:
         labels = result[0]["metric"]
-        assert {"gpu", "UUID", "modelName", "Hostname", "device", "pci_bus_id", "DCGM_FI_DRIVER_VERSION"} <= set(labels)
-        assert labels["Hostname"] == DCGM_NODE and labels["device"] == f"nvidia{labels['gpu']}"
+        host = host_and_driver_labels[0]
+        assert {"gpu", "UUID", "modelName", "device", "pci_bus_id", *host_and_driver_labels} <= set(labels)
+        assert labels[host] == DCGM_NODE and labels["device"] == f"nvidia{labels['gpu']}"
         assert re.fullmatch(r"GPU-[0-9a-f-]{36}", labels["UUID"]) and labels["modelName"].startswith("NVIDIA")
 
 
 def test_dcgm_xid_errors_holds_the_last_xid_with_its_name(stack):
     prometheus = stack["prometheus"]
     # the scripted ECC fault sends precursor XIDs (92: high SBE rate) before the fatal 48
-    failed = poll(lambda: prometheus.query('DCGM_FI_DEV_XID_ERRORS{job="dcgm-agent", gpu="1"} == 48'), 90,
-                  "the scripted XID 48 in DCGM_FI_DEV_XID_ERRORS", every=0.5)
+    failed = poll(lambda: prometheus.query('DCGM_FI_DEV_XID_ERROR{job="dcgm-agent", gpu="1"} == 48'), 90,
+                  "the scripted XID 48 in DCGM_FI_DEV_XID_ERROR", every=0.5)
     assert len(failed) == 1
     assert failed[0]["metric"]["err_code"] == "48" and "ECC" in failed[0]["metric"]["err_msg"]
-    healthy = prometheus.query('DCGM_FI_DEV_XID_ERRORS{job="dcgm-agent", gpu="0"}')
+    healthy = prometheus.query('DCGM_FI_DEV_XID_ERROR{job="dcgm-agent", gpu="0"}')
     assert _values(healthy) == [0.0] and healthy[0]["metric"]["err_msg"] == "No Error"
     # the GPU that failed stops working, as a real one does after XID 48
-    util = poll(lambda: prometheus.query('DCGM_FI_DEV_GPU_UTIL{job="dcgm-agent", gpu="1"} == 0'), 30,
+    util = poll(lambda: prometheus.query('DCGM_FI_DEV_GPU_UTIL_RATIO{job="dcgm-agent", gpu="1"} == 0'), 30,
                 "the failed GPU to idle", every=0.5)
     assert util

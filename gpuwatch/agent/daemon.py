@@ -30,7 +30,9 @@ from gpuwatch.agent.host import HostSampler
 from gpuwatch.agent.jobs import JobResolver, read_proc_environ
 from gpuwatch.agent.kubelet import PodResourcesClient
 from gpuwatch.agent.nvml import GpuDevice, NvmlSampler
+from gpuwatch.agent.mig import MigSampler, mig_events
 from gpuwatch.agent.owners import OwnerTracker
+from gpuwatch.agent.processes import EventPacing, process_events, rollup
 from gpuwatch.agent.probe_socket import ProbeListener
 from gpuwatch.agent.spool import Spool, SpoolFull
 from gpuwatch.agent.uplink import Uplink
@@ -171,6 +173,10 @@ class Agent:
         self.metrics: NodeMetrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.owners: OwnerTracker | None = None  # GPU owners (pods, jobs), refreshed on the slow cadence
+        self.migs: MigSampler | None = None  # MIG instances, sampled on the slow cadence
+        # per-GPU process and MIG events at most every minute or few (on the agent's, maybe simulated, clock)
+        self._process_pacing = EventPacing(self.clock)
+        self._mig_pacing = EventPacing(self.clock)
         self._local_sequence = itertools.count(1)  # record-only mode has no spool to number batches
 
     def stop(self) -> None:
@@ -192,6 +198,8 @@ class Agent:
             sampler = NvmlSampler(slow_interval=cfg.slow_interval)
             stack.callback(sampler.close)
             devices = sampler.open()
+            self.migs = MigSampler(devices, sampler.clock)
+            stack.callback(self.migs.close)  # before nvmlShutdown (callbacks run last-first)
             jobs = JobResolver(self.environ, cfg.job_label or "")
             kubelet = PodResourcesClient(cfg.kubelet_socket) if cfg.kubelet_socket else None
             if kubelet is not None:
@@ -310,9 +318,23 @@ class Agent:
         ts_ms = self._now_ms()
         tick = sampler.sample()
         if tick.slow:
-            jobs.refresh(sampler.running_pids())
+            procs = sampler.running_processes()
+            jobs.refresh({gpu: [p.pid for p in ps] for gpu, ps in procs.items()})
+            if self.migs is not None:
+                self.migs.refresh()
             if self.owners is not None:
+                if self.migs is not None:  # a GPU repartitioned since start: its new instances match too
+                    self.owners.mig_parents = {u: inst.gpu_index for u, inst in self.migs.instances.items()}
                 for event in self.owners.refresh(jobs.by_gpu):
+                    self.emit(event)
+            holders = self.owners.holders if self.owners is not None else {}
+            uses = {gpu: rollup(ps, holders.get(gpu, []), {p.pid: jobs.job_of_pid(p.pid) for p in ps},
+                                jobs.environ_reader) for gpu, ps in procs.items()}
+            for event in process_events(uses, self._process_pacing):
+                self.emit(event)
+            if self.migs is not None:
+                device_holders = self.owners.device_holders if self.owners is not None else {}
+                for event in mig_events(self.migs.instances, self.migs.sample(), device_holders, self._mig_pacing):
                     self.emit(event)
         for gpu, values in tick.rows.items():
             job = jobs.job(gpu)

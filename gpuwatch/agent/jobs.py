@@ -117,17 +117,22 @@ class JobResolver:
     def job(self, gpu_index: int) -> JobInfo:
         return self.by_gpu.get(gpu_index, NO_JOB)
 
+    def job_of_pid(self, pid: int) -> JobInfo:
+        """One process's job (cached per PID until it leaves the GPUs)."""
+        job = self._by_pid.get(pid)
+        if job is None:
+            env = self.environ_reader(pid)
+            if env is None:  # not readable (or gone): Slurm's cgroup path may still name the job
+                job = self._by_pid[pid] = job_from_cgroup(self.cgroup_reader(pid) or "")
+            else:
+                job = self._by_pid[pid] = job_from_environ(env, self.job_label)
+        return job
+
     def _job_of(self, pids: list[int]) -> JobInfo:
         """The first process that names a job wins (a GPU shared by several jobs reports the first)."""
         fallback = NO_JOB
         for pid in pids:
-            job = self._by_pid.get(pid)
-            if job is None:
-                env = self.environ_reader(pid)
-                if env is None:  # not readable (or gone): Slurm's cgroup path may still name the job
-                    job = self._by_pid[pid] = job_from_cgroup(self.cgroup_reader(pid) or "")
-                else:
-                    job = self._by_pid[pid] = job_from_environ(env, self.job_label)
+            job = self.job_of_pid(pid)
             if job.rank >= 0:
                 return job
             if job.job_id and fallback is NO_JOB:

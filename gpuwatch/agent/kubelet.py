@@ -41,9 +41,10 @@ def is_gpu_resource(resource_name: str) -> bool:
     return resource_name == GPU_RESOURCE or resource_name.startswith(MIG_RESOURCE_PREFIX)
 
 
-def device_owners(pods: list[pr.PodResources]) -> dict[str, PodOwner]:
-    """Device id (replica suffix removed) -> the container holding it, for the GPU and MIG resources."""
-    owners: dict[str, PodOwner] = {}
+def device_holders(pods: list[pr.PodResources]) -> dict[str, list[PodOwner]]:
+    """Device id (replica suffix removed) -> every container holding it (several under time-slicing), by
+    namespace and pod name, for the GPU and MIG resources."""
+    holders: dict[str, list[PodOwner]] = {}
     for pod in sorted(pods, key=lambda p: (p.namespace, p.name)):
         for container in pod.containers:
             for devices in container.devices:
@@ -51,8 +52,15 @@ def device_owners(pods: list[pr.PodResources]) -> dict[str, PodOwner]:
                     continue
                 for device_id in devices.device_ids:
                     base = device_id.split(REPLICA_SEPARATOR, 1)[0]
-                    owners.setdefault(base, PodOwner(pod.namespace, pod.name, container.name))
-    return owners
+                    owner = PodOwner(pod.namespace, pod.name, container.name)
+                    if owner not in holders.setdefault(base, []):
+                        holders[base].append(owner)
+    return holders
+
+
+def device_owners(pods: list[pr.PodResources]) -> dict[str, PodOwner]:
+    """Device id (replica suffix removed) -> the first container holding it, for the GPU and MIG resources."""
+    return {device: owners[0] for device, owners in device_holders(pods).items()}
 
 
 class PodResourcesClient:
@@ -74,13 +82,17 @@ class PodResourcesClient:
         return self._stub
 
     def list_devices(self) -> dict[str, PodOwner]:
-        """Every GPU/MIG device id the kubelet has allocated -> its owner (``List``)."""
+        """Every GPU/MIG device id the kubelet has allocated -> its (first) owner (``List``)."""
+        return {device: owners[0] for device, owners in self.list_holders().items()}
+
+    def list_holders(self) -> dict[str, list[PodOwner]]:
+        """Every GPU/MIG device id the kubelet has allocated -> all its holders (``List``)."""
         try:
             reply = self._lister().List(pr.ListPodResourcesRequest(), timeout=self.timeout_s)
         except grpc.RpcError as exc:
             self.close()
             raise KubeletUnavailable(f"kubelet pod-resources socket {self.socket_path}: {_rpc_error(exc)}") from None
-        return device_owners(list(reply.pod_resources))
+        return device_holders(list(reply.pod_resources))
 
     def pod_devices(self, namespace: str, pod: str) -> dict[str, PodOwner]:
         """One pod's GPU/MIG device ids -> owner (``Get``), e.g. to confirm a pod named elsewhere."""

@@ -117,11 +117,22 @@ class GpuDevice:
     gpm_metrics: list[tuple[int, str, float]] = field(default_factory=lambda: list(GPM_METRICS))
     gpm_buffers: list = field(default_factory=list)
     gpm_last_s: float | None = None
+    process_seen_us: int = 0  # newest per-process utilisation sample read (NVML's lastSeenTimeStamp)
 
     def info(self) -> pb.GpuInfo:
         return pb.GpuInfo(index=self.index, uuid=self.uuid, name=self.name, pci_bus_id=self.pci_bus_id,
                           serial=self.serial, memory_total_bytes=self.memory_total,
                           architecture=self.architecture, gpm_supported=self.gpm_supported)
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A compute process on a GPU: its memory (bytes) and utilisation ratios (None: no sample)."""
+
+    pid: int
+    used_memory: int
+    sm_util: float | None = None
+    mem_util: float | None = None
 
 
 class _GpuLost(Exception):
@@ -215,17 +226,38 @@ class NvmlSampler:
 
     def running_pids(self) -> dict[int, list[int]]:
         """PIDs of the compute processes on each live GPU (for job discovery, on the slow cadence)."""
-        pids: dict[int, list[int]] = {}
+        return {gpu: [p.pid for p in procs] for gpu, procs in self.running_processes(utilization=False).items()}
+
+    def running_processes(self, utilization: bool = True) -> dict[int, list[GpuProcess]]:
+        """The compute processes on each live GPU with their memory and, with ``utilization``, their SM and
+        memory utilisation since the previous call (``nvmlDeviceGetProcessUtilization``: the mean of the
+        samples NVML kept since then; None where it has none or does not support it)."""
+        out: dict[int, list[GpuProcess]] = {}
         for dev in self.devices:
             if dev.lost:
                 continue
             try:
                 procs = self._call(dev, "nvmlDeviceGetComputeRunningProcesses", N.nvmlDeviceGetComputeRunningProcesses)
+                samples = self._process_samples(dev) if utilization and procs else {}
             except _GpuLost:
                 self._mark_lost(dev)
                 continue
-            pids[dev.index] = [p.pid for p in procs or ()]
-        return pids
+            out[dev.index] = [GpuProcess(p.pid, int(p.usedGpuMemory or 0), *samples.get(p.pid, (None, None)))
+                              for p in procs or ()]
+        return out
+
+    def _process_samples(self, dev: GpuDevice) -> dict[int, tuple[float, float]]:
+        """PID -> (SM, memory) utilisation as ratios, averaged over NVML's samples newer than the last read."""
+        samples = self._call(dev, "nvmlDeviceGetProcessUtilization", N.nvmlDeviceGetProcessUtilization,
+                             dev.process_seen_us)
+        sums: dict[int, list[float]] = {}
+        for sample in samples or ():
+            acc = sums.setdefault(int(sample.pid), [0.0, 0.0, 0.0])
+            acc[0] += sample.smUtil
+            acc[1] += sample.memUtil
+            acc[2] += 1
+            dev.process_seen_us = max(dev.process_seen_us, int(sample.timeStamp))
+        return {pid: (sm / n / 100.0, mem / n / 100.0) for pid, (sm, mem, n) in sums.items()}
 
     def mig_parents(self) -> dict[str, int]:
         """MIG instance UUID -> its GPU's index, so a pod holding a MIG instance is matched to the GPU."""

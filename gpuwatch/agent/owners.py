@@ -64,9 +64,13 @@ class OwnerTracker:
         self._announced: float | None = None
         self._index_of: dict[str, int] = {uuid: index for index, uuid in uuids.items() if uuid}
         self._index_of.update({str(index): index for index in uuids})
-        self._mig_parents = dict(mig_parents or {})
+        self.mig_parents = dict(mig_parents or {})  # MIG UUID -> its GPU's index
         self._uuids = dict(uuids)
         self.by_gpu: dict[int, GpuOwner] = {}
+        #: GPU index -> every pod holding it (several with time-slicing), from the last refresh
+        self.holders: dict[int, list[PodOwner]] = {}
+        #: device id (GPU or MIG UUID) -> the pods holding it, from the last refresh
+        self.device_holders: dict[str, list[PodOwner]] = {}
         self.kubelet_error: str | None = None
 
     def owner(self, gpu_index: int) -> GpuOwner:
@@ -74,15 +78,22 @@ class OwnerTracker:
 
     def pods(self) -> dict[int, tuple[PodOwner, str]]:
         """GPU index -> (its pod, the MIG UUID or "") from the kubelet; empty without one or when unreachable."""
+        self.holders, self.device_holders = {}, {}
         if self.kubelet is None:
             return {}
         try:
-            devices = self.kubelet.list_devices()
+            holders = self.kubelet.list_holders()
         except KubeletUnavailable as exc:
             if self.kubelet_error != str(exc):
                 log.warning("%s; GPU owners fall back to process environments", exc)
             self.kubelet_error = str(exc)
             return {}
+        self.device_holders = holders
+        devices = {device: owners[0] for device, owners in holders.items()}
+        for device_id, owners in holders.items():
+            index = self._index_of.get(device_id, self.mig_parents.get(device_id))
+            if index is not None:
+                self.holders.setdefault(index, []).extend(o for o in owners if o not in self.holders.get(index, []))
         if self.kubelet_error is not None:
             log.info("kubelet pod-resources socket %s answers again", self.kubelet.socket_path)
         self.kubelet_error = None
@@ -91,7 +102,7 @@ class OwnerTracker:
             if device_id in self._index_of:  # the whole GPU wins over any MIG instance of it
                 by_gpu[self._index_of[device_id]] = (pod, "")
         for device_id, pod in devices.items():
-            parent = self._mig_parents.get(device_id)
+            parent = self.mig_parents.get(device_id)
             if parent is not None and parent not in by_gpu:  # several pods on one GPU's instances: the first
                 by_gpu[parent] = (pod, device_id)
         return by_gpu

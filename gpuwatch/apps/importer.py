@@ -27,6 +27,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from gpuwatch.core import events as event_kinds
+from gpuwatch.core.dcgm_names import RENAMED_4_9
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.fields import GPU_FIELD_NAMES
 from gpuwatch.core.progress import Progress
@@ -87,6 +88,11 @@ DCGM_METRICS: dict[str, tuple[str, float]] = {
     **{name: (name, 1.0) for name in GPU_FIELD_NAMES},
 }
 XID_METRIC = "DCGM_FI_DEV_XID_ERRORS"
+# dcgm-exporter 4.9's names of the same fields, in its base units (--metrics-names dcgm's table); its last-XID
+# gauge becomes events as the old one does
+DCGM_METRICS.update({new: (DCGM_METRICS[old][0], DCGM_METRICS[old][1] if scale is None else 1.0 / scale)
+                     for old, (new, scale, _) in RENAMED_4_9.items() if old in DCGM_METRICS})
+DCGM_METRICS[RENAMED_4_9[XID_METRIC][0]] = (XID_METRIC, 1.0)
 
 # Column names looked for, in order, when no --*-column names one.
 NODE_COLUMNS = ("node", "Hostname", "hostname", "host", "instance")

@@ -21,6 +21,11 @@ GPU_OWNER = "gpu_owner"  # the GPU's owner changed: attrs namespace, pod, contai
 #: Agents send every GPU's owner again this often although unchanged, so readers need look back only this far
 #: (twice, for margin) to find who holds a GPU at a time, and an owner outlives the store's event retention.
 GPU_OWNER_REANNOUNCE_S = 3600.0
+GPU_PROCESSES = "gpu_processes"  # per slow tick, a GPU's compute processes rolled up per owner: attrs["owners"]
+#                  = JSON list of {namespace, pod, container, job_id, user, sm_util, mem_util, memory_bytes, processes}
+MIG_INSTANCES = "mig_instances"  # per slow tick, a MIG-mode GPU's instances: attrs["instances"] = JSON list of
+#                  {uuid, gpu_instance_id, namespace, pod, container, memory_used_bytes, memory_total_bytes,
+#                   sm_active, sm_occupancy, tensor_active, dram_active} (ratios of the instance's own slice)
 NVML_EVENT = "nvml_event"  # any other NVML event type, attrs["event_type"]
 FAULT = "fault"  # one fault of an operator's fault log (gpuwatch import --format faults); code = XID or 0,
 #                  message = the log's description, attrs["kind"], ["gpu"], ["class"], ["end_ms"] (repair end)
@@ -36,6 +41,8 @@ MEANINGS: dict[str, str] = {
     ECC_DBE: "uncorrectable memory errors reported as events",
     ECC_SBE: "correctable memory errors reported as events",
     NVML_EVENT: "other NVML events (clock changes, power events)",
+    GPU_PROCESSES: "per-owner process use of a GPU (per-process utilisation and memory, for gpuwatch usage)",
+    MIG_INSTANCES: "MIG instances' memory and activity with the pods holding them (for gpuwatch usage)",
     FAULT: "faults from an imported fault log (gpuwatch import --format faults; gpuwatch fleet counts them)",
 }
 

@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from gpuwatch import __version__
 from gpuwatch.core import fields, xids
+from gpuwatch.core.dcgm_names import NAMINGS as DCGM_NAMINGS
 from gpuwatch.core.dcgm_names import dcgm_families
 from gpuwatch.core.settings import split_address
 from gpuwatch.core.errors import UserError
@@ -175,7 +176,7 @@ METRICS: tuple[MetricSpec, ...] = (
 EXPORTED_METRICS: dict[str, str] = {m.name: m.kind for m in METRICS}
 _SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 #: --metrics-names values: the project's own names, or dcgm-exporter's for the per-GPU values.
-NAMINGS: tuple[str, ...] = ("gpuwatch", "dcgm")
+NAMINGS: tuple[str, ...] = ("gpuwatch", *DCGM_NAMINGS)
 _FAMILY_TYPES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
 
 
@@ -289,14 +290,14 @@ class SnapshotCollector(Collector):
             raise UserError(f"metrics names {names!r}: expected one of {', '.join(NAMINGS)}")
         self._provider = provider
         self._max_jobs = max_jobs
-        self._dcgm = names == "dcgm"
+        self._dcgm = DCGM_NAMINGS.get(names)
         self._telemetry = gpu_telemetry
 
     def collect(self) -> Iterable[Metric]:
         snap = self._provider()
         out = _Families()
         for gpu in snap.get("gpus", ()):
-            _add_gpu(out, gpu, self._telemetry and not self._dcgm)
+            _add_gpu(out, gpu, self._telemetry and self._dcgm is None)
         if self._telemetry:
             for host in snap.get("hosts", ()):
                 _add_host(out, host)
@@ -312,8 +313,8 @@ class SnapshotCollector(Collector):
         for agent in snap.get("agents", ()):
             _add_prefixed(out, "gpuwatch_agent_", agent, (agent["node"],))
         out.add("gpuwatch_build_info", (__version__,), 1)
-        if self._dcgm and self._telemetry:
-            return [*dcgm_families(snap.get("gpus", ())), *out]
+        if self._dcgm is not None and self._telemetry:
+            return [*dcgm_families(snap.get("gpus", ()), self._dcgm), *out]
         return out
 
     def describe(self) -> Iterable[Metric]:

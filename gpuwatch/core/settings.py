@@ -220,8 +220,9 @@ class AgentSettings(ClientSecurity):
                                              "(NCCL_INSPECTOR_DUMP_DIR) to send as collective spans")
     metrics_listen: str | None = setting(None, "optional node-local Prometheus endpoint HOST:PORT", address)
     metrics_token_file: str | None = setting(None, "bearer token Prometheus must send to the node-local endpoint")
-    metrics_names: str = setting("gpuwatch", "metric names of the node-local endpoint: gpuwatch, or dcgm "
-                                 "(dcgm-exporter's names and labels)", one_of("gpuwatch", "dcgm"))
+    metrics_names: str = setting("gpuwatch", "metric names of the node-local endpoint: gpuwatch, dcgm "
+                                 "(dcgm-exporter 4.9's names, units and labels) or dcgm-legacy (up to 4.8's)",
+                                 one_of("gpuwatch", "dcgm", "dcgm-legacy"))
     log_level: str = log_level_setting()
 
 

@@ -78,17 +78,22 @@ class SimulatedFleet(FaultScripting):
         self.uninstall()
 
     # --- jobs --------------------------------------------------------------------------------------
-    def start_job(self, gpu: int, job_id: str, rank: int, local_rank: int, launcher: str = "slurm") -> int:
-        """Put one training process of ``job_id`` on ``gpu``; returns its fake PID."""
+    def start_job(self, gpu: int, job_id: str, rank: int, local_rank: int, launcher: str = "slurm", *,
+                  pod: str = "", weight: float = 1.0) -> int:
+        """Put one training process of ``job_id`` on ``gpu``; returns its fake PID. ``pod`` names the
+        Kubernetes pod it runs in (its HOSTNAME), ``weight`` its share of the GPU against the other
+        processes on it (time-slicing)."""
         if launcher == "slurm":
             env = {"SLURM_JOB_ID": job_id, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local_rank)}
         elif launcher == "torchelastic":
             env = {"TORCHELASTIC_RUN_ID": job_id, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
         else:
             raise ValueError(f"unknown launcher {launcher!r}; use 'slurm' or 'torchelastic'")
+        if pod:
+            env["HOSTNAME"] = pod
         g = self.gpus[gpu]
         pid = _PID_BASE + gpu * 100 + len(g.processes)
-        g.processes.append(SimProcess(pid, env, int(g.model.memory_bytes * g.workload.memory_fraction)))
+        g.processes.append(SimProcess(pid, env, int(g.model.memory_bytes * g.workload.memory_fraction), weight))
         return pid
 
     def stop_job(self, gpu: int) -> None:
@@ -99,6 +104,7 @@ class SimulatedFleet(FaultScripting):
         derived from the GPU's UUID so a fleet rebuilt from the same seed names them alike."""
         g = self.gpus[gpu]
         g.mig_uuids = [f"MIG-{g.uuid.removeprefix('GPU-')[:-3]}{i:03x}" for i in range(instances)]
+        g.mig_loads = [1.0] * instances
         return list(g.mig_uuids)
 
     def environ(self, pid: int) -> dict[str, str] | None:

@@ -75,6 +75,7 @@ class SimProcess:
     pid: int
     environ: dict[str, str]
     used_memory: int
+    weight: float = 1.0  # its share of the GPU's busy time against the other processes' (time-slicing)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class SimGpu:
             *(ident.getrandbits(b) for b in (32, 16, 16, 16, 48)))
         self.pci_bus = 0x18 + 0x10 * self.index
         self.mig_uuids: list[str] = []  # MIG instances (SimulatedFleet.partition_mig); empty: MIG off
+        self.mig_loads: list[float] = []  # each instance's activity against the GPU's workload (1.0: the same)
         self.serial = f"{1650000000000 + self.seed * 1000 + self.index}"
 
     @property
@@ -201,6 +203,11 @@ class SimGpu:
         if self.power_capped:
             reasons |= N.nvmlClocksEventReasonSwPowerCap
         return reasons
+
+    def process_sm_util(self, process: SimProcess) -> float:
+        """The process's share of the SM time (0..1): the GPU's utilisation split by the processes' weights."""
+        total = sum(p.weight for p in self.processes)
+        return self.utilization * process.weight / total if total > 0 else 0.0
 
     @property
     def memory_used(self) -> int:

@@ -81,7 +81,8 @@ class FakeNvmlLib:
         self._initialized = False
         self._lock = threading.Condition()  # guards the handles below; event-set waiters sleep on it
         self._event_sets: dict[int, _EventSet] = {}
-        self._gpm_samples: dict[int, tuple[int, float, dict[str, float]] | None] = {}
+        # address -> (GPU index, or (GPU index, MIG instance), sampled at, counters); None until sampled
+        self._gpm_samples: dict[int, tuple[int | tuple[int, int], float, dict[str, float]] | None] = {}
         self._next_address = itertools.count(1)  # fake addresses for event sets and GPM buffers
         self._saved: tuple | None = None  # what install() replaced in pynvml
 
@@ -130,6 +131,14 @@ class FakeNvmlLib:
         gpu.advance(self._fleet.clock())
         return gpu, N.NVML_SUCCESS
 
+    def _mig(self, handle, symbol: str) -> tuple[SimGpu | None, int, int]:
+        """The parent GPU and instance slot behind a MIG handle (its state advanced), or an error code."""
+        parent, instance = divmod(_address(handle) - _MIG_HANDLE_BASE, 0x100)
+        gpu, rc = self._gpu(_VOID_P(_HANDLE_BASE + 0x100 * parent), symbol)
+        if gpu is not None and not 0 <= instance < len(gpu.mig_uuids):
+            return None, -1, N.NVML_ERROR_INVALID_ARGUMENT
+        return gpu, instance, rc
+
     def _scalar(self, handle, out, symbol: str, getter: Callable[[SimGpu], float]) -> int:
         gpu, rc = self._gpu(handle, symbol)
         if gpu is not None:
@@ -177,13 +186,9 @@ class FakeNvmlLib:
         return rc if gpu is None else _write_string(buf, length, gpu.model.name)
 
     def nvmlDeviceGetUUID(self, handle, buf, length) -> int:
-        address = _address(handle)
-        if address >= _MIG_HANDLE_BASE:  # a MIG instance's handle
-            parent, instance = divmod(address - _MIG_HANDLE_BASE, 0x100)
-            gpu, rc = self._gpu(_VOID_P(_HANDLE_BASE + 0x100 * parent), "nvmlDeviceGetUUID")
-            if gpu is None or instance >= len(gpu.mig_uuids):
-                return rc if gpu is None else N.NVML_ERROR_INVALID_ARGUMENT
-            return _write_string(buf, length, gpu.mig_uuids[instance])
+        if _address(handle) >= _MIG_HANDLE_BASE:  # a MIG instance's handle
+            mig, instance, rc = self._mig(handle, "nvmlDeviceGetUUID")
+            return rc if mig is None else _write_string(buf, length, mig.mig_uuids[instance])
         gpu, rc = self._gpu(handle, "nvmlDeviceGetUUID")
         return rc if gpu is None else _write_string(buf, length, gpu.uuid)
 
@@ -206,6 +211,15 @@ class FakeNvmlLib:
             return N.NVML_ERROR_NOT_FOUND  # an empty slot
         _write_pointer(out, _MIG_HANDLE_BASE + 0x100 * gpu.index + i)
         return N.NVML_SUCCESS
+
+    def nvmlDeviceGetGpuInstanceId(self, handle, out) -> int:
+        """A MIG handle's GPU instance id (its slot here); a whole GPU's is INVALID_ARGUMENT, as NVML."""
+        if _address(handle) < _MIG_HANDLE_BASE:
+            return N.NVML_ERROR_INVALID_ARGUMENT
+        gpu, instance, rc = self._mig(handle, "nvmlDeviceGetGpuInstanceId")
+        if gpu is not None:
+            _out(out).value = instance
+        return rc
 
     def nvmlDeviceGetSerial(self, handle, buf, length) -> int:
         gpu, rc = self._gpu(handle, "nvmlDeviceGetSerial")
@@ -246,9 +260,17 @@ class FakeNvmlLib:
         return rc
 
     def nvmlDeviceGetMemoryInfo_v2(self, handle, out) -> int:
+        mem = _out(out)
+        if _address(handle) >= _MIG_HANDLE_BASE:  # an instance: an even slice of the memory, used by its load
+            mig, instance, rc = self._mig(handle, "nvmlDeviceGetMemoryInfo_v2")
+            if mig is not None:
+                slices = len(mig.mig_uuids)
+                mem.total, mem.reserved = mig.model.memory_bytes // slices, 0
+                mem.used = min(mem.total, int(mig.memory_used * mig.mig_loads[instance]) // slices)
+                mem.free = mem.total - mem.used
+            return rc
         gpu, rc = self._gpu(handle, "nvmlDeviceGetMemoryInfo_v2")
         if gpu is not None:
-            mem = _out(out)
             if mem.version != N.nvmlMemory_v2:
                 return N.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
             reserved = 455 * 2**20
@@ -333,6 +355,28 @@ class FakeNvmlLib:
         c_count.value = len(gpu.processes)
         return N.NVML_SUCCESS
 
+    def nvmlDeviceGetProcessUtilization(self, handle, samples, count, last_seen) -> int:
+        """One sample per process, newer than ``last_seen`` (µs); NOT_FOUND when there is none, as NVML."""
+        gpu, rc = self._gpu(handle, "nvmlDeviceGetProcessUtilization")
+        if gpu is None:
+            return rc
+        now_us = int(self._fleet.clock() * 1e6)
+        procs = gpu.processes if now_us > _out(last_seen).value else []
+        c_count = _out(count)
+        if not procs:
+            c_count.value = 0
+            return N.NVML_ERROR_NOT_FOUND
+        if samples is None or c_count.value < len(procs):
+            c_count.value = len(procs)
+            return N.NVML_ERROR_INSUFFICIENT_SIZE
+        for slot, proc in zip(samples, procs):
+            slot.pid, slot.timeStamp = proc.pid, now_us
+            slot.smUtil = round(100 * gpu.process_sm_util(proc))
+            slot.memUtil = round(100 * 0.48 * gpu.process_sm_util(proc))  # the DRAM share advance() uses
+            slot.encUtil = slot.decUtil = 0
+        c_count.value = len(procs)
+        return N.NVML_SUCCESS
+
     # --- GPM (Hopper+) -----------------------------------------------------------------------------
     def nvmlGpmQueryDeviceSupport(self, handle, out) -> int:
         gpu, rc = self._gpu(handle, "nvmlGpmQueryDeviceSupport")
@@ -366,6 +410,21 @@ class FakeNvmlLib:
             counters = dict(gpu.busy_integrals, pcie_tx_bytes=gpu.pcie_tx_bytes, pcie_rx_bytes=gpu.pcie_rx_bytes,
                             nvlink_tx_bytes=gpu.nvlink_tx_bytes, nvlink_rx_bytes=gpu.nvlink_rx_bytes)
             self._gpm_samples[address] = (gpu.index, self._fleet.clock(), counters)
+        return rc
+
+    def nvmlGpmMigSampleGet(self, handle, gpu_instance_id, sample) -> int:
+        """A GPM sample of one MIG instance: the GPU's activity integrals scaled by the instance's load (each
+        instance's ratios are of its own slice, as NVML's)."""
+        gpu, rc = self._gpu(handle, "nvmlGpmMigSampleGet")
+        address, instance = _address(sample), int(getattr(gpu_instance_id, "value", gpu_instance_id))
+        if gpu is None:
+            return rc
+        if address not in self._gpm_samples or not 0 <= instance < len(gpu.mig_uuids):
+            return N.NVML_ERROR_INVALID_ARGUMENT
+        load = gpu.mig_loads[instance]
+        counters = {k: v * load for k, v in gpu.busy_integrals.items()}
+        counters.update(pcie_tx_bytes=0.0, pcie_rx_bytes=0.0, nvlink_tx_bytes=0.0, nvlink_rx_bytes=0.0)
+        self._gpm_samples[address] = ((gpu.index, instance), self._fleet.clock(), counters)
         return rc
 
     def nvmlGpmMetricsGet(self, out) -> int:

@@ -408,18 +408,22 @@ class AlertsResponse(_message.Message):
     def __init__(self, alerts: _Optional[_Iterable[_Union[Alert, _Mapping]]] = ...) -> None: ...
 
 class UsageRow(_message.Message):
-    __slots__ = ("owner", "gpu_seconds", "lost_gpu_seconds", "mean_utilization", "energy_kwh")
+    __slots__ = ("owner", "gpu_seconds", "lost_gpu_seconds", "mean_utilization", "energy_kwh", "process_utilization", "process_memory_bytes")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOST_GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     ENERGY_KWH_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     owner: _containers.RepeatedCompositeFieldContainer[Label]
     gpu_seconds: float
     lost_gpu_seconds: float
     mean_utilization: float
     energy_kwh: float
-    def __init__(self, owner: _Optional[_Iterable[_Union[Label, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., lost_gpu_seconds: _Optional[float] = ..., mean_utilization: _Optional[float] = ..., energy_kwh: _Optional[float] = ...) -> None: ...
+    process_utilization: float
+    process_memory_bytes: int
+    def __init__(self, owner: _Optional[_Iterable[_Union[Label, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., lost_gpu_seconds: _Optional[float] = ..., mean_utilization: _Optional[float] = ..., energy_kwh: _Optional[float] = ..., process_utilization: _Optional[float] = ..., process_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class UsageResponse(_message.Message):
     __slots__ = ("rows",)

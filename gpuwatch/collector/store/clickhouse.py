@@ -39,7 +39,7 @@ from gpuwatch.collector.store import rollups
 from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S
 from gpuwatch.collector.store.inventory import InventoryCache
 from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, size_bytes
-from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, batch_tables, ms_to_datetime
+from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, attr_keys, batch_tables, ms_to_datetime
 from gpuwatch.collector.store.writer import GroupWriter
 from gpuwatch.core.columnar import ColumnarBatch
 from gpuwatch.core.errors import NotFound, UserError
@@ -538,6 +538,16 @@ class ClickHouseStore(GroupWriter):
               AND ts <= fromUnixTimestamp64Milli({until:Int64})""",
             {"kinds": list(kinds), "since": since_ms if since_ms is not None else -1,
              "until": until_ms if until_ms is not None else 2**62 // 1000})
+
+    def event_attrs(self, kind: str, keys: Sequence[str], since_ms: int | None = None,
+                    until_ms: int | None = None) -> pd.DataFrame:
+        picked = "".join(f", JSONExtractString(attrs, '{k}') AS `{k}`" for k in attr_keys(keys))
+        return self._query(f"""
+            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms{picked} FROM events
+            WHERE kind = {{kind:String}} AND ts >= fromUnixTimestamp64Milli({{since:Int64}})
+              AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
+            ORDER BY ts, node, gpu_index""",
+            {"kind": kind, "since": since_ms or 0, "until": until_ms if until_ms is not None else 2**62 // 1000})
 
     def event_counts_by_node(self) -> dict[str, int]:
         return {r["node"]: int(r["n"]) for r in self._records("SELECT node, count() AS n FROM events GROUP BY node")}

@@ -532,6 +532,18 @@ class DuckDBStore(GroupWriter):
               AND ($until IS NULL OR ts <= $until)""",
             {"kinds": list(kinds), "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms)})
 
+    def event_attrs(self, kind: str, keys: Sequence[str], since_ms: int | None = None,
+                    until_ms: int | None = None) -> pd.DataFrame:
+        """Events of ``kind`` from ``since_ms`` up to ``until_ms``, oldest first: node, gpu_index, ts_ms and the
+        attribute ``keys`` as text ("" where absent), read in SQL (no row-by-row JSON in Python)."""
+        picked = "".join(f", coalesce(json_extract_string(attrs, '$.\"{k}\"'), '') AS \"{k}\""
+                         for k in attr_keys(keys))
+        return self.query_df(f"""
+            SELECT node, gpu_index, epoch_ms(ts) AS ts_ms{picked} FROM events
+            WHERE kind = $kind AND ($since IS NULL OR ts >= $since) AND ($until IS NULL OR ts <= $until)
+            ORDER BY ts, node, gpu_index""",
+            {"kind": kind, "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms)})
+
     def event_counts_by_node(self) -> dict[str, int]:
         """Events stored per node."""
         return {r["node"]: int(r["n"]) for r in self._records("SELECT node, count(*) AS n FROM events GROUP BY node")}
@@ -992,6 +1004,14 @@ def _private(path: str) -> None:
 def ms_to_datetime(ms: int) -> dt.datetime:
     """Epoch ms as a naive UTC datetime (DuckDB TIMESTAMP has no zone)."""
     return dt.datetime(1970, 1, 1) + dt.timedelta(milliseconds=ms)
+
+
+def attr_keys(keys: Sequence[str]) -> list[str]:
+    """Attribute names safe to write into a query (the callers' own constants; checked all the same)."""
+    bad = [k for k in keys if not k.replace("_", "").isalnum()]
+    if bad:
+        raise ValueError(f"event attribute names {bad}: letters, digits and _ only")
+    return list(keys)
 
 
 def _ms_or_none(ms: int | None) -> dt.datetime | None:
