@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     options = dict(per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
                    peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, steps=args.steps)
     if args.perfetto:  # every kernel is drawn: the timelines are kept
-        doc = analyze(_in_pool(args.paths, load_paths), keep_segments=True, **options)
+        doc = analyze(read_in_pool(args.paths, load_paths), keep_segments=True, **options)
     else:  # each rank is reduced where it is read; only the summaries are kept
-        doc = analyze_summaries(_in_pool(args.paths, functools.partial(summarize_paths, steps=args.steps)),
+        doc = analyze_summaries(read_in_pool(args.paths, functools.partial(summarize_paths, steps=args.steps)),
                                 **options)
     if args.perfetto:
         from gpuwatch.efficiency.perfetto import perfetto_trace
@@ -74,7 +74,7 @@ ANALYZE = Command(add_arguments, run)
 _T = TypeVar("_T")
 
 
-def _in_pool(paths: list[str], read: Callable[..., list[_T]]) -> list[_T]:
+def read_in_pool(paths: list[str], read: Callable[..., list[_T]]) -> list[_T]:
     """`read(paths, progress=..., map_files=...)` (`load_paths` or `summarize_paths`) with the files read in
     parallel by a pool of processes, one per core (reading is CPU-bound Python; a summary, or a timeline, is
     a few arrays, cheap to send back); one file is read here. Workers are spawned, not forked: the caller may

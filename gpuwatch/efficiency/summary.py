@@ -113,8 +113,24 @@ def summarize_paths(paths: list[str], *, steps: str | None = None, what_if: bool
     its executor's `map` as `map_files` (then `progress` must be a module-level function)."""
     files = expand_paths(paths)
     job = functools.partial(_summarize_file, alone=len(files) == 1, steps=steps, what_if=what_if)
-    return [s for found in map_files(job, [(p, functools.partial(progress, p) if progress else None) for p in files])
+    names: dict[str, str] = {}
+    return [share_names(s, names)
+            for found in map_files(job, [(p, functools.partial(progress, p) if progress else None) for p in files])
             for s in found]
+
+
+def share_names(summary: RankSummary, names: dict[str, str]) -> RankSummary:
+    """`summary` with its kernel names replaced by the equal strings of `names` (added there when new): the
+    ranks of a job run the same kernels, and a summary that crossed a process boundary brings its own copy
+    of each name, the largest part of it."""
+    def shared(name: str) -> str:
+        return names.setdefault(name, name)
+
+    summary.kernels = [(shared(k[0]), *k[1:]) for k in summary.kernels]
+    if summary.graph is not None:
+        summary.graph.labels = [(lb[0], lb[1], shared(lb[2]) if isinstance(lb[2], str) else lb[2])
+                                for lb in summary.graph.labels]
+    return summary
 
 
 def _summarize_file(job: tuple[str, Callable[[int], None] | None], *, alone: bool, steps: str | None,
@@ -125,20 +141,25 @@ def _summarize_file(job: tuple[str, Callable[[int], None] | None], *, alone: boo
     return [summarize(tl, steps=steps, peers=peers, what_if=what_if) for tl in timelines]
 
 
+#: The first bytes of encoded summaries (and of nothing the trace readers read).
+MAGIC = b"GWSUMMARY1\n"
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=lambda a: _array_out(a))
 
 
 def encode(summaries: list[RankSummary]) -> bytes:
-    """Summaries as msgpack (arrays as dtype, shape and raw bytes; no pickle): what an agent sends."""
-    return _ENCODER.encode(summaries)
+    """Summaries as `MAGIC` and msgpack (arrays as dtype, shape and raw bytes; no pickle): what a node sends
+    to the collector in place of its ranks' traces, and what the collector keeps per rank."""
+    return MAGIC + _ENCODER.encode(summaries)
 
 
-def decode(data: bytes) -> list[RankSummary]:
-    """The summaries `encode` wrote; anything else stops with a one-line error."""
+def decode(data: bytes, name: str = "summary") -> list[RankSummary]:
+    """The summaries `encode` wrote; anything else stops with a one-line error naming `name`."""
+    if not data.startswith(MAGIC):
+        raise UserError(f"{name}: not a gpuwatch trace summary")
     try:
-        return msgspec.msgpack.decode(data, type=list[RankSummary], dec_hook=_array_in)
+        return msgspec.msgpack.decode(memoryview(data)[len(MAGIC):], type=list[RankSummary], dec_hook=_array_in)
     except (msgspec.DecodeError, ValueError, TypeError) as exc:
-        raise UserError(f"not a trace summary: {exc}") from None
+        raise UserError(f"{name}: a damaged trace summary ({exc})") from None
 
 
 def _array_out(value: Any) -> Any:
