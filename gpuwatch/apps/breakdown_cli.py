@@ -8,6 +8,7 @@ With `--summarize` the traces are reduced here, where they are, to their ranks' 
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import sys
 from collections.abc import Callable
@@ -34,7 +35,7 @@ def submit_traces(stub: query_pb2_grpc.QueryStub, job_id: str, paths: list[str],
     `summarize`: their ranks' summaries, made here, in one call); return the job's breakdown document after
     the last one (it covers every rank the collector has for the job)."""
     if summarize:
-        content = encode(read_in_pool(paths, summarize_paths))
+        content = encode(read_in_pool(paths, functools.partial(summarize_paths, part=True)))
         name = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1})"
         if progress is not None:
             progress(f"summaries of {name}", len(content))

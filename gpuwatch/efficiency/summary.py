@@ -105,14 +105,16 @@ def kernel_rows(tl: RankTimeline) -> list[KernelRow]:
             for i in np.flatnonzero(count)]
 
 
-def summarize_paths(paths: list[str], *, steps: str | None = None, what_if: bool = True,
+def summarize_paths(paths: list[str], *, steps: str | None = None, what_if: bool = True, part: bool = False,
                     progress: Callable[[str, int], None] | None = None,
                     map_files: Callable[..., Iterable[list[RankSummary]]] = map) -> list[RankSummary]:
     """The summaries of every rank in `paths` (files or folders, as `load_paths` reads them), one file at a
-    time: a file's timelines are dropped once reduced. A caller that wants files reduced in parallel passes
-    its executor's `map` as `map_files` (then `progress` must be a module-level function)."""
+    time: a file's timelines are dropped once reduced. `part`: these are some of the job's ranks (a node's,
+    sent to the collector), so even one rank may have peers; else the paths are the whole job. A caller that
+    wants files reduced in parallel passes its executor's `map` as `map_files` (then `progress` must be a
+    module-level function)."""
     files = expand_paths(paths)
-    job = functools.partial(_summarize_file, alone=len(files) == 1, steps=steps, what_if=what_if)
+    job = functools.partial(_summarize_file, alone=len(files) == 1, part=part, steps=steps, what_if=what_if)
     names: dict[str, str] = {}
     return [share_names(s, names)
             for found in map_files(job, [(p, functools.partial(progress, p) if progress else None) for p in files])
@@ -133,11 +135,11 @@ def share_names(summary: RankSummary, names: dict[str, str]) -> RankSummary:
     return summary
 
 
-def _summarize_file(job: tuple[str, Callable[[int], None] | None], *, alone: bool, steps: str | None,
+def _summarize_file(job: tuple[str, Callable[[int], None] | None], *, alone: bool, part: bool, steps: str | None,
                     what_if: bool) -> list[RankSummary]:
     path, report = job
     timelines = load_file(path, progress=report, default_rank=0 if alone else None)
-    peers = not alone or len(timelines) > 1
+    peers = part or not alone or len(timelines) > 1
     return [summarize(tl, steps=steps, peers=peers, what_if=what_if) for tl in timelines]
 
 

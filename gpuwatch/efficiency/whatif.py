@@ -266,7 +266,7 @@ def _join(graphs: list[RankGraph], matching: Matching) -> _Graph | None:
             key: tuple[object, ...] = ("p", p2p) if coll < 0 else ("c", int(inst[coll]))
             c_key.append(-1 if coll >= 0 and inst[coll] < 0 else keys.setdefault(key, len(keys)))
     c_inst = np.array(c_key, dtype=np.int64)
-    size = np.bincount(c_inst[c_inst >= 0], minlength=len(keys))
+    size = np.bincount(c_inst[c_inst >= 0], minlength=len(keys) + 1)  # one more: indexed by -1 too
     c_inst = np.where((c_inst >= 0) & (size[np.maximum(c_inst, 0)] >= 2), c_inst, -1)
     instance = np.full(len(node_start), -1, np.int64)
     instance[c_node] = c_inst

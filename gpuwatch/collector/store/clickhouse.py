@@ -729,8 +729,7 @@ class ClickHouseStore(GroupWriter):
     def job_timelines(self, job_id: str) -> list[bytes]:
         df = self._client().query_arrow("SELECT timeline FROM job_timelines WHERE job_id = {job:String} ORDER BY rank",
                                         parameters={"job": job_id})
-        return [bytes(v.as_py()) if isinstance(v.as_py(), bytes) else v.as_py().encode("latin-1")
-                for v in df.column("timeline")]
+        return [v.as_buffer().to_pybytes() for v in df.column("timeline")]  # raw bytes, also where read as a string
 
     def traced_jobs(self) -> list[dict[str, Any]]:
         return self._records("""
