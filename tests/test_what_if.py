@@ -219,7 +219,7 @@ def test_replays_walked_together_equal_each_walked_alone(job):
     wait = rng.uniform(0.0, 300.0, len(graph.node_start))  # the first replay's launch delays
     first, last = whatif._simulate(graph, lambda i: dur[i], 4, wait)
     for c in range(dur.shape[1]):
-        alone = whatif._simulate(graph, lambda i: dur[i, [c]], 1, wait if c == 0 else None)
+        alone = whatif._simulate(graph, lambda i, c=c: dur[i, [c]], 1, wait if c == 0 else None)
         np.testing.assert_array_equal(first[:, c], alone[0][:, 0])
         np.testing.assert_array_equal(last[:, c], alone[1][:, 0])
     assert np.isfinite(last).all()
