@@ -1,7 +1,8 @@
 """`analyze()`: timelines of one job's ranks -> their :class:`~gpuwatch.efficiency.result.Analysis`, whose
-`to_json()` is the efficiency document (spec efficiency.md v1).
+`to_json()` is the efficiency document (spec efficiency.md v1); `analyze_summaries()`: the same from the
+ranks' summaries (summary.py), made where the traces are read, so the job's timelines never meet.
 
-A pure function of its inputs, so the offline `gpuwatch analyze`, the collector and replay share it.
+Pure functions of their inputs, so the offline `gpuwatch analyze`, the collector and replay share them.
 """
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
                                  peak_tflops=peak_tflops, gpu_hour_price=gpu_hour_price, steps=steps)
     if keep_segments:
         chosen = sorted((select_steps(tl, steps) for tl in timelines), key=lambda tl: tl.rank)
-        matching = match_collectives([collectives_of(tl) for tl in chosen])
+        collectives = [collectives_of(tl) for tl in chosen]
+        matching = match_collectives(collectives)
         origin = math.floor(min(float(tl.start_us.min()) for tl in chosen))
         analysis.partitions = [partition(tl, _activity_waits(tl, c, w), origin, keep_segments=True)
-                               for tl, c, w in zip(chosen, (collectives_of(tl) for tl in chosen), matching.waits)]
+                               for tl, c, w in zip(chosen, collectives, matching.waits)]
         analysis.timelines = chosen
     return analysis
 
@@ -104,6 +106,7 @@ def _job_partition(s: RankSummary, waits_us: np.ndarray, origin: int) -> Partiti
 
 
 def _activity_waits(tl: RankTimeline, collectives: Collectives, waits: np.ndarray) -> np.ndarray:
+    """Each activity's wait for peers (0 outside the matched collectives), as `partition` takes them."""
     out = np.zeros(len(tl))
     out[collectives.index] = waits
     return out
