@@ -119,6 +119,7 @@ import numpy, orjson
 from isal import isal_zlib
 from gpuwatch.efficiency import analyze, load_paths
 from gpuwatch.efficiency.matching import match_collectives
+from gpuwatch.efficiency.summary import summarize
 from gpuwatch.efficiency.whatif import what_if
 from gpuwatch.efficiency.traces.eventstream import TraceEventStream
 from gpuwatch.efficiency.traces.kineto import _DECODER, _LAUNCH_FLOWS, _WANTED
@@ -137,7 +138,8 @@ def stream():
         pass
 kept = orjson.dumps([e for events in TraceEventStream(path, only=_WANTED) for e in events])
 tls = load_paths([path])
-m = match_collectives(tls)
+summaries = [summarize(tl, peers=False) for tl in tls]
+m = match_collectives([s.collectives for s in summaries])
 doc = analyze(tls)
 print(json.dumps({
     "imports_s": imports,
@@ -148,7 +150,8 @@ print(json.dumps({
     "kept_parse_s": best(lambda: paused(lambda: orjson.loads(kept))), "kept_mb": len(kept) / 1e6,
     "kept_decode_s": best(lambda: paused(lambda: _DECODER.decode(kept))),
     "stream_s": best(stream), "load_s": best(lambda: load_paths([path])),
-    "breakdown_s": best(lambda: analyze(tls, with_what_if=False)), "what_if_s": best(lambda: what_if(tls, m)),
+    "breakdown_s": best(lambda: analyze(tls, with_what_if=False)),
+    "what_if_s": best(lambda: what_if([s.graph for s in summaries], [s.rank for s in summaries], m)),
     "output_s": best(lambda: orjson.dumps(doc.to_json(), option=orjson.OPT_INDENT_2)),
 }))
 """

@@ -22,6 +22,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = os.path.join(ROOT, "..", "shared", "data", "kineto", "control_rank3_of8")
+if not os.path.isdir(TRACE):  # a worktree beside the main checkout
+    TRACE = "/work/shared/data/kineto/control_rank3_of8"
 OLD_VENV = os.path.expanduser("~/.cache/gpuwatch-bench/what-if-old-venv")
 
 # One job size in a fresh interpreter: the what-if's time and the process's peak RSS, as JSON.
@@ -41,10 +43,22 @@ replace = msgspec.structs.replace if isinstance(one, msgspec.Struct) else datacl
 job = [replace(one, rank=r, world_size=ranks, group_ranks={},
                 end_us=one.start_us + (one.end_us - one.start_us) * np.where(comm, 1.0, 1 + 0.03 * (r % 7)))
        for r in range(ranks)]
-matching = match_collectives(job)
+try:  # the what-if on the ranks' graph parts (each built where its trace is read), timed with their building
+    from gpuwatch.efficiency.matching import collectives_of
+    from gpuwatch.efficiency.whatif import rank_graph
+except ImportError:  # an --old-tree's: the what-if of the timelines
+    collectives_of = None
+if collectives_of is not None:
+    collectives = [collectives_of(tl) for tl in job]
+    matching = match_collectives(collectives)
+    run = lambda: what_if([rank_graph(tl, c, peers=True) for tl, c in zip(job, collectives)],
+                          [tl.rank for tl in job], matching)
+else:
+    matching = match_collectives(job)
+    run = lambda: what_if(job, matching)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 started = time.perf_counter()
-result = what_if(job, matching)
+result = run()
 seconds = time.perf_counter() - started
 print(json.dumps({"ops": result.ops, "nodes": result.replayed_nodes, "seconds": seconds,
                   "slowdown": result.slowdown_unclamped, "replay_error": result.replay_error,

@@ -13,7 +13,7 @@ import pytest
 
 from gpuwatch.apps.cli import main
 from gpuwatch.efficiency import analyze, load_paths, whatif
-from gpuwatch.efficiency.matching import match_collectives
+from gpuwatch.efficiency.matching import collectives_of, match_collectives
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, MEMCPY, P2P
 from gpuwatch.efficiency.traces.kineto import load_kineto
 from gpuwatch.core.errors import UserError
@@ -198,7 +198,11 @@ def test_p2p_paired_by_process_group_ranks_and_seq(tmp_path):
     assert w["replay_error"] == pytest.approx(0.0, abs=1e-4)
     # Paired, the receive's transfer is 300 us like every other (its 1000 us wait emerges): nothing to gain.
     assert w["slowdown_unclamped"] == pytest.approx(1.0, abs=1e-4)
-    graph = whatif._build(timelines, match_collectives(timelines))
+    collectives = [collectives_of(tl) for tl in timelines]
+    graph = whatif._join([whatif.rank_graph(tl, c, peers=True) for tl, c in zip(timelines, collectives)],
+                         match_collectives(collectives))
+    assert graph is not None
     pairs = [sorted(graph.node_rank[m].tolist()) for m in graph.members if m]
     assert pairs == [[0, 1], [0, 1]]
-    assert sorted(graph.transfer[graph.kind == P2P].tolist()) == [300.0] * 4
+    p2p = [m for ms in graph.members for m in ms]
+    assert sorted(graph.actual[p2p].tolist()) == [300.0] * 4

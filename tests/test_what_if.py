@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpuwatch.efficiency import RankTimeline, analyze, load_paths, whatif
-from gpuwatch.efficiency.matching import match_collectives
+from gpuwatch.efficiency.matching import collectives_of, match_collectives
 from gpuwatch.efficiency.timeline import COLLECTIVE, COMPUTE, P2P
 from gpuwatch.efficiency.words import ROUGH_REPLAY_ERROR, what_if_lines
 from helpers import KINETO_DATA
@@ -196,36 +196,42 @@ def test_crossed_collectives_are_replayed():
     assert all(np.isfinite([w["slowdown"], w["replay_error"], w["ideal_step_us"]]))
 
 
+def _graph(timelines: list[RankTimeline]) -> whatif._Graph:
+    """The job's what-if graph, joined from its ranks' parts as the engine joins them."""
+    ordered = sorted(timelines, key=lambda tl: tl.rank)
+    collectives = [collectives_of(tl) for tl in ordered]
+    parts = [whatif.rank_graph(tl, c, peers=len(ordered) > 1) for tl, c in zip(ordered, collectives)]
+    graph = whatif._join(parts, match_collectives(collectives))
+    assert graph is not None
+    return graph
+
+
 @pytest.mark.parametrize("job", ["crossed", "pipeline", "control_rank3_of8"])
 def test_replays_walked_together_equal_each_walked_alone(job):
     """The what-if walks all its replays at once, a node's times a vector (attributing R ranks is R
-    replays): each column must come out as that replay walked alone, cycles included."""
+    replays), and drops a node's times once its waiters have started: each column must come out as that
+    replay walked alone, cycles included."""
     timelines = {"crossed": _crossed_collectives, "pipeline": lambda: _pipeline((14_000.0, 6_000.0))[0],
                  "control_rank3_of8": lambda: load_paths([os.path.join(DATA, "control_rank3_of8")])}[job]()
-    graph = whatif._build(timelines, match_collectives(timelines))
+    graph = _graph(timelines)
     rng = np.random.default_rng(7)
-    dur = rng.uniform(10.0, 5_000.0, (len(graph.head), 4))
-    wait = rng.uniform(0.0, 300.0, len(graph.head))  # the first replay's launch delays
-    start, end = whatif._simulate(graph, dur, wait)
+    dur = rng.uniform(10.0, 5_000.0, (len(graph.node_start), 4))
+    wait = rng.uniform(0.0, 300.0, len(graph.node_start))  # the first replay's launch delays
+    first, last = whatif._simulate(graph, lambda i: dur[i], 4, wait)
     for c in range(dur.shape[1]):
-        alone = whatif._simulate(graph, dur[:, [c]], wait if c == 0 else None)
-        np.testing.assert_array_equal(start[:, c], alone[0][:, 0])
-        np.testing.assert_array_equal(end[:, c], alone[1][:, 0])
-    assert np.isfinite(end).all()
+        alone = whatif._simulate(graph, lambda i, c=c: dur[i, [c]], 1, wait if c == 0 else None)
+        np.testing.assert_array_equal(first[:, c], alone[0][:, 0])
+        np.testing.assert_array_equal(last[:, c], alone[1][:, 0])
+    assert np.isfinite(last).all()
 
 
-def test_attribution_walks_the_graph_once_and_the_same_in_groups(monkeypatch):
+def test_attribution_walks_the_graph_once(monkeypatch):
     """An 8-rank job's 13 replays (the check, without launch delays, ideal, one per rank, one per op kind:
-    compute and collective) are one walk; walked one replay at a time (as a job too large for one walk is
-    walked in groups), the result is the same."""
+    compute and collective) are one walk."""
     timelines = _data_parallel([10_000.0 + 700.0 * r for r in range(8)])
     walks = []
     simulate = whatif._simulate
-    monkeypatch.setattr(whatif, "_simulate", lambda *a: walks.append(a[1].shape[1]) or simulate(*a))
+    monkeypatch.setattr(whatif, "_simulate", lambda *a: walks.append(a[2]) or simulate(*a))
     together = analyze(timelines).to_json()["what_if"]
     assert walks == [3 + 8 + 2]
-    walks.clear()
-    monkeypatch.setattr(whatif, "_WALK_ELEMENTS", 1)
-    assert analyze(timelines).to_json()["what_if"] == together
-    assert walks == [1] * 13
     assert [r["slowdown"] for r in together["per_rank"]][-1] > [r["slowdown"] for r in together["per_rank"]][0]

@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from typing import TypeVar
 
 from gpuwatch.apps.commandline import Command, add_json_flag
-from gpuwatch.efficiency.engine import analyze
+from gpuwatch.efficiency.engine import analyze, analyze_summaries
 from gpuwatch.efficiency.load import expand_paths, load_paths
 from gpuwatch.efficiency.partition import CATEGORIES
 from gpuwatch.efficiency.result import Analysis, JobBreakdown, RankBreakdown
-from gpuwatch.efficiency.timeline import RankTimeline
+from gpuwatch.efficiency.summary import summarize_paths
 from gpuwatch.efficiency.traces.eventstream import BLOCK_BYTES
 from gpuwatch.efficiency.words import coverage_lines, what_if_lines
 from gpuwatch.core.errors import UserError
@@ -43,12 +46,13 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if (args.flops_per_step is None) != (args.peak_tflops is None):
         raise UserError("MFU needs both --flops-per-step and --peak-tflops; give both or neither")
-    timelines = _load(args.paths)
-    doc = analyze(
-        timelines, per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
-        peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, keep_segments=bool(args.perfetto),
-        steps=args.steps,
-    )
+    options = dict(per_step=args.per_step or bool(args.html), flops_per_step=args.flops_per_step,
+                   peak_tflops=args.peak_tflops, gpu_hour_price=args.gpu_hour_price, steps=args.steps)
+    if args.perfetto:  # every kernel is drawn: the timelines are kept
+        doc = analyze(read_in_pool(args.paths, load_paths), keep_segments=True, **options)
+    else:  # each rank is reduced where it is read; only the summaries are kept
+        doc = analyze_summaries(read_in_pool(args.paths, functools.partial(summarize_paths, steps=args.steps)),
+                                **options)
     if args.perfetto:
         from gpuwatch.efficiency.perfetto import perfetto_trace
 
@@ -67,17 +71,21 @@ def run(args: argparse.Namespace) -> int:
 ANALYZE = Command(add_arguments, run)
 
 
-def _load(paths: list[str]) -> list[RankTimeline]:
-    """The paths' rank timelines, the files read in parallel by a pool of processes, one per core (reading is
-    CPU-bound Python; a rank's timeline is a few arrays, cheap to send back); one file is read here. Workers
-    are spawned, not forked: the caller may have threads running (a test, an embedding application), whose
-    locks a fork would copy taken or not, and a fork server is one more process holding numpy (a spawned
-    pool peaked 25-33 MB lower on 8- and 64-rank sets, for the same CPU)."""
+_T = TypeVar("_T")
+
+
+def read_in_pool(paths: list[str], read: Callable[..., list[_T]]) -> list[_T]:
+    """`read(paths, progress=..., map_files=...)` (`load_paths` or `summarize_paths`) with the files read in
+    parallel by a pool of processes, one per core (reading is CPU-bound Python; a summary, or a timeline, is
+    a few arrays, cheap to send back); one file is read here. Workers are spawned, not forked: the caller may
+    have threads running (a test, an embedding application), whose locks a fork would copy taken or not, and
+    a fork server is one more process holding numpy (a spawned pool peaked 25-33 MB lower on 8- and 64-rank
+    sets, for the same CPU)."""
     workers = min(len(expand_paths(paths)), os.cpu_count() or 1)
     if workers <= 1:
-        return load_paths(paths, progress=_progress)
+        return read(paths, progress=_progress)
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return load_paths(paths, progress=_progress, map_files=pool.map)
+        return read(paths, progress=_progress, map_files=pool.map)
 
 
 def _write(path: str, data: bytes) -> None:

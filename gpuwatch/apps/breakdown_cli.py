@@ -2,22 +2,26 @@
 
 Thin over `submit_traces()` and `fetch_breakdown()`, which tests and scripts call with a Query stub.
 Plain JSON traces are gzipped on the way (Kineto JSON shrinks ~15x), so large traces fit in one message.
+With `--summarize` the traces are reduced here, where they are, to their ranks' summaries
+(efficiency/summary.py), and only those are sent: the collector does the cross-rank part.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import sys
 from collections.abc import Callable
 
 import orjson
 
-from gpuwatch.apps.analyze_cli import format_table
+from gpuwatch.apps.analyze_cli import format_table, read_in_pool
 from gpuwatch.apps.commandline import (Command, add_connection_arguments, add_json_flag, collector_errors,
                                        connection, print_json)
 from gpuwatch.collector.client import connect
 from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.load import expand_paths
+from gpuwatch.efficiency.summary import encode, summarize_paths
 from gpuwatch.core.errors import UserError
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import query_pb2_grpc
@@ -26,9 +30,18 @@ _RPC_TIMEOUT_S = 600.0  # the collector parses and re-analyses the whole job
 
 
 def submit_traces(stub: query_pb2_grpc.QueryStub, job_id: str, paths: list[str],
-                  progress: Callable[[str, int], None] | None = None) -> dict:
-    """Send every trace file under `paths` (files or folders) for `job_id`, one call per file; return the
-    job's breakdown document after the last one (it covers every rank the collector has for the job)."""
+                  progress: Callable[[str, int], None] | None = None, *, summarize: bool = False) -> dict:
+    """Send every trace file under `paths` (files or folders) for `job_id`, one call per file (with
+    `summarize`: their ranks' summaries, made here, in one call); return the job's breakdown document after
+    the last one (it covers every rank the collector has for the job)."""
+    if summarize:
+        content = encode(read_in_pool(paths, functools.partial(summarize_paths, part=True)))
+        name = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1})"
+        if progress is not None:
+            progress(f"summaries of {name}", len(content))
+        summary = stub.SubmitTrace(q.SubmitTraceRequest(job_id=job_id, filename=name, content=content),
+                                   timeout=_RPC_TIMEOUT_S)
+        return orjson.loads(summary.json)
     reply = None
     for path in expand_paths(paths):
         content = _file_content(path)
@@ -60,6 +73,9 @@ def _file_content(path: str) -> bytes:
 def _submit_arguments(parser: argparse.ArgumentParser) -> None:
     _common_arguments(parser)
     parser.add_argument("--job", required=True, help="job id the traces belong to")
+    parser.add_argument("--summarize", action="store_true",
+                        help="reduce the traces here and send only their ranks' summaries (a fraction of their "
+                             "size; the collector does the cross-rank part)")
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="Kineto traces (.json/.json.gz, one per rank), span tables (.csv/.parquet), or folders")
 
@@ -78,7 +94,8 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_submit(args: argparse.Namespace) -> int:
     address, security = connection(args)
     with collector_errors(address):
-        doc = submit_traces(connect(address, security=security), args.job, args.paths, progress=_progress)
+        doc = submit_traces(connect(address, security=security), args.job, args.paths, progress=_progress,
+                            summarize=args.summarize)
     print(f"job {args.job}: {len(doc['ranks'])} rank(s) analysed", file=sys.stderr)
     return _show(args, doc)
 

@@ -4,7 +4,10 @@ A job's breakdown comes from the same engine as `gpuwatch analyze` and has the s
 `source` key: "traces" when trace files (Kineto JSON or span tables) were submitted for the job, else
 "live", computed from the probe span rows the agents streamed in. Ranks of a job are often submitted one
 file at a time, so the collector keeps each rank's compact timeline (`job_timelines`) and re-analyses all
-of the job's ranks when another one arrives (cross-rank waits and stragglers need every rank). Each
+of the job's ranks when another one arrives (cross-rank waits and stragglers need every rank). A node can
+send its ranks' summaries instead (`submit-trace --summarize`, efficiency/summary.py: reduced where the traces
+are, a small fraction of their size); they are kept per rank the same way and the collector does only the
+cross-rank part. Each
 result is kept as the JSON document (`breakdown_docs`) and as rows per job, rank and step
 (`breakdowns`; step NULL is the rank's whole window, -1 the slice before its first known step), for SQL
 and dashboards. A live breakdown analyses the job's last ``live_window_s`` of spans (raw spans are kept for
@@ -19,9 +22,10 @@ from collections.abc import Callable
 import orjson
 import pandas as pd
 
-from gpuwatch.efficiency.engine import analyze
+from gpuwatch.efficiency.engine import analyze, analyze_summaries
 from gpuwatch.efficiency.load import SPAN_ENDINGS, TRACE_ENDINGS, load_file
 from gpuwatch.efficiency.result import Analysis
+from gpuwatch.efficiency.summary import MAGIC, RankSummary, decode, encode, summarize
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.collector.live import probe_timelines
 from gpuwatch.collector.slow_ranks import live_slow_ranks
@@ -60,19 +64,19 @@ class BreakdownService:
         if not request.content:
             raise UserError(f"{request.filename}: the file is empty")
         new = load_submitted(request.filename, request.content)
-        for tl in new:
-            if tl.job_id and tl.job_id != job_id:
-                raise UserError(f"{request.filename}: rows of job {tl.job_id!r}, submitted as job {job_id!r}")
+        for rank in new:
+            if rank.job_id and rank.job_id != job_id:
+                raise UserError(f"{request.filename}: rows of job {rank.job_id!r}, submitted as job {job_id!r}")
         with self._submitting:
             return self._store_submission(store, job_id, request.filename, new)
 
     def _store_submission(self, store: Store, job_id: str, filename: str,
-                          new: list[RankTimeline]) -> q.SubmitTraceResponse:
-        kept = [tl for tl in stored_timelines(store, job_id) if tl.rank not in {n.rank for n in new}]
-        analysis = _analyze(job_id, kept + new)
+                          new: list[Submitted]) -> q.SubmitTraceResponse:
+        kept = [r for r in stored_ranks(store, job_id) if r.rank not in {n.rank for n in new}]
+        analysis = _analyze_ranks(job_id, kept + new)
         doc = _document(analysis, TRACES)
-        timelines = pd.DataFrame({"job_id": job_id, "rank": pd.array([tl.rank for tl in new], "int32"),
-                                  "filename": filename, "timeline": [tl.to_bytes() for tl in new]})
+        timelines = pd.DataFrame({"job_id": job_id, "rank": pd.array([r.rank for r in new], "int32"),
+                                  "filename": filename, "timeline": [_blob(r) for r in new]})
         store.save_submission(job_id, timelines, breakdown_rows(analysis), _dumps(doc), TRACES)
         return q.SubmitTraceResponse(job_id=job_id, ranks=len(analysis.ranks), json=_dumps(without_steps(doc)))
 
@@ -89,17 +93,27 @@ class BreakdownService:
 
 
 # ------------------------------------------------------------------------------------------ inputs
-def load_submitted(filename: str, content: bytes) -> list[RankTimeline]:
-    """Rank timelines of one submitted file, parsed from memory by the same loaders as `gpuwatch analyze`;
-    errors and sources name `filename`."""
+Submitted = RankTimeline | RankSummary  # a rank as submitted: its timeline, or its summary
+
+
+def load_submitted(filename: str, content: bytes) -> list[Submitted]:
+    """The ranks of one submitted file: summaries (by their first bytes), else rank timelines parsed from
+    memory by the same loaders as `gpuwatch analyze`; errors and sources name `filename`."""
+    if content.startswith(MAGIC):
+        return list(decode(content, filename))
     if not filename.endswith(TRACE_ENDINGS + SPAN_ENDINGS):
         raise UserError(f"{filename}: unknown format (expected {', '.join(TRACE_ENDINGS + SPAN_ENDINGS)})")
-    return load_file(filename, default_rank=0, content=content)
+    return list(load_file(filename, default_rank=0, content=content))
 
 
-def stored_timelines(store: Store, job_id: str) -> list[RankTimeline]:
-    """The job's submitted rank timelines, by rank."""
-    return [RankTimeline.from_bytes(blob) for blob in store.job_timelines(job_id)]
+def stored_ranks(store: Store, job_id: str) -> list[Submitted]:
+    """The job's submitted ranks (timelines or summaries), by rank."""
+    return [decode(blob)[0] if blob.startswith(MAGIC) else RankTimeline.from_bytes(blob)
+            for blob in store.job_timelines(job_id)]
+
+
+def _blob(rank: Submitted) -> bytes:
+    return rank.to_bytes() if isinstance(rank, RankTimeline) else encode([rank])
 
 
 def live_timelines(store: Store, job_id: str, window_s: float = DEFAULT_LIVE_WINDOW_S) -> list[RankTimeline]:
@@ -151,6 +165,16 @@ def _analyze(job_id: str, timelines: list[RankTimeline]) -> Analysis:
         return analyze(timelines, per_step=True)
     except UserError as exc:
         raise type(exc)(f"job {job_id!r}: {exc}") from None  # keeps NotFound a NOT_FOUND
+
+
+def _analyze_ranks(job_id: str, ranks: list[Submitted]) -> Analysis:
+    """The job from its submitted ranks: timelines are reduced here, summaries came reduced."""
+    try:
+        peers = len(ranks) > 1
+        return analyze_summaries([summarize(r, peers=peers) if isinstance(r, RankTimeline) else r for r in ranks],
+                                 per_step=True)
+    except UserError as exc:
+        raise type(exc)(f"job {job_id!r}: {exc}") from None
 
 
 def _document(analysis: Analysis, source: str) -> dict:

@@ -1,7 +1,8 @@
 """`analyze()`: timelines of one job's ranks -> their :class:`~gpuwatch.efficiency.result.Analysis`, whose
-`to_json()` is the efficiency document (spec efficiency.md v1).
+`to_json()` is the efficiency document (spec efficiency.md v1); `analyze_summaries()`: the same from the
+ranks' summaries (summary.py), made where the traces are read, so the job's timelines never meet.
 
-A pure function of its inputs, so the offline `gpuwatch analyze`, the collector and replay share it.
+Pure functions of their inputs, so the offline `gpuwatch analyze`, the collector and replay share them.
 """
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from gpuwatch.efficiency.arrays import distinct
-from gpuwatch.efficiency.matching import Matching, match_collectives
+from gpuwatch.efficiency.matching import Collectives, collectives_of, match_collectives
 from gpuwatch.efficiency.partition import (
-    CATEGORIES, COMPUTE_C, MEMCPY_C, Partition, StepSlice, partition,
+    CATEGORIES, COMPUTE_C, MEMCPY_C, Partition, StepSlice, partition, to_ns, waits_per_slice, with_waits,
 )
 from gpuwatch.efficiency.result import (
     Analysis, Coverage, JobBreakdown, KernelStat, RankBreakdown, ShortKernels, StepBreakdown, Straggler,
@@ -23,7 +23,8 @@ from gpuwatch.efficiency.result import (
 from gpuwatch.efficiency.stragglers import find_stragglers
 from gpuwatch.efficiency.timeline import KIND_NAMES, RankTimeline
 from gpuwatch.efficiency.whatif import what_if
-from gpuwatch.efficiency.window import select_steps
+from gpuwatch.efficiency.summary import RankSummary, summarize
+from gpuwatch.efficiency.window import select_steps, window_of
 from gpuwatch.core.errors import UserError
 
 US_PER_HOUR = 3.6e9
@@ -37,72 +38,99 @@ def analyze(timelines: list[RankTimeline], *, per_step: bool = False, flops_per_
             peak_tflops: float | None = None, gpu_hour_price: float | None = None,
             keep_segments: bool = False, steps: str | None = None, with_what_if: bool = True) -> Analysis:
     """The breakdown: per rank, per job, stragglers, matching, coverage, the analysed window and the what-if
-    (and per step when asked). `steps` picks the window (see window.py).
+    (and per step when asked). `steps` picks the window (see window.py). Each timeline is reduced to its
+    summary, and the summaries are analysed (:func:`analyze_summaries`).
 
     With `keep_segments`, the classified segments and the analysed timelines are kept in the result's
     `partitions` and `timelines` (for rendering timelines; never part of its document)."""
-    _check_one_job(timelines)
-    ordered = sorted(timelines, key=lambda tl: tl.rank)
+    if not timelines:
+        raise UserError("nothing to analyse: no rank timelines")
+    summaries = [summarize(tl, steps=steps, peers=len(timelines) > 1, what_if=with_what_if) for tl in timelines]
+    analysis = analyze_summaries(summaries, per_step=per_step, flops_per_step=flops_per_step,
+                                 peak_tflops=peak_tflops, gpu_hour_price=gpu_hour_price, steps=steps)
+    if keep_segments:
+        chosen = sorted((select_steps(tl, steps) for tl in timelines), key=lambda tl: tl.rank)
+        collectives = [collectives_of(tl) for tl in chosen]
+        matching = match_collectives(collectives)
+        origin = math.floor(min(float(tl.start_us.min()) for tl in chosen))
+        analysis.partitions = [partition(tl, _activity_waits(tl, c, w), origin, keep_segments=True)
+                               for tl, c, w in zip(chosen, collectives, matching.waits)]
+        analysis.timelines = chosen
+    return analysis
+
+
+def analyze_summaries(summaries: list[RankSummary], *, per_step: bool = False, flops_per_step: float | None = None,
+                      peak_tflops: float | None = None, gpu_hour_price: float | None = None,
+                      steps: str | None = None) -> Analysis:
+    """The analysis of the job whose ranks `summaries` reduced (summary.py): the cross-rank part (matching,
+    waits, stragglers, the what-if) and the job's totals. `steps` only names the window the summaries hold."""
+    _check_one_job(summaries)
+    ordered = sorted(summaries, key=lambda s: s.rank)
     _check_times(ordered)
-    timelines, window = select_steps(ordered, steps)
-    origin = math.floor(min(float(tl.start_us.min()) for tl in timelines))
-    matching = match_collectives(timelines)
-    return _analysis(timelines, window, origin, matching, with_what_if, per_step=per_step,
-                     keep_segments=keep_segments, mfu_of=_mfu_function(flops_per_step, peak_tflops),
-                     gpu_hour_price=gpu_hour_price)
-
-
-def _analysis(timelines: list[RankTimeline], window: dict[str, Any], origin: float, matching: Matching,
-              with_what_if: bool, *, per_step: bool, keep_segments: bool, mfu_of: _MfuOf,
-              gpu_hour_price: float | None) -> Analysis:
-    parts = [partition(tl, wait, origin, keep_segments=keep_segments)
-             for tl, wait in zip(timelines, matching.waits)]
-    ranks = [
-        _rank_entry(tl, part, matched, per_step, mfu_of)
-        for tl, part, matched in zip(timelines, parts, matching.matched_per_rank)
-    ]
+    window = window_of(steps)
+    origin = math.floor(min(s.first_us for s in ordered))
+    matching = match_collectives([s.collectives for s in ordered])
+    parts = [_job_partition(s, w, origin) for s, w in zip(ordered, matching.waits)]
+    mfu_of = _mfu_function(flops_per_step, peak_tflops)
+    ranks = [_rank_entry(s, part, matched, per_step, mfu_of)
+             for s, part, matched in zip(ordered, parts, matching.matched_per_rank)]
     busy = {entry.rank: entry.busy_per_step_us for entry in ranks}
     stragglers, delayed = find_stragglers(matching, busy)
-    coverage = _coverage(timelines, matching.matched)
-    job, top = _job_entry(timelines, parts, ranks, gpu_hour_price), top_kernels(timelines)
+    coverage = _coverage(ordered, matching.matched)
+    graphs = [s.graph for s in ordered]
     return Analysis(
         spec=SPEC,
         categories=list(CATEGORIES),
         ranks=ranks,
-        job=job,
+        job=_job_entry(ordered, parts, ranks, gpu_hour_price),
         stragglers=stragglers,
         delayed=delayed,
         matched_collectives=matching.matched,
         coverage=coverage,
         straggler_verdict=_verdict(stragglers, coverage),
-        window=_window_entry(window, timelines, parts),
-        top_kernels=top,
-        what_if=what_if(timelines, matching) if with_what_if else None,
-        trace_meta=next((tl.trace_meta for tl in timelines if tl.trace_meta), {}),
-        partitions=parts if keep_segments else None,
-        timelines=timelines if keep_segments else None,
+        window=_window_entry(window, ordered, parts),
+        top_kernels=top_kernels(ordered),
+        what_if=(what_if([g for g in graphs if g is not None], [s.rank for s in ordered], matching)
+                 if all(g is not None for g in graphs) else None),
+        trace_meta=next((s.trace_meta for s in ordered if s.trace_meta), {}),
     )
 
 
-def _check_times(timelines: list[RankTimeline]) -> None:
-    starts = [float(tl.start_us.min()) for tl in timelines]
-    ends = [float(np.max(tl.end_us)) for tl in timelines]
+def _job_partition(s: RankSummary, waits_us: np.ndarray, origin: int) -> Partition:
+    """The rank's partition with its waits for peers, in the job's time origin."""
+    wait_ns = np.zeros(len(s.coll_start), np.int64)
+    wait_ns[:len(waits_us)] = to_ns(waits_us, 0.0)
+    waits = waits_per_slice((s.exposed_start, s.exposed_end), (s.coll_start, s.coll_end), wait_ns, s.cuts)
+    shift_ns = int(round((s.partition.origin_us - origin) * 1000))
+    return with_waits(s.partition, waits, s.cuts, float(origin), shift_ns)
+
+
+def _activity_waits(tl: RankTimeline, collectives: Collectives, waits: np.ndarray) -> np.ndarray:
+    """Each activity's wait for peers (0 outside the matched collectives), as `partition` takes them."""
+    out = np.zeros(len(tl))
+    out[collectives.index] = waits
+    return out
+
+
+def _check_times(summaries: list[RankSummary]) -> None:
+    starts = [s.span_start_us for s in summaries]
+    ends = [s.span_end_us for s in summaries]
     if not all(map(math.isfinite, starts + ends)):
-        raise UserError(f"{timelines[0].source}: activity times are not finite numbers")
+        raise UserError(f"{summaries[0].source}: activity times are not finite numbers")
     span = max(ends) - min(starts)
     if span > MAX_SPAN_US:
-        raise UserError(f"{timelines[0].source}: activity spans {span / US_PER_HOUR / 24:.0f} days; "
+        raise UserError(f"{summaries[0].source}: activity spans {span / US_PER_HOUR / 24:.0f} days; "
                         "the timestamps are not microseconds of one run")
 
 
-def _coverage(timelines: list[RankTimeline], matched: int) -> Coverage:
+def _coverage(summaries: list[RankSummary], matched: int) -> Coverage:
     """Which ranks of the job are here, and so what can be said about waiting for peers. Without every
     rank, a collective's last arrival may be a rank that is not here: `comm_wait` is then a lower bound
     (the rest of the wait is inside `comm_transfer`) and no rank can be cleared of straggling."""
-    present = [tl.rank for tl in timelines]
-    world = next((tl.world_size for tl in timelines if tl.world_size), None)
+    present = [s.rank for s in summaries]
+    world = next((s.world_size for s in summaries if s.world_size), None)
     complete = len(present) >= world if world else (len(present) >= 2 and matched > 0)
-    sampled = [tl.events_sampled for tl in timelines]
+    sampled = [s.events_sampled for s in summaries]
     return Coverage(
         ranks_present=len(present),
         world_size=world,
@@ -121,39 +149,27 @@ def _verdict(stragglers: list[Straggler], coverage: Coverage) -> str:
     return "found" if stragglers else "none"
 
 
-def _window_entry(window: dict[str, Any], timelines: list[RankTimeline], parts: list[Partition]) -> Window:
-    steps = sorted({int(s) for tl in timelines for s in distinct(tl.step) if s >= 0})
+def _window_entry(window: dict[str, Any], summaries: list[RankSummary], parts: list[Partition]) -> Window:
     return Window(
         **window,
         start_us=min(p.origin_us + _us(p.start_ns) for p in parts),
         end_us=max(p.origin_us + _us(p.start_ns + p.window_ns) for p in parts),
-        steps=steps,
-        activities=int(sum(len(tl) for tl in timelines)),
+        steps=sorted({step for s in summaries for step in s.steps}),
+        activities=int(sum(s.activities for s in summaries)),
     )
 
 
-def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> TopKernels:
+def top_kernels(summaries: list[RankSummary], limit: int = 15) -> TopKernels:
     """The kernels that take the most GPU time, and the most frequent ones (with how many ran under
-    10 us: the small kernels behind `small_kernel_overhead`), over all ranks. Summed per timeline over
-    its name ids, then merged by name (names are few; kernels are many)."""
+    10 us: the small kernels behind `small_kernel_overhead`), over all ranks: each rank's totals by name
+    (summary.kernel_rows), merged."""
     merged: dict[str, list[Any]] = {}  # name -> [time, count, short count, kind]
-    for tl in timelines:
-        if not len(tl):
-            continue
-        ids = np.where(tl.name >= 0, tl.name, len(tl.names))
-        dur = tl.end_us - tl.start_us
-        n = len(tl.names) + 1
-        time = np.bincount(ids, weights=dur, minlength=n)
-        count = np.bincount(ids, minlength=n)
-        short = np.bincount(ids, weights=dur < 10.0, minlength=n)
-        kind = np.zeros(n, np.int64)
-        kind[ids[::-1]] = tl.kind[::-1]  # the kind of its first activity
-        for i in np.flatnonzero(count):
-            name = tl.names[i] if i < len(tl.names) else ""
-            row = merged.setdefault(name, [0.0, 0, 0, int(kind[i])])
-            row[0] += float(time[i])
-            row[1] += int(count[i])
-            row[2] += int(short[i])
+    for s in summaries:
+        for name, time, count, short, kind in s.kernels:
+            row = merged.setdefault(name, [0.0, 0, 0, kind])
+            row[0] += time
+            row[1] += count
+            row[2] += short
 
     def rows(key: Callable[[tuple[str, list[Any]]], tuple[float, str]]) -> list[KernelStat]:
         ordered = sorted(merged.items(), key=key)[:limit]
@@ -164,20 +180,18 @@ def top_kernels(timelines: list[RankTimeline], limit: int = 15) -> TopKernels:
                       by_count=rows(lambda item: (-item[1][1], item[0])))
 
 
-def _check_one_job(timelines: list[RankTimeline]) -> None:
-    if not timelines:
+def _check_one_job(summaries: list[RankSummary]) -> None:
+    if not summaries:
         raise UserError("nothing to analyse: no rank timelines")
     seen: dict[int, str] = {}
-    for tl in timelines:
-        if len(tl) == 0:
-            raise UserError(f"{tl.source or f'rank {tl.rank}'}: no GPU activity")
-        if tl.rank in seen:
-            raise UserError(f"rank {tl.rank} given twice: {seen[tl.rank]} and {tl.source}")
-        seen[tl.rank] = tl.source
-    jobs = {tl.job_id for tl in timelines if tl.job_id}
-    worlds = {tl.world_size for tl in timelines if tl.world_size}
+    for s in summaries:
+        if s.rank in seen:
+            raise UserError(f"rank {s.rank} given twice: {seen[s.rank]} and {s.source}")
+        seen[s.rank] = s.source
+    jobs = {s.job_id for s in summaries if s.job_id}
+    worlds = {s.world_size for s in summaries if s.world_size}
     if len(jobs) > 1 or len(worlds) > 1:
-        sources = ", ".join(f"{tl.source or tl.rank} (job {tl.job_id}, world {tl.world_size})" for tl in timelines)
+        sources = ", ".join(f"{s.source or s.rank} (job {s.job_id}, world {s.world_size})" for s in summaries)
         raise UserError(f"inputs come from different jobs: {sources}")
 
 
@@ -206,7 +220,7 @@ def _known_steps(part: Partition) -> list[StepSlice]:
     return [s for s in part.steps if s.step is not None]
 
 
-def _rank_entry(tl: RankTimeline, part: Partition, matched: int, per_step: bool, mfu_of: _MfuOf) -> RankBreakdown:
+def _rank_entry(tl: RankSummary, part: Partition, matched: int, per_step: bool, mfu_of: _MfuOf) -> RankBreakdown:
     steps = _known_steps(part)
     busy_ns = int(part.totals_ns[COMPUTE_C] + part.totals_ns[MEMCPY_C])
     return RankBreakdown(
@@ -239,7 +253,7 @@ def _rank_entry(tl: RankTimeline, part: Partition, matched: int, per_step: bool,
     )
 
 
-def _job_entry(timelines: list[RankTimeline], parts: list[Partition], ranks: list[RankBreakdown],
+def _job_entry(timelines: list[RankSummary], parts: list[Partition], ranks: list[RankBreakdown],
                gpu_hour_price: float | None) -> JobBreakdown:
     totals = np.sum([p.totals_ns for p in parts], axis=0)
     window = int(sum(p.window_ns for p in parts))

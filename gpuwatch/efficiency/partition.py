@@ -59,7 +59,7 @@ def partition(tl: RankTimeline, wait_us: np.ndarray, origin_us: float, *, keep_s
     wait = np.clip(to_ns(wait_us, 0.0), 0, end - start)
 
     starts, ends, layers = _layered_intervals(tl.kind, start, end, wait)
-    cuts, cut_steps = _step_cuts(tl.step, start, w_start, w_end)
+    cuts, cut_steps = step_cuts(tl.step, start, w_start, w_end)
     points = np.concatenate([starts, ends, cuts])
     delta = np.concatenate([np.ones(len(starts), np.int32), -np.ones(len(ends), np.int32),
                             np.zeros(len(cuts), np.int32)])
@@ -133,7 +133,7 @@ def _categorise(top: np.ndarray, length: np.ndarray, seg_start: np.ndarray, act_
     return category
 
 
-def _step_cuts(step: np.ndarray, start: np.ndarray, w_start: int, w_end: int) -> tuple[np.ndarray, np.ndarray]:
+def step_cuts(step: np.ndarray, start: np.ndarray, w_start: int, w_end: int) -> tuple[np.ndarray, np.ndarray]:
     """Start of each known step (its first activity), sorted; the window is cut there."""
     known = step >= 0
     if not known.any():
@@ -171,3 +171,57 @@ def _merged_segments(seg_start: np.ndarray, length: np.ndarray, category: np.nda
     starts = seg_start[change]
     ends = np.concatenate([starts[1:], [seg_start[-1] + length[-1]]])
     return starts, ends, category[change]
+
+
+def waits_per_slice(exposed: tuple[np.ndarray, np.ndarray], collectives: tuple[np.ndarray, np.ndarray],
+                    wait_ns: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """How much of a rank's exposed collective time is `comm_wait`, per slice of its window (before its
+    first step, then one per step cut, as :class:`Partition` slices it), given each collective kernel's
+    `[start, end)` (ns) and wait (ns, the first part of it).
+
+    The rank's partition without waits puts all exposed collective time in `comm_transfer`; with waits, an
+    instant of it is `comm_wait` exactly when some kernel is in its wait part there and none in its transfer
+    part (transfer outranks wait), and nothing else changes: the union of the two parts is the kernel. So a
+    rank's partition is made where its trace is read, and only this split waits for the other ranks."""
+    c_start, c_end = collectives
+    wait = np.clip(wait_ns, 0, c_end - c_start)
+    waiting = wait > 0
+    e_start, e_end = exposed
+    # Layers: 0 exposed, 1 wait part, 2 transfer part.
+    starts = np.concatenate([e_start, c_start[waiting], c_start + wait])
+    ends = np.concatenate([e_end, c_start[waiting] + wait[waiting], c_end])
+    layer = np.concatenate([np.zeros(len(e_start), np.int8), np.ones(int(waiting.sum()), np.int8),
+                            np.full(len(c_start), 2, np.int8)])
+    keep = ends > starts
+    starts, ends, layer = starts[keep], ends[keep], layer[keep]
+    points = np.concatenate([starts, ends, cuts])
+    delta = np.concatenate([np.ones(len(starts), np.int32), -np.ones(len(ends), np.int32),
+                            np.zeros(len(cuts), np.int32)])
+    layers = np.concatenate([layer, layer, np.full(len(cuts), -1, np.int8)])
+    order = np.argsort(points, kind="stable")
+    pos, delta, layers = points[order], delta[order], layers[order]
+    active = [np.cumsum(np.where(layers == k, delta, 0))[:-1] > 0 for k in range(3)]
+    length = np.diff(pos)
+    counted = active[0] & active[1] & ~active[2] & (length > 0) if len(pos) else np.empty(0, bool)
+    slice_of = np.searchsorted(cuts, pos[:-1][counted], side="right")
+    return np.bincount(slice_of, weights=length[counted], minlength=len(cuts) + 1).astype(np.int64)
+
+
+def with_waits(part: Partition, waits: np.ndarray, cuts: np.ndarray, origin_us: float, shift_ns: int) -> Partition:
+    """`part` (made without waits) with `waits` (per slice, from :func:`waits_per_slice`) moved from
+    `comm_transfer` to `comm_wait`, and its times moved to `origin_us` (`shift_ns` later)."""
+    def moved(totals: np.ndarray, wait: int) -> np.ndarray:
+        out = totals.copy()
+        out[TRANSFER_C] -= wait
+        out[WAIT_C] += wait
+        return out
+
+    slices = np.searchsorted(cuts, [s.start_ns for s in part.steps], side="right")
+    return Partition(
+        origin_us=origin_us, start_ns=part.start_ns + shift_ns, window_ns=part.window_ns,
+        totals_ns=moved(part.totals_ns, int(waits.sum())), comm_total_ns=part.comm_total_ns,
+        comm_overlapped_ns=part.comm_overlapped_ns, short_kernel_count=part.short_kernel_count,
+        short_kernel_ns=part.short_kernel_ns,
+        steps=[StepSlice(s.step, s.start_ns + shift_ns, s.window_ns, moved(s.totals_ns, int(waits[i])))
+               for s, i in zip(part.steps, slices.tolist())],
+    )

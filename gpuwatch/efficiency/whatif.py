@@ -15,36 +15,76 @@ times), "actual without launch delays", and "ideal" (compute and memory ops at t
 kernel name over all ranks and steps, communication transfers at the median of their collective type and
 group size). `slowdown` = actual-without-launch-delays ÷ ideal mean step time; attribution replays with
 one rank's (or one op kind's) actual durations and all else ideal.
+
+Two halves, so a job is analysed without holding its ranks' timelines: :func:`rank_graph` reduces one rank's
+timeline to its part of the graph (:class:`RankGraph`: nodes, each one op or a chain of ops run back to back
+that nothing else waits on inside, with their dependencies and, per node, the durations a replay is made of,
+summed per kind of op), where the trace is read; :func:`what_if` joins the ranks' parts through the matched
+collectives and p2p pairs and replays them. Every replay is walked in one pass over the nodes, a node's
+times a vector with one entry per replay, and a node's times are dropped once the nodes that wait for it have
+started, so memory holds the replays' frontier, not the job.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
-from typing import Any, TypedDict
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from gpuwatch.efficiency.arrays import distinct, median
-from gpuwatch.efficiency.matching import Matching
+from gpuwatch.efficiency.matching import Collectives, Matching
 from gpuwatch.efficiency.result import KindSlowdown, RankSlowdown, WhatIf
 from gpuwatch.efficiency.timeline import COLLECTIVE, KIND_NAMES, P2P, UNKNOWN, RankTimeline
 
 DELTA_US = 1000.0
-_NO_INSTANCE = -1
+
+
+class RankGraph(msgspec.Struct):
+    """One rank's part of the what-if graph. Times are microseconds after `origin_us` (the rank's first
+    activity start). Per node (local ids, in the actual start order of their first op): its first op's
+    start, its last op's end, step, dependencies (`deps[deps_ptr[i]:deps_ptr[i + 1]]`), the host launch
+    delay before its first op and those of its other ops summed, and the actual duration of its ops (minus
+    nothing: waits for peers are known only across ranks, and only candidate ops have them). Per (node, op
+    label, kind) group: how many ops and their summed actual duration (what the ideal and the per-kind
+    replays are made of). `comm_*`: every communication op outside a candidate, for the medians. Candidates
+    (`c_*`): communication ops that may be part of a cross-rank instance, each a node of its own, with the
+    collective it is in the rank's `Collectives` (`c_coll`) or its p2p pairing key (`c_p2p`)."""
+
+    origin_us: float
+    ops: int
+    start: np.ndarray
+    end: np.ndarray
+    step: np.ndarray
+    deps_ptr: np.ndarray
+    deps: np.ndarray
+    first_wait: np.ndarray
+    inner_delay: np.ndarray
+    actual: np.ndarray
+    labels: list[tuple[str, Any, Any]]
+    g_node: np.ndarray
+    g_label: np.ndarray
+    g_kind: np.ndarray
+    g_count: np.ndarray
+    g_sum: np.ndarray
+    comm_label: np.ndarray
+    comm_transfer: np.ndarray
+    c_node: np.ndarray
+    c_kind: np.ndarray
+    c_type: list[str]
+    c_listed: np.ndarray
+    c_start: np.ndarray
+    c_end: np.ndarray
+    c_coll: np.ndarray
+    c_p2p: list[str]
 
 
 class _Graph(msgspec.Struct):
-    """All ranks' ops (global op ids, each rank's ops in actual start order), and the graph the replay
-    walks: nodes, each one op or a chain of ops run back to back that nothing else waits on inside (a
-    stream's kernels between two cross-stream dependencies), which replays exactly as one op of their
-    summed duration and a fraction of the work. Per op, only what a replay's durations are made of is kept
-    (the job's ops are many; its nodes a twentieth of them on real traces)."""
+    """The job's graph, joined from its ranks' parts (global node ids, rank by rank)."""
 
-    node: np.ndarray            # node of each op
-    head: np.ndarray            # first op of each node
     node_start: np.ndarray      # actual start of each node's first op (us, relative to the job origin)
-    node_rank: np.ndarray       # index of each node's rank among the timelines
+    node_rank: np.ndarray       # index of each node's rank among the ranks
     node_step: np.ndarray       # step of each node (a node's ops share one)
     actual_steps: np.ndarray    # the measured step times (us)
     order: list[int]            # nodes in the actual start order of their first op
@@ -52,31 +92,115 @@ class _Graph(msgspec.Struct):
     base: list[float]           # the rank's first actual start: a node with no dependency starts there
     instance: list[int]         # cross-rank instance (collective or p2p pair) of each node, else -1
     members: list[list[int]]    # nodes of each instance
-    transfer: np.ndarray        # actual duration, minus the wait for peers for communication ops
     first_wait: np.ndarray      # host launch delay before each node's first op (0 where unknown)
     inner_delay: np.ndarray     # the launch delays of each node's other ops, summed
-    kind: np.ndarray
-    key: np.ndarray             # what "the same op" is for the ideal: kernel name, or type and group size
-    comm: np.ndarray            # True for communication ops (their ideal is a median, not a mean)
+    actual: np.ndarray          # each node's actual duration (communication: minus its wait for peers)
+    typical: np.ndarray         # each node's ideal duration
+    per_kind: dict[int, np.ndarray]  # per op kind present: each node with that kind's ops actual, others ideal
+    ops: int
 
 
-class _Part(TypedDict):
-    """One rank's ops in actual start order, and where they sit among all ranks' ops."""
+def rank_graph(tl: RankTimeline, collectives: Collectives, *, peers: bool) -> RankGraph:
+    """`tl`'s part of the what-if graph. With `peers` (other ranks of the job are analysed with it), its
+    matchable collectives and paired p2p ops are candidates: whether a peer has them is known only when the
+    ranks are joined. Alone, no op has a peer and every op may join a chain."""
+    order = np.lexsort((tl.end_us, tl.start_us))
+    origin = float(tl.start_us.min())
+    n = len(order)
+    start, end = tl.start_us[order] - origin, tl.end_us[order] - origin
+    kind = tl.kind[order]
+    inverse = np.empty(n, np.int64)
+    inverse[order] = np.arange(n)
+    p2p = _p2p_keys(tl) if peers else []
+    c_ops = np.array(([int(inverse[i]) for i in collectives.index] if peers else [])
+                     + [int(inverse[idx]) for idx, _ in p2p], dtype=np.int64)
+    c_coll = np.array((list(range(len(collectives.index))) if peers else []) + [-1] * len(p2p), dtype=np.int64)
+    cand = np.full(n, -1, np.int64)
+    cand[c_ops] = np.arange(len(c_ops))
+    lane = np.where(tl.stream[order] >= 0, tl.stream[order], 1_000_000 + kind.astype(np.int64))
+    op_deps, pred = _dependencies(start, end, lane)
+    delay = _launch_delays(start, end, tl.launch_us[order] - origin, op_deps)
+    step = tl.step[order]
+    node, heads = _chains(op_deps, pred, cand < 0, step)
+    m = len(heads)
+    rows = op_deps[heads]
+    valid = rows >= 0
+    transfer = end - start - 0.0  # the same arithmetic as ops with a wait (end - start - wait)
+    local = cand < 0
+    node_end = np.full(m, -np.inf)
+    np.maximum.at(node_end, node, end)
+    label, labels, listed = _op_labels(tl, order, kind)
+    comm = (kind == COLLECTIVE) | (kind == P2P)
+    code = (node[local] * len(labels) + label[local]) * len(KIND_NAMES) + kind[local]
+    groups, ginv = np.unique(code, return_inverse=True)
+    ginv = ginv.ravel()
+    types = list(tl.coll_types) + [""]
+    type_id = np.where(tl.coll_type[order] >= 0, tl.coll_type[order], len(types) - 1)
+    return RankGraph(
+        origin_us=origin, ops=n, start=start[heads], end=node_end, step=step[heads],
+        deps_ptr=np.concatenate([[0], np.cumsum(valid.sum(axis=1))]).astype(np.int64),
+        deps=node[rows[valid]].astype(np.int32),
+        first_wait=delay[heads], inner_delay=np.bincount(node, weights=delay, minlength=m) - delay[heads],
+        actual=np.bincount(node, weights=np.where(local, transfer, 0.0), minlength=m),
+        labels=labels,
+        g_node=(groups // len(KIND_NAMES) // len(labels)).astype(np.int32),
+        g_label=(groups // len(KIND_NAMES) % len(labels)).astype(np.int32),
+        g_kind=(groups % len(KIND_NAMES)).astype(np.int8),
+        g_count=np.bincount(ginv, minlength=len(groups)).astype(np.int32),
+        g_sum=np.bincount(ginv, weights=transfer[local], minlength=len(groups)),
+        comm_label=label[comm & local].astype(np.int32), comm_transfer=transfer[comm & local],
+        c_node=node[c_ops], c_kind=kind[c_ops].astype(np.int64), c_type=[types[t] for t in type_id[c_ops]],
+        c_listed=listed[c_ops], c_start=start[c_ops], c_end=end[c_ops], c_coll=c_coll,
+        c_p2p=[""] * (len(c_ops) - len(p2p)) + [repr(key) for _, key in p2p],
+    )
 
-    order: np.ndarray   # the rank's activity rows in actual start order
-    offset: int         # global id of the rank's first op
-    pos: int            # index of the rank among the timelines
+
+def _op_labels(tl: RankTimeline, order: np.ndarray, kind: np.ndarray
+               ) -> tuple[np.ndarray, list[tuple[str, Any, Any]], np.ndarray]:
+    """What counts as "the same op" for the ideal durations, per op (ops in `order`): ("op", kind, kernel
+    name) for compute and memory ops, ("comm", collective type, group size) for communication (the size of
+    its process group where the trace lists it, else 1: a candidate's own size is known when ranks are
+    joined). Made from the timeline's small name tables, so no per-op string is made. Also each op's
+    listed group size (0: not listed)."""
+    sizes = np.array([len(tl.group_ranks.get(g, ())) for g in tl.process_groups] + [0])
+    listed = sizes[tl.process_group[order]]
+    size = np.where(listed > 0, listed, 1)
+    comm = (kind == COLLECTIVE) | (kind == P2P)
+    names = list(tl.names) + [""]            # an unknown id (-1) reads as the last entry, ""
+    types = list(tl.coll_types) + [""]
+    name_id = np.where(tl.name[order] >= 0, tl.name[order], len(names) - 1).astype(np.int64)
+    type_id = np.where(tl.coll_type[order] >= 0, tl.coll_type[order], len(types) - 1).astype(np.int64)
+    sizes_n = int(size.max(initial=1)) + 1
+    local_code = kind.astype(np.int64) * len(names) + name_id
+    comm_code = type_id * sizes_n + size
+    label = np.empty(len(order), np.int64)
+    labels: list[tuple[str, Any, Any]] = []
+    def op_label(c: int) -> tuple[str, Any, Any]:
+        return ("op", c // len(names), names[c % len(names)])
+
+    def comm_label(c: int) -> tuple[str, Any, Any]:
+        return ("comm", types[c // sizes_n], c % sizes_n)
+
+    makers: list[tuple[np.ndarray, np.ndarray, Callable[[int], tuple[str, Any, Any]]]] = [
+        (~comm, local_code, op_label), (comm, comm_code, comm_label)]
+    for mask, code, make in makers:
+        if not mask.any():
+            continue
+        uniq, inv = np.unique(code[mask], return_inverse=True)
+        label[mask] = inv.ravel() + len(labels)
+        labels.extend(make(int(c)) for c in uniq)
+    return label, labels, listed
 
 
-def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
-    """The analysis's what-if (None when there is nothing to replay)."""
-    graph = _build(timelines, matching)
+def what_if(graphs: list[RankGraph], ranks: list[int], matching: Matching) -> WhatIf | None:
+    """The analysis's what-if from the ranks' parts (in the order `matching` numbers the ranks), None when
+    there is nothing to replay."""
+    graph = _join(graphs, matching)
     if graph is None:
         return None
-    ranks = [tl.rank for tl in timelines]
-    kinds = [k for k in range(len(KIND_NAMES)) if (graph.kind == k).any()]
+    kinds = sorted(graph.per_kind)
     attributed = len(ranks) > 1  # one rank's attribution is its whole slowdown: no replay needed
-    steps = _replay(graph, _ideal_durations(graph), kinds, len(ranks) if attributed else 0)
+    steps = _replay(graph, kinds, len(ranks) if attributed else 0)
     actual_steps = graph.actual_steps
     replay, no_delay, ideal_steps = steps[:3]
     t_actual, t_ideal = float(no_delay.mean()), float(ideal_steps.mean())
@@ -103,65 +227,257 @@ def what_if(timelines: list[RankTimeline], matching: Matching) -> WhatIf | None:
         actual_over_no_launch_delay=round(float(actual_steps.mean()) / t_actual, 4),
         ideal_step_us=round(t_ideal, 3),
         steps=len(actual_steps),
-        ops=len(graph.node),
-        replayed_nodes=len(graph.head),
+        ops=graph.ops,
+        replayed_nodes=len(graph.node_start),
         per_rank=[RankSlowdown(rank=r, slowdown=round(s, 4), share=share(s)) for r, s in per_rank.items()],
         per_op_kind=[KindSlowdown(kind=k, slowdown=round(s, 4), share=share(s)) for k, s in per_kind.items()],
     )
 
 
-def _build(timelines: list[RankTimeline], matching: Matching) -> _Graph | None:
-    origin = min(float(tl.start_us.min()) for tl in timelines if len(tl))
-    parts: list[_Part] = []
-    offset = 0
-    for pos, tl in enumerate(timelines):
-        order = np.lexsort((tl.end_us, tl.start_us))
-        parts.append({"order": order, "offset": offset, "pos": pos})
-        offset += len(order)
-    n = offset
-    if n == 0:
+def _join(graphs: list[RankGraph], matching: Matching) -> _Graph | None:
+    """The job's graph: the ranks' nodes in one numbering, candidates joined into instances (matched
+    collectives, p2p pairs seen on two ranks), each candidate's wait for peers taken off its duration, and
+    the ideal durations over all ranks."""
+    if not graphs or sum(g.ops for g in graphs) == 0:
         return None
-    start = np.concatenate([tl.start_us[p["order"]] - origin for tl, p in zip(timelines, parts)])
-    end = np.concatenate([tl.end_us[p["order"]] - origin for tl, p in zip(timelines, parts)])
-    kind = np.concatenate([tl.kind[p["order"]] for tl, p in zip(timelines, parts)])
-    instance, members, group_size = _instances(timelines, parts, matching, n)
-    transfer = end - start - _waits(instance, start, end)
-    key = _op_keys(timelines, parts, kind, group_size)
-    step = np.concatenate([tl.step[p["order"]] for tl, p in zip(timelines, parts)])
-    node = np.empty(n, np.int64)
-    delay = np.empty(n)
-    heads: list[int] = []
+    origin = min(g.origin_us for g in graphs)
+    shift = [g.origin_us - origin for g in graphs]
+    offset = np.concatenate([[0], np.cumsum([len(g.start) for g in graphs])]).astype(np.int64)
+    cat = np.concatenate
+    node_start = cat([g.start + s for g, s in zip(graphs, shift)])
+    node_end = cat([g.end + s for g, s in zip(graphs, shift)])
+    node_step = cat([g.step for g in graphs])
     deps: list[tuple[int, ...]] = []
-    base: list[float] = []
-    # One rank at a time: its op-level dependencies (a column per stream) are reduced to its nodes' and
-    # dropped before the next rank's are made, so they never exist for the whole job at once.
-    for tl, p in zip(timelines, parts):
-        span = slice(p["offset"], p["offset"] + len(p["order"]))
-        lane = np.where(tl.stream[p["order"]] >= 0, tl.stream[p["order"]],
-                        1_000_000 + tl.kind[p["order"]].astype(np.int64))
-        op_deps, pred = _dependencies(start[span], end[span], lane)
-        delay[span] = _launch_delays(start[span], end[span], tl.launch_us[p["order"]] - origin, op_deps)
-        local_node, local_heads = _chains(op_deps, pred, instance[span] < 0, step[span])
-        first = len(heads)
-        node[span] = local_node + first
-        heads.extend((local_heads + p["offset"]).tolist())
-        for row in op_deps[local_heads].tolist():
-            deps.append(tuple(int(local_node[d]) + first for d in row if d >= 0))
-        base.extend([float(start[span][0])] * len(local_heads))
-    head = np.array(heads, dtype=np.int64)
-    rank_pos = np.concatenate([np.full(len(p["order"]), p["pos"]) for p in parts])
-    # The measured step times from the nodes (a node's ops share a step, its first op starts first): the
-    # same minima and maxima as from every op, without a sort of the job's ops.
-    node_end = np.full(len(head), -np.inf)
-    np.maximum.at(node_end, node, end)
+    for g, first in zip(graphs, offset.tolist()):
+        flat = (g.deps + first).tolist()
+        ptr = g.deps_ptr.tolist()
+        deps.extend(tuple(flat[ptr[i]:ptr[i + 1]]) for i in range(len(g.start)))
+    base = [s for g, s in zip(graphs, shift) for _ in range(len(g.start))]
+
+    # Candidates: instance keys, then the instances seen twice or more.
+    c_node = cat([g.c_node + first for g, first in zip(graphs, offset.tolist())])
+    c_start = cat([g.c_start + s for g, s in zip(graphs, shift)])
+    c_end = cat([g.c_end + s for g, s in zip(graphs, shift)])
+    keys: dict[tuple[object, ...], int] = {}
+    c_key = []
+    for pos, g in enumerate(graphs):
+        inst = matching.instance_of[pos]
+        for coll, p2p in zip(g.c_coll.tolist(), g.c_p2p):
+            key: tuple[object, ...] = ("p", p2p) if coll < 0 else ("c", int(inst[coll]))
+            c_key.append(-1 if coll >= 0 and inst[coll] < 0 else keys.setdefault(key, len(keys)))
+    c_inst = np.array(c_key, dtype=np.int64)
+    size = np.bincount(c_inst[c_inst >= 0], minlength=len(keys) + 1)  # one more: indexed by -1 too
+    c_inst = np.where((c_inst >= 0) & (size[np.maximum(c_inst, 0)] >= 2), c_inst, -1)
+    instance = np.full(len(node_start), -1, np.int64)
+    instance[c_node] = c_inst
+    members: list[list[int]] = [[] for _ in keys]
+    for nd, k in zip(c_node.tolist(), c_inst.tolist()):
+        if k >= 0:
+            members[k].append(nd)
+    members = [sorted(set(m)) for m in members]
+    wait = np.zeros(len(c_node))
+    inside = c_inst >= 0
+    if inside.any():
+        latest = np.full(len(keys), -np.inf)
+        np.maximum.at(latest, c_inst[inside], c_start[inside])
+        wait[inside] = np.clip(latest[c_inst[inside]] - c_start[inside], 0.0, c_end[inside] - c_start[inside])
+    c_transfer = c_end - c_start - wait
+    listed = cat([g.c_listed for g in graphs])
+    c_size = np.where(listed > 0, listed, np.where(inside, size[np.maximum(c_inst, 0)], 1))
+    c_kind = cat([g.c_kind for g in graphs])
+
+    # Labels in one numbering; the ideal: means of compute and memory ops, medians of communication.
+    ids: dict[tuple[object, ...], int] = {}
+    remap = [np.array([ids.setdefault(tuple(lb), len(ids)) for lb in g.labels] + [0], np.int64) for g in graphs]
+    c_types = [t for g in graphs for t in g.c_type]
+    c_label = np.array([ids.setdefault(("comm", t, int(s)), len(ids)) for t, s in zip(c_types, c_size.tolist())],
+                       dtype=np.int64)
+    g_node = cat([g.g_node + first for g, first in zip(graphs, offset.tolist())])
+    g_label = cat([r[g.g_label] for g, r in zip(graphs, remap)])
+    g_kind = cat([g.g_kind for g in graphs])
+    g_count = cat([g.g_count for g in graphs]).astype(np.float64)
+    g_sum = cat([g.g_sum for g in graphs])
+    ideal = np.zeros(len(ids))
+    g_comm = (g_kind == COLLECTIVE) | (g_kind == P2P)
+    sums = np.bincount(g_label[~g_comm], weights=g_sum[~g_comm], minlength=len(ids))
+    counts = np.bincount(g_label[~g_comm], weights=g_count[~g_comm], minlength=len(ids))
+    np.divide(sums, counts, out=ideal, where=counts > 0)
+    comm_label = cat([r[g.comm_label] for g, r in zip(graphs, remap)] + [c_label])
+    comm_transfer = cat([g.comm_transfer for g in graphs] + [c_transfer])
+    for c in distinct(comm_label):
+        ideal[c] = median(comm_transfer[comm_label == c])
+
+    n = len(node_start)
+    actual = cat([g.actual for g in graphs])
+    actual[c_node] = c_transfer
+    typical = np.bincount(g_node, weights=g_count * ideal[g_label], minlength=n)
+    typical[c_node] = ideal[c_label]
+    per_kind = {}
+    for k in sorted(set(distinct(g_kind).tolist()) | set(distinct(c_kind).tolist())):
+        durations = np.bincount(g_node, weights=np.where(g_kind == k, g_sum, g_count * ideal[g_label]), minlength=n)
+        durations[c_node] = np.where(c_kind == k, c_transfer, ideal[c_label])
+        per_kind[int(k)] = durations
+    first_wait = cat([g.first_wait for g in graphs])
+    first, last = _bounds(node_step, node_start[:, None], node_end[:, None])
     return _Graph(
-        node=node, head=head, node_start=start[head], node_rank=rank_pos[head], node_step=step[head],
-        actual_steps=_step_times(step[head], start[head][:, None], node_end[:, None])[0],
-        order=np.argsort(start[head], kind="stable").tolist(), deps=deps, base=base,
-        instance=instance[head].tolist(), members=[sorted(set(node[m].tolist())) for m in members],
-        first_wait=delay[head], inner_delay=np.bincount(node, weights=delay, minlength=len(head)) - delay[head],
-        transfer=transfer, kind=kind, key=key, comm=(kind == COLLECTIVE) | (kind == P2P),
+        node_start=node_start, node_rank=np.repeat(np.arange(len(graphs)), np.diff(offset)), node_step=node_step,
+        actual_steps=_step_times(first, last)[0], order=np.argsort(node_start, kind="stable").tolist(), deps=deps,
+        base=base, instance=instance.tolist(), members=members, first_wait=first_wait,
+        inner_delay=cat([g.inner_delay for g in graphs]), actual=actual, typical=typical, per_kind=per_kind,
+        ops=int(sum(g.ops for g in graphs)),
     )
+
+
+def _replay(graph: _Graph, kinds: list[int], ranks: int) -> list[np.ndarray]:
+    """Step times of every replay the what-if needs, in this order: actual durations with launch delays (the
+    check), actual without them, ideal; then one per rank position below `ranks`, with that rank's actual
+    durations and all else ideal; then one per op kind in `kinds`, likewise. A node lies on one rank, so a
+    rank's replay picks whole nodes' durations; a kind's sums its ops'."""
+    replays = 3 + ranks + len(kinds)
+    actual, typical, inner, node_rank = graph.actual, graph.typical, graph.inner_delay, graph.node_rank.tolist()
+    kind_columns = np.arange(3 + ranks, replays)
+    kind_values = np.stack([graph.per_kind[k] for k in kinds], axis=1) if kinds else np.empty((len(actual), 0))
+
+    def durations(i: int) -> np.ndarray:
+        d = np.full(replays, typical[i])
+        d[0] = actual[i] + inner[i]
+        d[1] = actual[i]
+        if ranks:
+            d[3 + node_rank[i]] = actual[i]
+        d[kind_columns] = kind_values[i]
+        return d
+
+    first, last = _simulate(graph, durations, replays, graph.first_wait)
+    return _step_times(first, last)
+
+
+def _simulate(graph: _Graph, dur_of: Callable[[int], np.ndarray], replays: int, wait_before: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Replay the graph with each node's durations `dur_of(node)` (one per replay: its ops back to back, with
+    the launch delays of all but the first) and, in the first replay only, the delay `wait_before` each
+    node's first op waits (None: no delays): per step (rows: the known steps in order, or one row for the
+    whole window when none is known) and replay (columns), the earliest start and the latest end of its
+    nodes. Which node is taken when depends on the graph alone, never on the durations, so the replays are
+    walked together, a node's times a vector. A node's end is kept only until every node that waits for it
+    has started. Nodes are taken in their actual start order; one whose dependency is not yet known (a
+    collective whose last rank comes later in that order) waits for it. If the graph holds a cycle (ranks
+    that ran matched collectives in different orders), the instance that began first is closed with the
+    ranks that have arrived, and later arrivals end their own transfer after max(that time, their arrival)."""
+    n = len(graph.deps)
+    wait_of = None if wait_before is None else wait_before.tolist()
+    deps, base, instance, members = graph.deps, graph.base, graph.instance, graph.members
+    row, rows = _step_rows(graph.node_step)
+    first = np.full((rows, replays), np.inf)
+    last = np.full((rows, replays), -np.inf)
+    refs = Counter(d for ds in deps for d in ds)
+    end: dict[int, np.ndarray] = {}
+    started, ended = [False] * n, [False] * n
+    arrived = [0] * len(members)
+    latest: dict[int, np.ndarray] = {}
+    closed = [False] * len(members)
+    waiters: dict[int, list[int]] = {}
+    stack: list[int] = []
+    maximum, minimum = np.maximum, np.minimum
+
+    def finish(m: int, t: np.ndarray) -> None:
+        e = t + dur_of(m)
+        ended[m] = True
+        if row[m] >= 0:
+            maximum(last[row[m]], e, out=last[row[m]])
+        if refs[m] > 0:
+            end[m] = e
+        if m in waiters:
+            stack.extend(waiters.pop(m))
+
+    def run(firsts: Iterable[int]) -> None:
+        """Process `firsts` in order, each with everything it unblocks (a stack of ready ops)."""
+        for f in firsts:
+            stack.append(f)
+            while stack:
+                i = stack.pop()
+                blocked = False
+                for d in deps[i]:
+                    if not ended[d]:
+                        waiters.setdefault(d, []).append(i)
+                        blocked = True
+                        break
+                if blocked:
+                    continue
+                t = np.full(replays, base[i])
+                for d in deps[i]:
+                    maximum(t, end[d], out=t)
+                    refs[d] -= 1
+                    if not refs[d]:
+                        del end[d]
+                if wait_of is not None:
+                    t[0] += wait_of[i]
+                started[i] = True
+                if row[i] >= 0:
+                    minimum(first[row[i]], t, out=first[row[i]])
+                k = instance[i]
+                if k < 0:
+                    finish(i, t)
+                    continue
+                arrived[k] += 1
+                latest[k] = maximum(latest[k], t) if k in latest else t
+                if closed[k]:
+                    finish(i, latest[k])
+                elif arrived[k] == len(members[k]):
+                    for m in members[k]:
+                        finish(m, latest[k])
+                    del latest[k]
+
+    run(graph.order)
+    while True:  # break cycles, if any
+        pending = [k for k in range(len(members)) if 0 < arrived[k] < len(members[k]) and not closed[k]]
+        if not pending:
+            break
+        k = min(pending, key=lambda j: min(graph.node_start[m] for m in members[j]))
+        closed[k] = True
+        for m in members[k]:
+            if started[m] and not ended[m]:
+                finish(m, latest[k])  # what waited for it goes on the stack
+        woken = stack[:]
+        stack.clear()
+        run(woken)
+    return first, last
+
+
+def _step_rows(step: np.ndarray) -> tuple[list[int], int]:
+    """Row of each node among the known steps in order (-1: a node outside the known steps), and how many
+    rows; no known steps: every node in one row (the whole window is one step)."""
+    known = step >= 0
+    if not known.any():
+        return [0] * len(step), 1
+    ids = distinct(step[known])
+    return np.where(known, np.searchsorted(ids, step), -1).tolist(), len(ids)
+
+
+def _bounds(step: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per step row (as `_step_rows` numbers them) and column of `start` and `end` (nodes x columns): the
+    earliest start and the latest end."""
+    row, rows = _step_rows(step)
+    code = np.array(row, dtype=np.int64)
+    inside = code >= 0
+    first = np.full((rows, start.shape[1]), np.inf)
+    last = np.full((rows, start.shape[1]), -np.inf)
+    np.minimum.at(first, code[inside], start[inside])
+    np.maximum.at(last, code[inside], end[inside])
+    return first, last
+
+
+def _step_times(first_all: np.ndarray, last_all: np.ndarray) -> list[np.ndarray]:
+    """Per analysed step, the job's step time, for each column of the per-step earliest starts and latest
+    ends: from the end of the previous step (the first step: its first op's start) to the last end of its
+    ops on any rank. One row (no known steps): the whole window is one step."""
+    times = []
+    for first, last in zip(first_all.T, last_all.T):
+        order = np.argsort(first, kind="stable")
+        last = np.maximum.accumulate(last[order])
+        edges = np.concatenate([[first[order][0]], last])
+        gaps = np.diff(edges)
+        times.append(gaps[gaps > 0] if (gaps > 0).any() else np.array([edges[-1] - edges[0]]))
+    return times
 
 
 def _chains(deps: np.ndarray, pred: np.ndarray, local: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -185,18 +501,6 @@ def _chains(deps: np.ndarray, pred: np.ndarray, local: np.ndarray, step: np.ndar
         root = jumped
     heads = np.flatnonzero(~merge)
     return np.searchsorted(heads, root), heads
-
-
-def _waits(instance: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Each op's wait for its peers (the spec's clamp(max(s) - s_r, 0, d_r)), for matched collectives and
-    paired p2p alike; 0 for ops that are not part of a cross-rank instance."""
-    inside = instance >= 0
-    wait = np.zeros(len(start))
-    if inside.any():
-        latest = np.full(int(instance.max()) + 1, -np.inf)
-        np.maximum.at(latest, instance[inside], start[inside])
-        wait[inside] = np.clip(latest[instance[inside]] - start[inside], 0.0, end[inside] - start[inside])
-    return wait
 
 
 def _dependencies(start: np.ndarray, end: np.ndarray, lane: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -234,42 +538,6 @@ def _launch_delays(start: np.ndarray, end: np.ndarray, launch: np.ndarray, deps:
     return np.where(np.isnan(stall), 0.0, np.maximum(stall, 0.0))
 
 
-def _instances(timelines: list[RankTimeline], parts: list[_Part], matching: Matching, n: int
-               ) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
-    """Cross-rank instance of each op (matched collectives, paired p2p), the ops of each, and each op's
-    group size (ranks in its instance, or the size of its process group where the trace lists it)."""
-    instance = np.full(n, _NO_INSTANCE, dtype=np.int64)
-    group_size = np.ones(n, dtype=np.int64)
-    rows: list[tuple[int, tuple[object, ...]]] = []  # (global op, instance key) for collectives and p2p
-    keys: dict[tuple[object, ...], int] = {}
-    for tl, p in zip(timelines, parts):
-        inverse = np.empty(len(p["order"]), np.int64)
-        inverse[p["order"]] = np.arange(len(p["order"]))
-        coll = matching.instance_of[p["pos"]]
-        for idx in np.flatnonzero(coll >= 0):
-            rows.append((p["offset"] + int(inverse[idx]), ("c", int(coll[idx]))))
-        for idx, key in _p2p_keys(tl):
-            rows.append((p["offset"] + int(inverse[idx]), key))
-    members: list[list[int]] = []
-    for op, key in rows:
-        k = keys.get(key)
-        if k is None:
-            k = keys[key] = len(members)
-            members.append([])
-        members[k].append(op)
-    for k, ops in enumerate(members):
-        if len(ops) >= 2:
-            instance[ops] = k
-            group_size[ops] = len(ops)
-    members = [ops if len(ops) >= 2 else [] for ops in members]
-    for tl, p in zip(timelines, parts):  # the group's own size where the trace lists its members
-        sizes = np.array([len(tl.group_ranks.get(g, ())) for g in tl.process_groups] + [0])
-        listed = sizes[tl.process_group[p["order"]]]
-        span = slice(p["offset"], p["offset"] + len(p["order"]))
-        group_size[span] = np.where(listed > 0, listed, group_size[span])
-    return instance, members, group_size
-
-
 def _p2p_keys(tl: RankTimeline) -> list[tuple[np.intp, tuple[object, ...]]]:
     """(activity index, pairing key) of each p2p op whose peer is known: the two ranks of its process
     group; paired by (group, seq) when the trace has seq, else by order between the two ranks."""
@@ -294,202 +562,3 @@ def _p2p_keys(tl: RankTimeline) -> list[tuple[np.intp, tuple[object, ...]]]:
         else:
             out.append((idx, ("p", pair, name, seq)))
     return out
-
-
-def _op_keys(timelines: list[RankTimeline], parts: list[_Part], kind: np.ndarray, group_size: np.ndarray
-             ) -> np.ndarray:
-    """What counts as "the same op" for the ideal durations, as a dense integer per op: the kernel name
-    (and kind) for compute and memory ops, (collective type, group size) for communication. Built from
-    each timeline's small name tables, so no per-op string is made."""
-    ids: dict[tuple[object, ...], int] = {}
-    keys: list[np.ndarray] = []
-    for tl, p in zip(timelines, parts):
-        o = p["order"]
-        kinds = tl.kind[o].astype(np.int64)
-        comm = (kinds == COLLECTIVE) | (kinds == P2P)
-        size = group_size[p["offset"]: p["offset"] + len(o)]
-        names = list(tl.names) + [""]            # an unknown id (-1) reads as the last entry, ""
-        types = list(tl.coll_types) + [""]
-        name_id = np.where(tl.name[o] >= 0, tl.name[o], len(names) - 1).astype(np.int64)
-        type_id = np.where(tl.coll_type[o] >= 0, tl.coll_type[o], len(types) - 1).astype(np.int64)
-        sizes = int(size.max()) + 1
-        local = kinds * len(names) + name_id     # (kind, name) as one local code
-        comm_code = type_id * sizes + size       # (type, group size) as one local code
-        key = np.empty(len(o), np.int64)
-        op_label = functools.partial(_op_label, names)
-        comm_label = functools.partial(_comm_label, types, sizes)
-        for mask, code, label in ((~comm, local, op_label), (comm, comm_code, comm_label)):
-            if not mask.any():
-                continue
-            uniq, inverse = np.unique(code[mask], return_inverse=True)
-            table = np.array([ids.setdefault(label(int(c)), len(ids)) for c in uniq], dtype=np.int64)
-            key[mask] = table[inverse.ravel()]
-        keys.append(key)
-    return np.concatenate(keys)
-
-
-def _op_label(names: list[str], code: int) -> tuple[Any, ...]:
-    return ("op", code // len(names), names[code % len(names)])
-
-
-def _comm_label(types: list[str], sizes: int, code: int) -> tuple[Any, ...]:
-    return ("comm", types[code // sizes], code % sizes)
-
-
-def _ideal_durations(graph: _Graph) -> np.ndarray:
-    """Compute and memory ops: mean duration per kernel name; communication: median transfer per
-    (collective type, group size); over all ranks and steps."""
-    code = graph.key
-    ideal = np.empty(len(code))
-    local = ~graph.comm
-    if local.any():
-        sums = np.bincount(code[local], weights=graph.transfer[local], minlength=code.max() + 1)
-        counts = np.bincount(code[local], minlength=code.max() + 1)
-        ideal[local] = sums[code[local]] / counts[code[local]]
-    for c in distinct(code[graph.comm]):
-        mine = graph.comm & (code == c)
-        ideal[mine] = median(graph.transfer[mine])
-    return ideal
-
-
-# Replays walked together are held as (nodes x replays) float arrays; past this many elements (32 MB each) a
-# job's replays are walked in groups (a 512-rank job: 250k nodes, 518 replays, 1 GB a matrix all at once).
-_WALK_ELEMENTS = 1 << 22
-
-
-def _replay(graph: _Graph, ideal: np.ndarray, kinds: list[int], ranks: int) -> list[np.ndarray]:
-    """Step times of every replay the what-if needs, in this order: actual durations with launch delays (the
-    check), actual without them, ideal; then one per rank position below `ranks`, with that rank's actual
-    durations and all else ideal; then one per op kind in `kinds`, likewise. A node lies on one rank, so a
-    rank's replay picks whole nodes' durations; a kind's sums its ops'."""
-    n = len(graph.head)
-    per_node = functools.partial(np.bincount, graph.node, minlength=n)
-    actual, typical = per_node(weights=graph.transfer), per_node(weights=ideal)
-    inner = graph.inner_delay
-    node_rank = graph.node_rank
-
-    def durations(replay: int) -> np.ndarray:  # made as each group is walked: a 512-rank job has 518
-        if replay == 0:
-            with_delays: np.ndarray = actual + inner
-            return with_delays
-        if replay < 3:
-            return actual if replay == 1 else typical
-        if replay < 3 + ranks:
-            return np.where(node_rank == replay - 3, actual, typical)
-        return per_node(weights=np.where(graph.kind == kinds[replay - 3 - ranks], graph.transfer, ideal))
-
-    first_wait = graph.first_wait
-    node_step = graph.node_step
-    group = max(1, _WALK_ELEMENTS // max(n, 1))
-    steps: list[np.ndarray] = []
-    replays = 3 + ranks + len(kinds)
-    for first in range(0, replays, group):
-        chosen = range(first, min(first + group, replays))
-        dur = np.stack([durations(i) for i in chosen], axis=1)
-        starts, ends = _simulate(graph, dur, first_wait if first == 0 else None)
-        del dur  # before the step times' copies: the walk's matrices bound this function's memory
-        steps.extend(_step_times(node_step, starts, ends))
-        del starts, ends
-    return steps
-
-
-def _simulate(graph: _Graph, dur: np.ndarray, wait_before: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Replay the graph with each node's duration `dur` (its ops back to back, with the launch delays of
-    all but the first) and, in the first replay (column) only, the delay `wait_before` each node's first op
-    waits (None: no delays): (start, end) of
-    every node, as nodes x replays, a column per column of `dur`. Which node is taken when depends on the
-    graph alone, never on the durations, so the replays are walked together, a node's times a vector (one
-    by one, a job of R ranks walked a graph that grows with R, R times, to attribute its slowdown).
-    Nodes are taken in their actual start order; one whose dependency is not yet known (a collective whose
-    last rank comes later in that order) waits for it. If the graph holds a cycle (ranks that ran matched
-    collectives in different orders), the instance that began first is closed with the ranks that have
-    arrived, and later arrivals end their own transfer after max(that time, their arrival)."""
-    n, replays = dur.shape
-    dur_of = list(dur)
-    wait_of = None if wait_before is None else wait_before.tolist()
-    starts, ends = np.full((n, replays), np.nan), np.full((n, replays), np.nan)  # NaN: never started / ended
-    start, end = list(starts), list(ends)  # each node's row, written in place
-    deps, base, instance, members = graph.deps, graph.base, graph.instance, graph.members
-    started, ended = [False] * n, [False] * n
-    arrived = [0] * len(members)
-    latest: list[np.ndarray | float] = [float("-inf")] * len(members)
-    closed = [False] * len(members)
-    waiters: dict[int, list[int]] = {}
-    stack: list[int] = []
-    maximum, add = np.maximum, np.add
-
-    def finish(m: int, t: np.ndarray | float) -> None:
-        add(t, dur_of[m], end[m])
-        ended[m] = True
-        if m in waiters:
-            stack.extend(waiters.pop(m))
-
-    def run(firsts: Iterable[int]) -> None:
-        """Process `firsts` in order, each with everything it unblocks (a stack of ready ops)."""
-        for first in firsts:
-            stack.append(first)
-            while stack:
-                i = stack.pop()
-                t = base[i]
-                blocked = False
-                for d in deps[i]:
-                    if not ended[d]:
-                        waiters.setdefault(d, []).append(i)
-                        blocked = True
-                        break
-                    t = maximum(t, end[d])
-                if blocked:
-                    continue
-                start[i][...] = t
-                if wait_of is not None:
-                    start[i][0] += wait_of[i]
-                started[i] = True
-                k = instance[i]
-                if k < 0:
-                    finish(i, start[i])
-                    continue
-                arrived[k] += 1
-                latest[k] = maximum(latest[k], start[i])
-                if closed[k]:
-                    finish(i, latest[k])
-                elif arrived[k] == len(members[k]):
-                    for m in members[k]:
-                        finish(m, latest[k])
-
-    run(graph.order)
-    while True:  # break cycles, if any
-        pending = [k for k in range(len(members)) if 0 < arrived[k] < len(members[k]) and not closed[k]]
-        if not pending:
-            break
-        k = min(pending, key=lambda j: min(graph.node_start[m] for m in members[j]))
-        closed[k] = True
-        for m in members[k]:
-            if started[m] and not ended[m]:
-                finish(m, latest[k])  # what waited for it goes on the stack
-        woken = stack[:]
-        stack.clear()
-        run(woken)
-    return starts, ends
-
-
-def _step_times(step: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
-    """Per analysed step, the job's step time, for each column of `start` and `end` (ops or nodes x replays):
-    from the end of the previous step (the first step: its first op's start) to the last end of its ops on
-    any rank. No known steps: the whole window is one."""
-    known = step >= 0
-    if not known.any():
-        return [np.array([np.nanmax(e) - np.nanmin(s)]) for s, e in zip(start.T, end.T)]
-    code = np.unique(step[known], return_inverse=True)[1]
-    by_step = np.argsort(code, kind="stable")
-    bounds = np.flatnonzero(np.r_[True, np.diff(code[by_step]) != 0])
-    rows = np.flatnonzero(known)[by_step]
-    last_all = np.maximum.reduceat(np.nan_to_num(end[rows], copy=False, nan=-np.inf), bounds, axis=0)
-    first_all = np.minimum.reduceat(np.nan_to_num(start[rows], copy=False, nan=np.inf), bounds, axis=0)
-    times = []
-    for first, last in zip(first_all.T, last_all.T):
-        order = np.argsort(first, kind="stable")
-        last = np.maximum.accumulate(last[order])
-        edges = np.concatenate([[first[order][0]], last])
-        gaps = np.diff(edges)
-        times.append(gaps[gaps > 0] if (gaps > 0).any() else np.array([edges[-1] - edges[0]]))
-    return times

@@ -18,27 +18,33 @@ from gpuwatch.core.errors import UserError
 HTA = "hta"
 
 
-def select_steps(timelines: list[RankTimeline], spec: str | None) -> tuple[list[RankTimeline], dict[str, Any]]:
-    """The timelines restricted to `spec` (None: everything), and the description of the window."""
+def window_of(spec: str | None) -> dict[str, Any]:
+    """The description of the window `spec` picks (None: everything); a malformed spec stops here."""
     if spec is None:
-        return timelines, {"selection": "all", "rule": "every GPU activity, from the first to the last "
-                           "(the last profiler step included)"}
+        return {"selection": "all", "rule": "every GPU activity, from the first to the last "
+                "(the last profiler step included)"}
     if spec == HTA:
-        chosen = [_before_last_step(tl) for tl in timelines]
-        rule = ("HolisticTraceAnalysis's default: GPU work launched before the last ProfilerStep began "
-                "(the last step and kernels without a launch record dropped)")
+        return {"selection": spec, "rule": "HolisticTraceAnalysis's default: GPU work launched before the last "
+                "ProfilerStep began (the last step and kernels without a launch record dropped)"}
+    low, high = _parse(spec)
+    shown = f"{'' if low < 0 else low}..{'' if high == _OPEN else high}"
+    return {"selection": spec, "rule": f"activities of steps {shown} (by the step whose annotation holds their launch)"}
+
+
+def select_steps(tl: RankTimeline, spec: str | None) -> RankTimeline:
+    """One rank's timeline restricted to `spec` (None: everything); a rank left with nothing stops here."""
+    if spec is None:
+        return tl
+    if spec == HTA:
+        chosen = _before_last_step(tl)
     else:
         low, high = _parse(spec)
-        chosen = [tl.select((tl.step >= low) & (tl.step <= high)) for tl in timelines]
-        shown = f"{'' if low < 0 else low}..{'' if high == _OPEN else high}"
-        rule = f"activities of steps {shown} (by the step whose annotation holds their launch)"
-    for before, after in zip(timelines, chosen):
-        if not len(after):
-            known = sorted({int(s) for s in distinct(before.step) if s >= 0})
-            have = f"steps {known[0]}..{known[-1]}" if known else "no step annotations"
-            raise UserError(f"--steps {spec}: {before.source or f'rank {before.rank}'} "
-                            f"has no GPU activity there ({have})")
-    return chosen, {"selection": spec, "rule": rule}
+        chosen = tl.select((tl.step >= low) & (tl.step <= high))
+    if not len(chosen):
+        known = sorted({int(s) for s in distinct(tl.step) if s >= 0})
+        have = f"steps {known[0]}..{known[-1]}" if known else "no step annotations"
+        raise UserError(f"--steps {spec}: {tl.source or f'rank {tl.rank}'} has no GPU activity there ({have})")
+    return chosen
 
 
 _OPEN = np.iinfo(np.int64).max
