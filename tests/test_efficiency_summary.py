@@ -17,6 +17,7 @@ from gpuwatch.collector.breakdowns import BreakdownService
 from gpuwatch.collector.client import connect
 from gpuwatch.collector.server import serve
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.settings import local_collector
 from gpuwatch.efficiency import RankTimeline, analyze, load_paths, whatif
 from gpuwatch.efficiency.engine import analyze_summaries
 from gpuwatch.efficiency.matching import collectives_of, match_collectives
@@ -146,7 +147,7 @@ def test_nodes_submit_summaries_and_the_collector_joins_them(kind, tmp_path, cap
     """Two nodes each reduce their own rank of a real two-rank trace and send only the summary; the
     collector's breakdown is `analyze` of both traces; a whole trace submitted later for one rank replaces
     that rank's summary and the result is the same."""
-    server = serve("127.0.0.1:0", store_url(kind, tmp_path), max_workers=8,
+    server = serve(local_collector(store_url(kind, tmp_path), max_workers=8),
                    query_handlers=BreakdownService().handlers())
     try:
         stub = connect(server.address)
