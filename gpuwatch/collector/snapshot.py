@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatch.core import fields
-from gpuwatch.core.prometheus import GpuSnapshot, JobSnapshot, MetricsServer, Snapshot, start_metrics_server
+from gpuwatch.core.metrics_http import MetricsServer, start_metrics_server
+from gpuwatch.core.metrics_snapshot import GpuSnapshot, JobSnapshot, Snapshot
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.owners import current_owners, owner_columns
 from gpuwatch.collector.scoring import Scorer

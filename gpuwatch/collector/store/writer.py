@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuwatch.core.prometheus import LatencyHistogram
+from gpuwatch.core.metrics_snapshot import LatencyHistogram
 from gpuwatch.collector.store.base import StoreClosed, WriteResult
 from gpuwatch.core.columnar import ColumnarBatch, from_message
 from gpuwatch.core.errors import AgentIdConflict
