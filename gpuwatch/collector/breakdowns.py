@@ -14,6 +14,7 @@ job's slow ranks with their causes (:mod:`gpuwatch.collector.slow_ranks`).
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 from collections.abc import Callable
 
 import orjson
@@ -25,7 +26,7 @@ from gpuwatch.efficiency.result import Analysis
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.collector.live import probe_timelines
 from gpuwatch.collector.slow_ranks import live_slow_ranks
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import BreakdownRecords, SampleQueries, SpanQueries
 from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 
@@ -35,6 +36,11 @@ UNKNOWN_STEP = -1
 #: Seconds of a job's newest probe spans (its own clock) that a live breakdown analyses; older steps count
 #: through the per-step aggregates the jobs monitor keeps (the document's "history").
 DEFAULT_LIVE_WINDOW_S = 300.0
+
+
+
+class BreakdownStore(BreakdownRecords, SpanQueries, SampleQueries, Protocol):
+    """What breakdowns read and write: stored timelines and documents, live spans, slow-rank samples."""
 
 
 class UnknownJob(NotFound):
@@ -52,7 +58,7 @@ class BreakdownService:
         """For `serve(..., query_handlers=BreakdownService().handlers())`."""
         return {"SubmitTrace": self.submit_trace, "Breakdown": self.breakdown}
 
-    def submit_trace(self, request: q.SubmitTraceRequest, store: Store) -> q.SubmitTraceResponse:
+    def submit_trace(self, request: q.SubmitTraceRequest, store: BreakdownStore) -> q.SubmitTraceResponse:
         """Load one submitted file, re-analyse the job with all its ranks, store the result."""
         job_id = _job_id(request.job_id)
         if not request.filename:
@@ -66,7 +72,7 @@ class BreakdownService:
         with self._submitting:
             return self._store_submission(store, job_id, request.filename, new)
 
-    def _store_submission(self, store: Store, job_id: str, filename: str,
+    def _store_submission(self, store: BreakdownStore, job_id: str, filename: str,
                           new: list[RankTimeline]) -> q.SubmitTraceResponse:
         kept = [tl for tl in stored_timelines(store, job_id) if tl.rank not in {n.rank for n in new}]
         analysis = _analyze(job_id, kept + new)
@@ -76,7 +82,7 @@ class BreakdownService:
         store.save_submission(job_id, timelines, breakdown_rows(analysis), _dumps(doc), TRACES)
         return q.SubmitTraceResponse(job_id=job_id, ranks=len(analysis.ranks), json=_dumps(without_steps(doc)))
 
-    def breakdown(self, request: q.BreakdownRequest, store: Store) -> q.JsonResponse:
+    def breakdown(self, request: q.BreakdownRequest, store: BreakdownStore) -> q.JsonResponse:
         """The job's breakdown from its submitted traces, else live from its recent probe spans (and stored)."""
         job_id = _job_id(request.job_id)
         doc = stored_doc(store, job_id, TRACES)
@@ -97,12 +103,12 @@ def load_submitted(filename: str, content: bytes) -> list[RankTimeline]:
     return load_file(filename, default_rank=0, content=content)
 
 
-def stored_timelines(store: Store, job_id: str) -> list[RankTimeline]:
+def stored_timelines(store: BreakdownRecords, job_id: str) -> list[RankTimeline]:
     """The job's submitted rank timelines, by rank."""
     return [RankTimeline.from_bytes(blob) for blob in store.job_timelines(job_id)]
 
 
-def live_timelines(store: Store, job_id: str, window_s: float = DEFAULT_LIVE_WINDOW_S) -> list[RankTimeline]:
+def live_timelines(store: SpanQueries, job_id: str, window_s: float = DEFAULT_LIVE_WINDOW_S) -> list[RankTimeline]:
     """Rank timelines from the job's probe span rows of its last ``window_s`` (finished spans of the kinds
     the engine reads)."""
     spans = store.recent_spans(window_s, job_id)
@@ -114,13 +120,13 @@ def live_timelines(store: Store, job_id: str, window_s: float = DEFAULT_LIVE_WIN
     return timelines
 
 
-def stored_doc(store: Store, job_id: str, source: str) -> dict | None:
+def stored_doc(store: BreakdownRecords, job_id: str, source: str) -> dict | None:
     """The last breakdown document stored for the job from `source`, or None."""
     doc = store.breakdown_doc(job_id, source)
     return orjson.loads(doc) if doc is not None else None
 
 
-def step_history(store: Store, job_id: str) -> dict:
+def step_history(store: SpanQueries, job_id: str) -> dict:
     """The job's per-step efficiency over every step the jobs monitor aggregated (beyond the live window):
     steps and ranks counted, and the time per category summed (µs)."""
     totals = store.step_breakdown_totals(job_id)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
 
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import EventQueries, SampleQueries
 from gpuwatch.core import events as ev
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.recording import ts_ms
@@ -31,7 +31,11 @@ _ENERGY = "gpu_energy_joules_total"
 _J_PER_KWH = 3.6e6
 
 
-def owner_intervals(store: Store, since_ms: int | None = None) -> pd.DataFrame:
+class OwnerReads(SampleQueries, EventQueries, Protocol):
+    """What owners and usage read: owner events and per-minute samples."""
+
+
+def owner_intervals(store: EventQueries, since_ms: int | None = None) -> pd.DataFrame:
     """node, gpu_index, from_ms, to_ms (None: still open), uuid and the owner columns, in time order: the
     intervals that hold any time after ``since_ms`` (None: all). Agents announce every owner again each
     GPU_OWNER_REANNOUNCE_S, so the change points of twice that before ``since_ms`` are all that is read."""
@@ -49,7 +53,7 @@ def owner_intervals(store: Store, since_ms: int | None = None) -> pd.DataFrame:
     return df[columns]
 
 
-def current_owners(store: Store) -> dict[tuple[str, int], dict[str, Any]]:
+def current_owners(store: OwnerReads) -> dict[tuple[str, int], dict[str, Any]]:
     """(node, gpu_index) -> the owner columns of its open interval (announced within the last two
     GPU_OWNER_REANNOUNCE_S before the newest sample: an agent silent longer says nothing of now)."""
     newest = store.newest_sample_ms()
@@ -61,7 +65,7 @@ def current_owners(store: Store) -> dict[tuple[str, int], dict[str, Any]]:
             for r in current.to_dict("records")}
 
 
-def usage(store: Store, by: str, since_ms: int, until_ms: int) -> list[dict[str, Any]]:
+def usage(store: OwnerReads, by: str, since_ms: int, until_ms: int) -> list[dict[str, Any]]:
     """GPU-seconds, lost GPU-seconds, mean utilisation and energy per owner group (``by``: USAGE_GROUPS).
 
     Per GPU and minute, the held seconds are the time since its previous sampled minute (at most a minute);
@@ -120,7 +124,7 @@ def _join_owners(minutes: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame
     return joined.drop(columns=["_t"])
 
 
-def usage_rpc(request: q.UsageRequest, store: Store) -> q.JsonResponse:
+def usage_rpc(request: q.UsageRequest, store: OwnerReads) -> q.JsonResponse:
     """The ``Usage`` RPC: :func:`usage` as JSON; until 0 means up to the newest sample."""
     if request.by not in USAGE_GROUPS:
         raise UserError(f"--by {request.by!r}: expected one of {', '.join(USAGE_GROUPS)}")
