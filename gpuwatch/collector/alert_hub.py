@@ -21,7 +21,7 @@ from gpuwatch.collector.alerts import ALERT_NAME as GPU_FAILURE_RISK
 from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition
 from gpuwatch.collector.store.base import AlertRecords
 from gpuwatch.core.times import iso_ms, iso_utc
-from gpuwatch.collector.store.duckdb import ms_to_datetime
+from gpuwatch.collector.store.dialect import ms_to_datetime
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.v1 import query_pb2 as q
 

@@ -29,7 +29,7 @@ from gpuwatch.collector.alerts import RiskObservation
 from gpuwatch.collector.failed import Failure, failed_gpus, failure_timeline
 from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.collector.store.base import EventQueries, IngestStats, Inventory, SampleQueries
-from gpuwatch.collector.store.duckdb import ms_to_datetime
+from gpuwatch.collector.store.dialect import ms_to_datetime
 from gpuwatch.models import features as feature_module
 from gpuwatch.models import rules
 from gpuwatch.models.calibration import BudgetCalibrator

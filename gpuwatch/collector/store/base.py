@@ -1,8 +1,9 @@
 """The collector's store interface: what ingest, queries and every feature ask of a store, as roles.
 
-Every piece of SQL lives behind this interface in gpuwatch.collector.store (one module per engine:
-``duckdb.py`` embedded, ``clickhouse.py`` for a ClickHouse server or the in-process chdb engine), so the
-scorer, the jobs monitor, the alert hub, breakdowns, demo and replay work on either. Times cross the
+Every piece of SQL lives behind this interface in gpuwatch.collector.store (``queries.py`` for the reads
+both engines answer alike, one module per engine for the rest: ``duckdb.py`` embedded, ``clickhouse.py`` for
+a ClickHouse server or the in-process chdb engine), so the scorer, the jobs monitor, the alert hub,
+breakdowns, demo and replay work on either. Features depend on the roles below, not the whole ``Store``. Times cross the
 interface as epoch milliseconds (span times as the probe's microseconds); frames are pandas DataFrames.
 """
 from __future__ import annotations
