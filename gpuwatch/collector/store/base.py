@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # annotations only: the collector binds its port before it loads pandas and numpy
     import pandas as pd
 
+    from gpuwatch.collector.store.writer import IngestCounters
     from gpuwatch.core.columnar import ColumnarBatch
     from gpuwatch.v1 import telemetry_pb2 as pb
 
@@ -54,7 +55,7 @@ class StoreDamaged(RuntimeError):
 class IngestStats(Protocol):
     """What the writer counts: for /metrics and for the scorer's incremental minutes."""
 
-    counters: Any  # IngestCounters
+    counters: IngestCounters
 
     def queue_depth(self) -> int: ...
 
