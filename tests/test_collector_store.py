@@ -265,6 +265,21 @@ def test_queries_written_once_answer_on_both_engines(store):
     assert (job["job_id"], list(job["nodes"]), job["gpus"], job["ranks"]) == ("job-7", ["node-1", "node-2"], 2, 1)
     assert store.span_job_ids() == [] and store.traced_jobs() == []
 
+    # spool drops: the running total an agent reports wins over the sum of the per-report counts
+    from gpuwatch.core.batches import BatchBuilder
+    from gpuwatch.v1 import telemetry_pb2 as pb
+
+    for seq, (batches, total) in enumerate([(2, "2"), (3, "7")], start=3):
+        builder = BatchBuilder(pb.NodeIdentity(node="node-2"), "agent-2", [])
+        builder.add_event("spool_dropped", T0_MS + seq, code=batches, attrs={"dropped_total": total})
+        store.write(builder.build(seq))
+    health = {h["node"]: h for h in store.agent_health()}
+    assert (health["node-1"]["spool_dropped"], health["node-2"]["spool_dropped"]) == (0, 7)
+    assert [(n["node"], n["gpus"], n["last_sequence"]) for n in store.nodes()] == [("node-1", 2, 2), ("node-2", 2, 4)]
+    gpu = store.gpus("node-2")[1]
+    assert (gpu["index"], gpu["uuid"], gpu["name"], gpu["samples"], gpu["job_id"], gpu["rank"]) == (
+        1, "GPU-node-2-1", "H100", TICKS, "job-7", 1)
+
     store.add_step_breakdowns(pd.DataFrame({"job_id": ["j"] * 3, "rank": [0, 1, 0], "step": [1, 1, 2],
                                             "category": ["compute"] * 3, "us": [10.0, 20.0, 30.0]}))
     store.flush(30)

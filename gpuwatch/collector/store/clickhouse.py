@@ -32,7 +32,6 @@ import clickhouse_connect
 import pandas as pd
 import pyarrow as pa
 
-from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
 from gpuwatch.collector.store import rollups
 from gpuwatch.collector.store.dialect import CLICKHOUSE
@@ -409,36 +408,6 @@ class ClickHouseStore(EngineStore):
         return self.run_write(lambda _: self._trim(retention), timeout)
 
     # ---- telemetry reads -------------------------------------------------------------------------------
-    def nodes(self) -> list[dict[str, Any]]:
-        return self._records("""
-            WITH s AS (SELECT node, count() AS samples FROM gpu_samples GROUP BY node),
-                 g AS (SELECT node, count() AS gpus FROM gpus GROUP BY node)
-            SELECT a.node AS node, toInt64(coalesce(any(g.gpus), 0)) AS gpus,
-                   toInt64(coalesce(any(s.samples), 0)) AS samples,
-                   toInt64(toUnixTimestamp64Milli(max(a.last_seen))) AS last_seen_ms,
-                   argMax(a.agent_id, a.last_seen) AS agent_id,
-                   toInt64(argMax(a.last_sequence, a.last_seen)) AS last_sequence
-            FROM agents AS a LEFT JOIN g ON g.node = a.node LEFT JOIN s ON s.node = a.node
-            GROUP BY a.node ORDER BY a.node SETTINGS join_use_nulls = 1""")
-
-    def gpus(self, node: str | None = None) -> list[dict[str, Any]]:
-        return self._records("""
-            WITH s AS (SELECT node, gpu_index, count() AS samples,
-                              toInt64(toUnixTimestamp64Milli(max(ts))) AS last_sample_ms,
-                              argMax(job_id, ts) AS job_id, argMax(rank, ts) AS rank
-                       FROM gpu_samples WHERE isNull({node:Nullable(String)}) OR node = {node:Nullable(String)}
-                       GROUP BY node, gpu_index)
-            SELECT g.node AS node, g.`index` AS `index`, g.uuid AS uuid, g.name AS name, g.pci_bus_id AS pci_bus_id,
-                   g.serial AS serial, toInt64(g.memory_total_bytes) AS memory_total_bytes,
-                   g.architecture AS architecture,
-                   g.gpm_supported AS gpm_supported, toInt64(toUnixTimestamp64Milli(g.first_seen)) AS first_seen_ms,
-                   toInt64(toUnixTimestamp64Milli(g.last_seen)) AS last_seen_ms,
-                   toInt64(coalesce(s.samples, 0)) AS samples,
-                   s.last_sample_ms AS last_sample_ms, s.job_id AS job_id, s.rank AS rank
-            FROM gpus AS g LEFT JOIN s ON s.node = g.node AND s.gpu_index = g.`index`
-            WHERE isNull({node:Nullable(String)}) OR g.node = {node:Nullable(String)} ORDER BY g.node, g.`index`
-            SETTINGS join_use_nulls = 1""", {"node": node})
-
     def counter_drops(self, field: str, gpus: Sequence[tuple[str, int]], since_ms: int,
                       until_ms: int | None = None) -> pd.DataFrame:
         check_fields([field])
@@ -454,16 +423,6 @@ class ClickHouseStore(EngineStore):
             WHERE n > 1 AND value < before""",
             {"gpus": [f"{n}/{g}" for n, g in gpus], "since": since_ms,
              "until": self.dialect.time(until_ms, upper=True)})
-
-    def agent_health(self) -> list[dict[str, Any]]:
-        return self._records(f"""
-            WITH d AS (SELECT node, toInt64(greatest(sum(ifNull(code, 0)), max(ifNull(
-                              toInt64OrNull(JSONExtractString(attrs, 'dropped_total')), 0)))) AS dropped
-                       FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
-            SELECT a.node AS node, toInt64(coalesce(max(d.dropped), 0)) AS spool_dropped,
-                   toInt64(toUnixTimestamp64Milli(max(a.last_seen))) AS last_seen_ms
-            FROM agents AS a LEFT JOIN d ON d.node = a.node GROUP BY a.node ORDER BY a.node
-            SETTINGS join_use_nulls = 1""")
 
     def columns(self, table: str) -> list[str]:
         self.count(table)  # names an unknown table

@@ -31,6 +31,8 @@ class Dialect:
     """The DuckDB spelling; :class:`ClickHouseDialect` overrides what ClickHouse spells otherwise."""
 
     name = "duckdb"
+    #: Appended to a query with outer joins, so that a missing right side reads as NULL (not a default value).
+    join_nulls = ""
 
     def param(self, name: str, ch_type: str) -> str:
         """The placeholder of parameter ``name`` (``ch_type``: its ClickHouse type)."""
@@ -52,6 +54,9 @@ class Dialect:
     def nullable(self, expr: str) -> str:
         """``expr`` in a type that holds NULL too (to unite it with NULLs)."""
         return expr
+
+    def int64(self, expr: str) -> str:
+        return f"CAST({expr} AS BIGINT)"
 
     def count_distinct(self, expr: str, where: str | None = None) -> str:
         return f"count(DISTINCT {expr})" + (f" FILTER (WHERE {where})" if where else "")
@@ -87,6 +92,10 @@ class Dialect:
     def json_float(self, doc: str, key: str) -> str:
         return f"CAST({doc}->>'{key}' AS DOUBLE)"
 
+    def json_int_or_null(self, doc: str, key: str) -> str:
+        """The integer under ``key`` of a JSON text, NULL where absent or not a number."""
+        return f"TRY_CAST({doc}->>'{key}' AS BIGINT)"
+
     def minute(self, expr: str) -> str:
         """The time ``expr`` truncated to its minute."""
         return f"date_trunc('minute', {expr})"
@@ -114,6 +123,7 @@ class Dialect:
 
 class ClickHouseDialect(Dialect):
     name = "clickhouse"
+    join_nulls = " SETTINGS join_use_nulls = 1"
 
     def param(self, name: str, ch_type: str) -> str:
         return f"{{{name}:{ch_type}}}"
@@ -132,6 +142,9 @@ class ClickHouseDialect(Dialect):
 
     def nullable(self, expr: str) -> str:
         return f"toNullable({expr})"
+
+    def int64(self, expr: str) -> str:
+        return f"toInt64({expr})"
 
     def count_distinct(self, expr: str, where: str | None = None) -> str:
         return f"toInt64(uniqExactIf({expr}, {where}))" if where else f"toInt64(uniqExact({expr}))"
@@ -162,6 +175,9 @@ class ClickHouseDialect(Dialect):
 
     def json_float(self, doc: str, key: str) -> str:
         return f"JSONExtractFloat({doc}, '{key}')"
+
+    def json_int_or_null(self, doc: str, key: str) -> str:
+        return f"toInt64OrNull(JSONExtractString({doc}, '{key}'))"
 
     def minute(self, expr: str) -> str:
         return f"toStartOfMinute({expr})"

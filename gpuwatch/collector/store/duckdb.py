@@ -26,7 +26,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
 from gpuwatch.collector.store import rollups
 from gpuwatch.collector.store.dialect import DUCKDB, ms_to_datetime
@@ -275,30 +274,6 @@ class DuckDBStore(EngineStore):
                         "restore it from a backup (agents keep their batches meanwhile)")
         log.error("%s", self.damaged)
 
-    def nodes(self) -> list[dict[str, Any]]:
-        """Per node: GPUs in the inventory, gpu_samples rows, last batch time (ms), agent and its last sequence."""
-        return self._records("""
-            WITH s AS (SELECT node, count(*) AS samples FROM gpu_samples GROUP BY node),
-                 g AS (SELECT node, count(*) AS gpus FROM gpus GROUP BY node)
-            SELECT a.node, coalesce(g.gpus, 0)::BIGINT AS gpus, coalesce(s.samples, 0)::BIGINT AS samples,
-                   epoch_ms(max(a.last_seen)) AS last_seen_ms, arg_max(a.agent_id, a.last_seen) AS agent_id,
-                   arg_max(a.last_sequence, a.last_seen)::BIGINT AS last_sequence
-            FROM agents a LEFT JOIN g USING (node) LEFT JOIN s USING (node)
-            GROUP BY a.node, g.gpus, s.samples ORDER BY a.node""")
-
-    def gpus(self, node: str | None = None) -> list[dict[str, Any]]:
-        """Inventory rows with their sample count, last sample time (ms) and the job owning the last sample."""
-        return self._records("""
-            WITH s AS (SELECT node, gpu_index, count(*) AS samples, epoch_ms(max(ts)) AS last_sample_ms,
-                              arg_max(job_id, ts) AS job_id, arg_max(rank, ts) AS rank
-                       FROM gpu_samples WHERE $node IS NULL OR node = $node GROUP BY node, gpu_index)
-            SELECT g.node, g."index", g.uuid, g.name, g.pci_bus_id, g.serial, g.memory_total_bytes::BIGINT
-                   AS memory_total_bytes, g.architecture, g.gpm_supported, epoch_ms(g.first_seen) AS first_seen_ms,
-                   epoch_ms(g.last_seen) AS last_seen_ms, coalesce(s.samples, 0)::BIGINT AS samples,
-                   s.last_sample_ms, s.job_id, s.rank
-            FROM gpus g LEFT JOIN s ON s.node = g.node AND s.gpu_index = g."index"
-            WHERE $node IS NULL OR g.node = $node ORDER BY g.node, g."index" """, {"node": node})
-
     def _raw_cutoff_ms(self) -> int | None:
         with self._cursor_lock:
             cursor = self._con.cursor()
@@ -319,16 +294,6 @@ class DuckDBStore(EngineStore):
                    count(DISTINCT rank) FILTER (WHERE rank >= 0) AS ranks, min(t) AS first_seen_ms,
                    max(t) AS last_seen_ms
             FROM rows GROUP BY job_id ORDER BY job_id""")
-
-    def agent_health(self) -> list[dict[str, Any]]:
-        """Per node: batches its agent dropped from a full spool (``spool_dropped`` events) and last batch (ms)."""
-        return self._records(f"""
-            WITH d AS (SELECT node, greatest(sum(code), max(TRY_CAST(attrs->>'dropped_total' AS BIGINT)))::BIGINT
-                              AS dropped
-                       FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
-            SELECT a.node, coalesce(max(d.dropped), 0)::BIGINT AS spool_dropped,
-                   epoch_ms(max(a.last_seen)) AS last_seen_ms
-            FROM agents a LEFT JOIN d USING (node) GROUP BY a.node ORDER BY a.node""")
 
     def columns(self, table: str) -> list[str]:
         """The column names of one of the store's tables, in order."""

@@ -43,6 +43,49 @@ class SqlQueries:
         return df.astype(object).where(df.notna(), None).to_dict("records")
 
     # ---- inventory -------------------------------------------------------------------------------------
+    def nodes(self) -> list[dict[str, Any]]:
+        """Per node: GPUs in the inventory, gpu_samples rows, last batch time (ms), agent and its last sequence."""
+        d = self.dialect
+        return self._records(f"""
+            WITH s AS (SELECT node, count(*) AS samples FROM gpu_samples GROUP BY node),
+                 g AS (SELECT node, count(*) AS gpus FROM gpus GROUP BY node)
+            SELECT a.node AS node, {d.int64('coalesce(g.gpus, 0)')} AS gpus,
+                   {d.int64('coalesce(s.samples, 0)')} AS samples, {d.epoch_ms('max(a.last_seen)')} AS last_seen_ms,
+                   {d.arg_max('a.agent_id', 'a.last_seen')} AS agent_id,
+                   {d.int64(d.arg_max('a.last_sequence', 'a.last_seen'))} AS last_sequence
+            FROM agents AS a LEFT JOIN g ON g.node = a.node LEFT JOIN s ON s.node = a.node
+            GROUP BY a.node, g.gpus, s.samples ORDER BY a.node{d.join_nulls}""")
+
+    def gpus(self, node: str | None = None) -> list[dict[str, Any]]:
+        """Inventory rows with their sample count, last sample time (ms) and the job owning the last sample."""
+        d = self.dialect
+        node_param = d.param("node", "Nullable(String)")
+        return self._records(f"""
+            WITH s AS (SELECT node, gpu_index, count(*) AS samples, {d.epoch_ms('max(ts)')} AS last_sample_ms,
+                              {d.arg_max('job_id', 'ts')} AS job_id, {d.arg_max('rank', 'ts')} AS rank
+                       FROM gpu_samples WHERE {node_param} IS NULL OR node = {node_param} GROUP BY node, gpu_index)
+            SELECT g.node AS node, g."index" AS "index", g.uuid AS uuid, g.name AS name, g.pci_bus_id AS pci_bus_id,
+                   g.serial AS serial, {d.int64('g.memory_total_bytes')} AS memory_total_bytes,
+                   g.architecture AS architecture, g.gpm_supported AS gpm_supported,
+                   {d.epoch_ms('g.first_seen')} AS first_seen_ms, {d.epoch_ms('g.last_seen')} AS last_seen_ms,
+                   {d.int64('coalesce(s.samples, 0)')} AS samples, s.last_sample_ms AS last_sample_ms,
+                   s.job_id AS job_id, s.rank AS rank
+            FROM gpus AS g LEFT JOIN s ON s.node = g.node AND s.gpu_index = g."index"
+            WHERE {node_param} IS NULL OR g.node = {node_param} ORDER BY g.node, g."index"{d.join_nulls}""",
+            {"node": node})
+
+    def agent_health(self) -> list[dict[str, Any]]:
+        """Per node: batches its agent dropped from a full spool (``spool_dropped`` events) and last batch (ms)."""
+        d = self.dialect
+        reported = f"coalesce({d.json_int_or_null('attrs', 'dropped_total')}, 0)"
+        return self._records(f"""
+            WITH dropped AS (SELECT node, {d.int64(f'greatest(sum(coalesce(code, 0)), max({reported}))')} AS n
+                             FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
+            SELECT a.node AS node, {d.int64('coalesce(max(dropped.n), 0)')} AS spool_dropped,
+                   {d.epoch_ms('max(a.last_seen)')} AS last_seen_ms
+            FROM agents AS a LEFT JOIN dropped ON dropped.node = a.node
+            GROUP BY a.node ORDER BY a.node{d.join_nulls}""")
+
     def latest(self, node: str | None = None, gpu_index: int | None = None) -> list[dict[str, Any]]:
         """Per GPU: the time of its last sample and the last non-NULL value of every field (None if never)."""
         d = self.dialect
