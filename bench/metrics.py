@@ -19,7 +19,7 @@ import urllib.request
 import numpy as np
 
 from gpuwatch.core import fields
-from gpuwatch.core.prometheus import start_metrics_server
+from gpuwatch.core.metrics_http import start_metrics_server
 from gpuwatch.core.vocabulary import BREAKDOWN_CATEGORIES
 
 

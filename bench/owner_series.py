@@ -2,7 +2,7 @@
 pod mapping and per-job labels do) against one ``gpuwatch_gpu_owner_info`` series per GPU (gpuwatch's design).
 
 Builds a snapshot of N simulated GPUs (every GPU field, each GPU held by a pod and a job), renders the real
-exporter (gpuwatch.core.prometheus) for the info design, and the same series with the owner labels added to
+exporter (gpuwatch.core.metrics_families) for the info design, and the same series with the owner labels added to
 every per-GPU series for the other. Prints, side by side: series per scrape, exposition bytes, the peak Python
 memory of one render (tracemalloc), and the series Prometheus creates over a day when every GPU changes owner
 every --changes-per-day (a labelled series set is new with each owner; an info series is one per owner).
@@ -19,7 +19,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from gpuwatch.core import fields
-from gpuwatch.core.prometheus import GpuSnapshot, Snapshot, build_registry
+from gpuwatch.core.metrics_families import build_registry
+from gpuwatch.core.metrics_snapshot import GpuSnapshot, Snapshot
 
 OWNER_LABELS = ("pod", "namespace", "container", "job", "rank")
 

@@ -13,7 +13,7 @@ import pytest
 
 from gpuwatch.agent.daemon import AgentConfig
 from gpuwatch.collector.assembly import start_collector
-from gpuwatch.core.prometheus import EXPORTED_METRICS
+from gpuwatch.core.metrics_catalogue import EXPORTED_METRICS
 from gpuwatch.collector.snapshot import MetricsService
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, CollectorSettings, load_config
 from helpers import poll, running_simulated_agent

@@ -233,3 +233,71 @@ def test_empty_answers_keep_their_columns(store):
     assert list(store.recent_spans(60.0).columns[:3]) == ["job_id", "rank", "step"]
     assert list(store.stopped_agents().columns) == ["node", "stopped_us"]
     assert list(store.event_rows(["xid"]).columns) == ["node", "gpu_index", "ts", "kind", "code"]
+
+
+def test_queries_written_once_answer_on_both_engines(store):
+    """The queries of store/queries.py, spelled by each engine's dialect: events, samples, jobs, breakdowns,
+    alerts read back what was written, with absent time bounds and with given ones."""
+    import json
+
+    import pandas as pd
+
+    for seq in (1, 2):
+        store.write(make_batch(seq))
+    store.write(make_batch(1, agent="agent-2", node="node-2"))
+    first_xid_ms, newest_ms = T0_MS + 1000 * TICKS, T0_MS + 1000 * (2 * TICKS + TICKS - 1)
+    assert store.xid_counts() == [{"node": "node-1", "gpu_index": 1, "code": 79, "n": 2},
+                                  {"node": "node-2", "gpu_index": 1, "code": 79, "n": 1}]
+    assert store.event_counts_by_node() == {"node-1": 2, "node-2": 1}
+    assert len(store.event_rows(["xid"])) == 3 and len(store.event_rows(["agent_stop"])) == 0
+    assert len(store.event_rows(["xid"], since_ms=first_xid_ms)) == 1  # strictly after
+    assert len(store.event_rows(["xid"], until_ms=first_xid_ms)) == 2
+    failed = store.first_failures([79])
+    assert failed[["node", "gpu_index", "failed_ms"]].values.tolist() == [["node-1", 1, first_xid_ms],
+                                                                       ["node-2", 1, first_xid_ms]]
+    assert store.first_failures([48]).empty
+    assert store.fatal_events([79], until_ms=first_xid_ms)["ts_ms"].tolist() == [first_xid_ms] * 2
+    assert store.event_times("xid", until_ms=first_xid_ms)["node"].tolist() in (["node-1", "node-2"],
+                                                                              ["node-2", "node-1"])
+    assert store.stopped_agents().empty
+    assert store.newest_sample_ms() == newest_ms
+    (job,) = store.sample_jobs()
+    assert (job["job_id"], list(job["nodes"]), job["gpus"], job["ranks"]) == ("job-7", ["node-1", "node-2"], 2, 1)
+    assert store.span_job_ids() == [] and store.traced_jobs() == []
+
+    # spool drops: the running total an agent reports wins over the sum of the per-report counts
+    from gpuwatch.core.batches import BatchBuilder
+    from gpuwatch.v1 import telemetry_pb2 as pb
+
+    for seq, (batches, total) in enumerate([(2, "2"), (3, "7")], start=3):
+        builder = BatchBuilder(pb.NodeIdentity(node="node-2"), "agent-2", [])
+        builder.add_event("spool_dropped", T0_MS + seq, code=batches, attrs={"dropped_total": total})
+        store.write(builder.build(seq))
+    health = {h["node"]: h for h in store.agent_health()}
+    assert (health["node-1"]["spool_dropped"], health["node-2"]["spool_dropped"]) == (0, 7)
+    assert [(n["node"], n["gpus"], n["last_sequence"]) for n in store.nodes()] == [("node-1", 2, 2), ("node-2", 2, 4)]
+    gpu = store.gpus("node-2")[1]
+    assert (gpu["index"], gpu["uuid"], gpu["name"], gpu["samples"], gpu["job_id"], gpu["rank"]) == (
+        1, "GPU-node-2-1", "H100", TICKS, "job-7", 1)
+
+    store.add_step_breakdowns(pd.DataFrame({"job_id": ["j"] * 3, "rank": [0, 1, 0], "step": [1, 1, 2],
+                                            "category": ["compute"] * 3, "us": [10.0, 20.0, 30.0]}))
+    store.flush(30)
+    totals = store.step_breakdown_totals("j")
+    assert totals[["category", "us", "steps", "ranks"]].values.tolist() == [["compute", 60.0, 2, 2]]
+    rows = pd.DataFrame({"rank": [0], "step": [None], "category": ["compute"], "us": [5.0]})
+    store.save_breakdown("j", "live", rows, '{"a": 1}')
+    store.flush(30)
+    assert json.loads(store.breakdown_doc("j", "live")) == {"a": 1} and store.breakdown_doc("j", "traces") is None
+    assert store.breakdown_rows("j")["source"].tolist() == ["live"] and store.breakdown_rows("j", "traces").empty
+
+    doc = {"status": "firing", "node": "node-1", "gpu_index": 1, "peak_risk": 0.75}
+    store.upsert_alerts(pd.DataFrame([{"id": "a:1", "alertname": "GpuFailureRisk", "subject": "node-1/1",
+                                       "status": "firing", "starts_at": ms_to_datetime(T0_MS), "ends_at": None,
+                                       "updated_at": ms_to_datetime(T0_MS + 5), "doc": json.dumps(doc)}]))
+    store.flush(30)
+    (firing,) = store.firing_alerts().to_dict("records")
+    assert (firing["alertname"], firing["updated_ms"], json.loads(firing["doc"])) == ("GpuFailureRisk", T0_MS + 5, doc)
+    assert [json.loads(d) for d in store.alert_docs(include_resolved=False)] == [doc]
+    starts = store.alert_starts("GpuFailureRisk")
+    assert starts[["node", "gpu_index", "starts_ms", "peak_risk"]].values.tolist() == [["node-1", 1, T0_MS, 0.75]]

@@ -16,7 +16,7 @@ from gpuwatch.agent.node_metrics import NodeMetrics
 from gpuwatch.agent.spool import Spool
 from gpuwatch.collector.snapshot import build_snapshot
 from gpuwatch.collector.store.duckdb import DuckDBStore
-from gpuwatch.core.prometheus import EXPORTED_METRICS
+from gpuwatch.core.metrics_catalogue import EXPORTED_METRICS
 from helpers import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent / "dashboards"

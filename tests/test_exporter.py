@@ -13,9 +13,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.core import fields
-from gpuwatch.core import prometheus as exporter
-from gpuwatch.core.prometheus import EXPORTED_METRICS, LatencyHistogram, build_registry, start_metrics_server
 from gpuwatch.core.errors import UserError
+from gpuwatch.core.metrics_catalogue import EXPORTED_METRICS, METRICS
+from gpuwatch.core.metrics_families import build_registry
+from gpuwatch.core.metrics_http import start_metrics_server
+from gpuwatch.core.metrics_snapshot import LatencyHistogram
+from gpuwatch.core.vocabulary import BREAKDOWN_CATEGORIES
 
 PROMTOOL = shutil.which("promtool")
 TOKEN = "scrape-token"
@@ -102,15 +105,15 @@ def test_every_exported_name_is_in_the_catalogue_with_its_type():
 
 def test_label_cardinality_is_bounded():
     text = _render(_snapshot())
-    allowed = {spec.name: set(spec.labels) for spec in exporter.METRICS}
+    allowed = {spec.name: set(spec.labels) for spec in METRICS}
     for sample in _samples(text):
         base = sample.name.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
         labels = set(sample.labels) - {"le"}
         assert labels == allowed.get(base, allowed.get(sample.name)), sample
     categories = {s.labels["category"] for s in _samples(text) if "category" in s.labels}
-    assert categories <= set(exporter.BREAKDOWN_CATEGORIES) and "bogus" not in categories
+    assert categories <= set(BREAKDOWN_CATEGORIES) and "bogus" not in categories
     forbidden = {"step", "seq", "pid", "sequence"}
-    assert not forbidden & {label for spec in exporter.METRICS for label in spec.labels}
+    assert not forbidden & {label for spec in METRICS for label in spec.labels}
 
 
 def test_job_limit_keeps_the_costliest_jobs():

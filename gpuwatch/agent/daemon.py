@@ -46,7 +46,7 @@ from gpuwatch.v1 import telemetry_pb2 as pb
 if TYPE_CHECKING:  # imported only when --record or metrics_listen asks: pandas, pyarrow, prometheus_client
     from gpuwatch.agent.node_metrics import NodeMetrics
     from gpuwatch.agent.recorder import BatchRecorder
-    from gpuwatch.core.prometheus import MetricsServer
+    from gpuwatch.core.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class Agent:
 
     def _serve_metrics(self, listen: str, devices: list[GpuDevice], driver_version: str) -> MetricsServer:
         from gpuwatch.agent.node_metrics import NodeMetrics
-        from gpuwatch.core.prometheus import start_metrics_server
+        from gpuwatch.core.metrics_http import start_metrics_server
 
         cfg = self.config
         self.metrics = NodeMetrics(cfg.node_name, [d.info() for d in devices], self.spool,

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from gpuwatch.agent.owners import GpuOwner
 from gpuwatch.agent.spool import Spool
-from gpuwatch.core.prometheus import AgentSnapshot, GpuSnapshot, HostSnapshot, Snapshot
+from gpuwatch.core.metrics_snapshot import AgentSnapshot, GpuSnapshot, HostSnapshot, Snapshot
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 

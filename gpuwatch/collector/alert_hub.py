@@ -20,9 +20,9 @@ import pandas as pd
 from gpuwatch.collector.alerts import ALERT_NAME as GPU_FAILURE_RISK
 from gpuwatch.collector.alerts import Alert, AlertEngine, AlertSender, RiskObservation, Transition
 from gpuwatch.collector.query_documents import alerts_response
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import AlertRecords
 from gpuwatch.core.times import iso_ms, iso_utc
-from gpuwatch.collector.store.duckdb import ms_to_datetime
+from gpuwatch.collector.store.dialect import ms_to_datetime
 from gpuwatch.models.policy import AlertPolicy
 from gpuwatch.v1 import query_pb2 as q
 
@@ -95,10 +95,10 @@ class AlertHub:
         self.engine = AlertEngine(policy, senders=self.senders, **engine_options) if policy else None
         self._jobs: dict[tuple[str, str], JobAlert] = {}
         self._lock = threading.Lock()
-        self._store: Store | None = None
+        self._store: AlertRecords | None = None
 
     # ---- service -----------------------------------------------------------------------------------
-    def start(self, store: Store) -> Mapping[str, Any]:
+    def start(self, store: AlertRecords) -> Mapping[str, Any]:
         """Use ``store`` and take back the alerts that were firing when the collector last stopped, so a
         restart neither resolves nor re-fires what is still true."""
         self._store = store
@@ -120,7 +120,7 @@ class AlertHub:
         engine.restore(self._firing_gpu_alerts)
         self.engine = engine
 
-    def _restore(self, store: Store, replace: bool = False) -> None:
+    def _restore(self, store: AlertRecords, replace: bool = False) -> None:
         firing = store.firing_alerts()
         gpu_alerts = []
         with self._lock:
@@ -213,7 +213,7 @@ class AlertHub:
         self._store.upsert_alerts(table)
 
 
-def list_alerts(request: q.AlertsRequest, store: Store) -> q.AlertsResponse:
+def list_alerts(request: q.AlertsRequest, store: AlertRecords) -> q.AlertsResponse:
     """The ``Alerts`` RPC: firing alerts (and resolved ones with include_resolved), newest first."""
     return alerts_response([json.loads(doc) for doc in store.alert_docs(bool(request.include_resolved))])
 

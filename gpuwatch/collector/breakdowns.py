@@ -17,6 +17,7 @@ job's slow ranks with their causes (:mod:`gpuwatch.collector.slow_ranks`).
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 from collections.abc import Callable
 
 import orjson
@@ -29,7 +30,7 @@ from gpuwatch.efficiency.summary import MAGIC, RankSummary, decode, encode, summ
 from gpuwatch.efficiency.timeline import RankTimeline
 from gpuwatch.collector.live import probe_timelines
 from gpuwatch.collector.slow_ranks import live_slow_ranks
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import BreakdownRecords, SampleQueries, SpanQueries
 from gpuwatch.core.errors import NotFound, UserError
 from gpuwatch.v1 import query_pb2 as q
 
@@ -39,6 +40,11 @@ UNKNOWN_STEP = -1
 #: Seconds of a job's newest probe spans (its own clock) that a live breakdown analyses; older steps count
 #: through the per-step aggregates the jobs monitor keeps (the document's "history").
 DEFAULT_LIVE_WINDOW_S = 300.0
+
+
+
+class BreakdownStore(BreakdownRecords, SpanQueries, SampleQueries, Protocol):
+    """What breakdowns read and write: stored timelines and documents, live spans, slow-rank samples."""
 
 
 class UnknownJob(NotFound):
@@ -56,7 +62,7 @@ class BreakdownService:
         """For `serve(..., query_handlers=BreakdownService().handlers())`."""
         return {"SubmitTrace": self.submit_trace, "Breakdown": self.breakdown}
 
-    def submit_trace(self, request: q.SubmitTraceRequest, store: Store) -> q.SubmitTraceResponse:
+    def submit_trace(self, request: q.SubmitTraceRequest, store: BreakdownStore) -> q.SubmitTraceResponse:
         """Load one submitted file, re-analyse the job with all its ranks, store the result."""
         job_id = _job_id(request.job_id)
         if not request.filename:
@@ -70,7 +76,7 @@ class BreakdownService:
         with self._submitting:
             return self._store_submission(store, job_id, request.filename, new)
 
-    def _store_submission(self, store: Store, job_id: str, filename: str,
+    def _store_submission(self, store: BreakdownStore, job_id: str, filename: str,
                           new: list[Submitted]) -> q.SubmitTraceResponse:
         kept = [r for r in stored_ranks(store, job_id) if r.rank not in {n.rank for n in new}]
         analysis = _analyze_ranks(job_id, kept + new)
@@ -80,7 +86,7 @@ class BreakdownService:
         store.save_submission(job_id, timelines, breakdown_rows(analysis), _dumps(doc), TRACES)
         return q.SubmitTraceResponse(job_id=job_id, ranks=len(analysis.ranks), json=_dumps(without_steps(doc)))
 
-    def breakdown(self, request: q.BreakdownRequest, store: Store) -> q.JsonResponse:
+    def breakdown(self, request: q.BreakdownRequest, store: BreakdownStore) -> q.JsonResponse:
         """The job's breakdown from its submitted traces, else live from its recent probe spans (and stored)."""
         job_id = _job_id(request.job_id)
         doc = stored_doc(store, job_id, TRACES)
@@ -106,7 +112,7 @@ def load_submitted(filename: str, content: bytes) -> list[Submitted]:
     return list(load_file(filename, default_rank=0, content=content))
 
 
-def stored_ranks(store: Store, job_id: str) -> list[Submitted]:
+def stored_ranks(store: BreakdownRecords, job_id: str) -> list[Submitted]:
     """The job's submitted ranks (timelines or summaries), by rank."""
     return [decode(blob)[0] if blob.startswith(MAGIC) else RankTimeline.from_bytes(blob)
             for blob in store.job_timelines(job_id)]
@@ -116,7 +122,7 @@ def _blob(rank: Submitted) -> bytes:
     return rank.to_bytes() if isinstance(rank, RankTimeline) else encode([rank])
 
 
-def live_timelines(store: Store, job_id: str, window_s: float = DEFAULT_LIVE_WINDOW_S) -> list[RankTimeline]:
+def live_timelines(store: SpanQueries, job_id: str, window_s: float = DEFAULT_LIVE_WINDOW_S) -> list[RankTimeline]:
     """Rank timelines from the job's probe span rows of its last ``window_s`` (finished spans of the kinds
     the engine reads)."""
     spans = store.recent_spans(window_s, job_id)
@@ -128,13 +134,13 @@ def live_timelines(store: Store, job_id: str, window_s: float = DEFAULT_LIVE_WIN
     return timelines
 
 
-def stored_doc(store: Store, job_id: str, source: str) -> dict | None:
+def stored_doc(store: BreakdownRecords, job_id: str, source: str) -> dict | None:
     """The last breakdown document stored for the job from `source`, or None."""
     doc = store.breakdown_doc(job_id, source)
     return orjson.loads(doc) if doc is not None else None
 
 
-def step_history(store: Store, job_id: str) -> dict:
+def step_history(store: SpanQueries, job_id: str) -> dict:
     """The job's per-step efficiency over every step the jobs monitor aggregated (beyond the live window):
     steps and ranks counted, and the time per category summed (µs)."""
     totals = store.step_breakdown_totals(job_id)

@@ -10,8 +10,8 @@ samples say. Scoring, alerts, ``gpuwatch gpus``, the demo and ``replay --offline
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from gpuwatch.collector.store.base import EventQueries
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import xids
 
@@ -57,7 +57,7 @@ class FailureTimeline:
         return out
 
 
-def failure_timeline(store: Any, until_ms: int | None = None) -> FailureTimeline:
+def failure_timeline(store: EventQueries, until_ms: int | None = None) -> FailureTimeline:
     """Read fatal XIDs and lost GPUs, agent starts, and driver reloads (the energy counter going back) of the
     GPUs with fatal evidence, up to ``until_ms`` (default: everything stored)."""
     fatal = store.fatal_events(sorted(xids.FATAL), until_ms)
@@ -78,7 +78,7 @@ def failure_timeline(store: Any, until_ms: int | None = None) -> FailureTimeline
     return FailureTimeline(rows, resets, node_starts)
 
 
-def failed_gpus(store: Any, until_ms: int | None = None) -> dict[tuple[str, int], Failure]:
+def failed_gpus(store: EventQueries, until_ms: int | None = None) -> dict[tuple[str, int], Failure]:
     """(node, gpu index) -> :class:`Failure` for every GPU failed at ``until_ms`` (default: now, all events)."""
     timeline = failure_timeline(store, until_ms)
     return timeline.at(until_ms if until_ms is not None else 2**62)

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import pandas as pd
@@ -34,7 +34,8 @@ from gpuwatch.collector.periodic import PeriodicService
 from gpuwatch.collector.query_documents import jobs_response
 from gpuwatch.collector.slow_ranks import job_slow_ranks, slow_rank_docs
 from gpuwatch.core.times import iso_utc
-from gpuwatch.collector.store.base import STEP_MARK_KINDS, Store
+from gpuwatch.collector.store.base import (STEP_MARK_KINDS, BreakdownRecords, EventQueries, SampleQueries,
+                                           SpanQueries)
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.settings import DEFAULT_HANG_S
 from gpuwatch.core.settings import DEFAULT_JOBS_INTERVAL_S as DEFAULT_INTERVAL_S
@@ -44,7 +45,16 @@ from gpuwatch.v1 import query_pb2 as q
 log = logging.getLogger(__name__)
 
 
-def list_jobs(store: Store, now_us: float | None = None, window_s: float = DEFAULT_WINDOW_S,
+
+class JobListReads(SpanQueries, BreakdownRecords, Protocol):
+    """What the jobs list reads: spans, step progress, the jobs seen in samples and in submitted traces."""
+
+
+class JobsStore(JobListReads, SampleQueries, EventQueries, Protocol):
+    """What the jobs monitor reads and writes: the list's reads, stopped agents, slow-rank samples, step rows."""
+
+
+def list_jobs(store: JobListReads, now_us: float | None = None, window_s: float = DEFAULT_WINDOW_S,
               flags: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every job the collector knows, with ``sources`` saying from where: probe ``spans`` (ranks, nodes, steps,
     step rate, lost fraction over the last ``window_s``), submitted ``traces`` (ranks) and ``gpu_samples``
@@ -113,13 +123,13 @@ def _whole_life(recent: dict[str, Any] | None, progress: Mapping[str, Any], now_
     }
 
 
-def _traced_jobs(store: Store) -> list[dict[str, Any]]:
+def _traced_jobs(store: BreakdownRecords) -> list[dict[str, Any]]:
     """Jobs with submitted traces: ranks and the last submission time (ISO UTC)."""
     return [{"job_id": r["job_id"], "ranks": r["ranks"], "submitted_at": iso_utc(int(r["submitted_ms"]))}
             for r in store.traced_jobs()]
 
 
-def list_jobs_rpc(request: q.JobsRequest, store: Store) -> q.JobsResponse:
+def list_jobs_rpc(request: q.JobsRequest, store: JobListReads) -> q.JobsResponse:
     """The ``Jobs`` RPC of a collector without a monitor: the list without flags."""
     return jobs_response(list_jobs(store))
 
@@ -134,7 +144,7 @@ def analyse_spans(rows: pd.DataFrame, job_id: str, per_step: bool = False) -> An
         return None
 
 
-class JobsMonitor(PeriodicService):
+class JobsMonitor(PeriodicService["JobsStore"]):
     """Collector service: every ``interval_s``, breakdown, stragglers and hangs of every running job."""
 
     name = "jobs-monitor"
@@ -158,7 +168,7 @@ class JobsMonitor(PeriodicService):
     def run_round(self) -> object:
         return self.check_once()
 
-    def jobs_rpc(self, request: q.JobsRequest, store: Store) -> q.JobsResponse:
+    def jobs_rpc(self, request: q.JobsRequest, store: JobListReads) -> q.JobsResponse:
         return jobs_response(self.jobs())
 
     def jobs(self, now_us: float | None = None) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import Leases
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,13 @@ class ClusterLease:
         self.holder = holder or holder_id()
         self.on_acquire = list(on_acquire)
         self.acquisitions = 0
-        self._store: Store | None = None
+        self._store: Leases | None = None
         self._valid_until = 0.0  # monotonic time until which the last successful take is good
         self._held = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{name}", daemon=True)
 
-    def start(self, store: Store) -> Mapping[str, Any]:
+    def start(self, store: Leases) -> Mapping[str, Any]:
         """Try once now (so a lone collector's first rounds run at once), then keep trying in the background."""
         self._store = store
         self._try()

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
 
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import EventQueries, SampleQueries
 from gpuwatch.core import events as ev
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.recording import ts_ms
@@ -37,7 +37,11 @@ PROCESS_OWNER_KEYS = ("namespace", "pod", "container", "job_id", "user")
 PROCESS_STALE_S = 300.0
 
 
-def owner_intervals(store: Store, since_ms: int | None = None) -> pd.DataFrame:
+class OwnerReads(SampleQueries, EventQueries, Protocol):
+    """What owners and usage read: owner events and per-minute samples."""
+
+
+def owner_intervals(store: EventQueries, since_ms: int | None = None) -> pd.DataFrame:
     """node, gpu_index, from_ms, to_ms (None: still open), uuid and the owner columns, in time order: the
     intervals that hold any time after ``since_ms`` (None: all). Agents announce every owner again each
     GPU_OWNER_REANNOUNCE_S, so the change points of twice that before ``since_ms`` are all that is read; an
@@ -57,7 +61,7 @@ def owner_intervals(store: Store, since_ms: int | None = None) -> pd.DataFrame:
     return df[columns]
 
 
-def current_owners(store: Store) -> dict[tuple[str, int], dict[str, Any]]:
+def current_owners(store: OwnerReads) -> dict[tuple[str, int], dict[str, Any]]:
     """(node, gpu_index) -> the owner columns of its open interval (announced within the last two
     GPU_OWNER_REANNOUNCE_S before the newest sample: an agent silent longer says nothing of now)."""
     newest = store.newest_sample_ms()
@@ -69,7 +73,7 @@ def current_owners(store: Store) -> dict[tuple[str, int], dict[str, Any]]:
             for r in current.to_dict("records")}
 
 
-def usage(store: Store, by: str, since_ms: int, until_ms: int) -> list[dict[str, Any]]:
+def usage(store: OwnerReads, by: str, since_ms: int, until_ms: int) -> list[dict[str, Any]]:
     """GPU-seconds, lost GPU-seconds, mean utilisation and energy per owner group (``by``: USAGE_GROUPS).
 
     Per GPU and minute, the held seconds are the time since its previous sampled minute (at most a minute);
@@ -135,7 +139,7 @@ def _join_owners(minutes: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame
     return joined.drop(columns=["_t"])
 
 
-def device_shares(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
+def device_shares(store: OwnerReads, since_ms: int, until_ms: int) -> pd.DataFrame:
     """How the agents' slow ticks in the window (and PROCESS_STALE_S before it) divide each GPU among owners,
     one row per owner and tick: node, gpu_index, ts_ms, the owner columns, util (its utilisation), time_share and
     energy_share (of the GPU's minute and energy), memory_bytes, split (rows of their own, not an annotation of
@@ -231,7 +235,7 @@ def _split_by_devices(minutes: pd.DataFrame, shares: pd.DataFrame) -> pd.DataFra
     return pd.concat([minutes.drop(index=shared["_row"].unique()), split], ignore_index=True)
 
 
-def usage_rpc(request: q.UsageRequest, store: Store) -> q.UsageResponse:
+def usage_rpc(request: q.UsageRequest, store: OwnerReads) -> q.UsageResponse:
     """The ``Usage`` RPC: :func:`usage` rows; until 0 means up to the newest sample."""
     if request.by not in USAGE_GROUPS:
         raise UserError(f"--by {request.by!r}: expected one of {', '.join(USAGE_GROUPS)}")

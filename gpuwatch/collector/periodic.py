@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
-
-from gpuwatch.collector.store.base import Store
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger(__name__)
+
+#: The store role a service's rounds read and write (gpuwatch.collector.store.base).
+StoreT = TypeVar("StoreT")
 
 
 class Periodic:
@@ -50,7 +51,7 @@ class Periodic:
             self._stop.wait(self.interval_s)
 
 
-class PeriodicService:
+class PeriodicService(Generic[StoreT]):
     """A collector service whose work is one round every ``interval_s`` over the store (see server.Service).
 
     Subclasses implement :meth:`run_round`; :meth:`bind` lets tests and replay drive rounds themselves.
@@ -60,7 +61,7 @@ class PeriodicService:
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self._store: Store | None = None
+        self._store: StoreT | None = None
         self._periodic: Periodic | None = None
         #: Rounds run only while this says so (a :class:`~gpuwatch.collector.lease.ClusterLease`'s ``held``,
         #: so that of several collectors sharing a store one does the work); None: always.
@@ -68,18 +69,18 @@ class PeriodicService:
         self._lifecycle = threading.Lock()
         self._stopped = False
 
-    def bind(self, store: Store) -> None:
+    def bind(self, store: StoreT) -> None:
         """Use ``store`` without the periodic thread."""
         self._store = store
 
     @property
-    def bound_store(self) -> Store:
+    def bound_store(self) -> StoreT:
         """The store rounds work on (:meth:`bind` or :meth:`start` sets it)."""
         if self._store is None:
             raise RuntimeError(f"{self.name}: no store bound yet")
         return self._store
 
-    def start(self, store: Store) -> Mapping[str, Any]:
+    def start(self, store: StoreT) -> Mapping[str, Any]:
         self.bind(store)
         self.begin_rounds()
         return self.handlers()

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -28,8 +28,8 @@ from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import RiskObservation
 from gpuwatch.collector.failed import Failure, failed_gpus, failure_timeline
 from gpuwatch.collector.periodic import PeriodicService
-from gpuwatch.collector.store.base import Store
-from gpuwatch.collector.store.duckdb import ms_to_datetime
+from gpuwatch.collector.store.base import EventQueries, IngestStats, Inventory, SampleQueries
+from gpuwatch.collector.store.dialect import ms_to_datetime
 from gpuwatch.models import features as feature_module
 from gpuwatch.models import rules
 from gpuwatch.models.calibration import BudgetCalibrator
@@ -42,6 +42,12 @@ from gpuwatch.core.vocabulary import FAIL
 from gpuwatch.core.settings import DEFAULT_SCORE_INTERVAL_S as DEFAULT_INTERVAL_S
 
 log = logging.getLogger(__name__)
+
+
+class ScoringReads(IngestStats, Inventory, SampleQueries, EventQueries, Protocol):
+    """What a scoring round reads: per-minute samples (incrementally, after the writer's counters), XID and
+    failure evidence, owners, the GPUs' UUIDs."""
+
 
 TOP_SIGNALS = 3
 _LAST = sorted(set(feature_module.SAMPLE_COLUMNS) - set(feature_module.MEANS.values())
@@ -65,7 +71,7 @@ class MinuteHistory:
         self._rows: pd.DataFrame | None = None
         self._until_ms = 0
 
-    def samples(self, store: Store, until_ms: int) -> pd.DataFrame:
+    def samples(self, store: ScoringReads, until_ms: int) -> pd.DataFrame:
         """Per-minute rows (node, gpu_index, minute, ts, job_id, rank, the feature inputs) up to ``until_ms``."""
         since_ms = int(until_ms - self.history_s * 1000)
         start_ms = max(since_ms, (int(self._until_ms - REREAD_S * 1000) // _MINUTE_MS) * _MINUTE_MS)
@@ -81,17 +87,17 @@ class MinuteHistory:
         return self._rows
 
 
-def _minutes(store: Store, since_ms: int, until_ms: int) -> pd.DataFrame:
+def _minutes(store: SampleQueries, since_ms: int, until_ms: int) -> pd.DataFrame:
     return store.gpu_minutes(since_ms, until_ms, last=_LAST, means=list(feature_module.MEANS.values()),
                              mins=_LINK_MINS, maxs=_LINK_MAXS)
 
 
-def xid_events(store: Store, until_ms: int, history_s: float = feature_module.HISTORY_S) -> pd.DataFrame:
+def xid_events(store: EventQueries, until_ms: int, history_s: float = feature_module.HISTORY_S) -> pd.DataFrame:
     """XID events of the ``history_s`` before ``until_ms`` (what the event features read)."""
     return store.event_rows([event_kinds.XID], int(until_ms - history_s * 1000), until_ms)
 
 
-def fatal_xids(store: Store, until_ms: int, history_s: float = feature_module.HISTORY_S) -> pd.DataFrame:
+def fatal_xids(store: EventQueries, until_ms: int, history_s: float = feature_module.HISTORY_S) -> pd.DataFrame:
     """Fatal XIDs (node, gpu_index, t_ms) of the ``history_s`` before ``until_ms``: fault evidence for the
     budget calibrator."""
     xid = xid_events(store, until_ms, history_s)
@@ -100,7 +106,7 @@ def fatal_xids(store: Store, until_ms: int, history_s: float = feature_module.HI
                          "t_ms": ts_ms(xid["ts"])})
 
 
-def score_gpus(store: Store, model: FailureModel | None, now_ms: int, history: MinuteHistory | None = None
+def score_gpus(store: ScoringReads, model: FailureModel | None, now_ms: int, history: MinuteHistory | None = None
                ) -> list[dict[str, Any]]:
     """One dict per GPU with samples in the window: identity, job and rank, risk (None without a model),
     top signals, health state, the rules' reasons, and ``failed`` (collector/failed.py) when it has failed."""
@@ -116,7 +122,7 @@ def score_gpus(store: Store, model: FailureModel | None, now_ms: int, history: M
     return _scored_rows(store, model, feats, owners, failed_gpus(store, now_ms))
 
 
-def score_history(store: Store, model: FailureModel | None, start_ms: int, end_ms: int
+def score_history(store: ScoringReads, model: FailureModel | None, start_ms: int, end_ms: int
                   ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
     """Every GPU scored at every step of the model in (start_ms, end_ms]: (time, :func:`score_gpus` rows).
 
@@ -148,7 +154,7 @@ def score_history(store: Store, model: FailureModel | None, start_ms: int, end_m
         yield int(t), [_with_failure(rows[i], failures.get((rows[i]["node"], rows[i]["gpu_index"]))) for i in index]
 
 
-def _scored_rows(store: Store, model: FailureModel | None, feats: pd.DataFrame, owners: pd.DataFrame,
+def _scored_rows(store: Inventory, model: FailureModel | None, feats: pd.DataFrame, owners: pd.DataFrame,
                  failures: Mapping[tuple[str, int], Failure]) -> list[dict[str, Any]]:
     """The :func:`score_gpus` rows of feature rows ``feats``; ``owners`` holds each row's job_id and rank."""
     health = rules.states(feats)
@@ -195,12 +201,12 @@ AUTO_SKEW_S = 900.0
 CATCH_UP_S = 2 * 86_400.0
 
 
-def newest_sample_ms(store: Store) -> int | None:
+def newest_sample_ms(store: SampleQueries) -> int | None:
     """The time of the newest stored GPU sample (epoch ms), None before the first."""
     return store.newest_sample_ms()
 
 
-class Scorer(PeriodicService):
+class Scorer(PeriodicService["ScoringReads"]):
     """Collector service: scores every GPU every ``interval_s`` and feeds the alert hub.
 
     A round scores "now": the wall clock, or with ``clock="data"`` the newest stored sample time, for
@@ -241,7 +247,7 @@ class Scorer(PeriodicService):
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
-    def start(self, store: Store) -> Mapping[str, Any]:
+    def start(self, store: ScoringReads) -> Mapping[str, Any]:
         if self._load_model is None:
             self.ready.set()
             return super().start(store)

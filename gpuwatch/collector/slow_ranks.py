@@ -8,12 +8,12 @@ onset: every rank waits), speedup_without (fraction: how much faster the job wou
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 
 from gpuwatch.collector.slow_evidence import GPU_COLUMNS, DeviceEvidence, device_evidence, rank_intervals
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import SampleQueries, SpanQueries
 from gpuwatch.collector.why_slow import SlowRank, find_slow_ranks
 from gpuwatch.core.times import iso_utc
 
@@ -22,7 +22,13 @@ from gpuwatch.core.times import iso_utc
 COUNTER_LEAD_MS = 60_000
 
 
-def job_slow_ranks(store: Store, job_id: str, rows: pd.DataFrame, delayed: Sequence[int] = ()) -> list[SlowRank]:
+
+class SlowRankReads(SampleQueries, SpanQueries, Protocol):
+    """A live job's spans and the samples of its nodes around them."""
+
+
+def job_slow_ranks(store: SampleQueries, job_id: str, rows: pd.DataFrame,
+                   delayed: Sequence[int] = ()) -> list[SlowRank]:
     """The slow ranks of ``job_id`` from its span ``rows`` (a window) and its nodes' samples over it."""
     intervals = rank_intervals(rows)
     if intervals.empty:
@@ -60,7 +66,8 @@ def slow_rank_docs(found: Sequence[SlowRank], rows: pd.DataFrame,
     return docs
 
 
-def live_slow_ranks(store: Store, job_id: str, window_s: float, delayed: Sequence[int] = ()) -> list[dict[str, Any]]:
+def live_slow_ranks(store: SlowRankReads, job_id: str, window_s: float,
+                    delayed: Sequence[int] = ()) -> list[dict[str, Any]]:
     """The documents of the job's slow ranks over its last ``window_s`` of spans (a live breakdown's)."""
     rows = store.recent_spans(window_s, job_id)
     return slow_rank_docs(job_slow_ranks(store, job_id, rows, delayed), rows) if len(rows) else []

@@ -10,19 +10,25 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from gpuwatch.core import fields
-from gpuwatch.core.prometheus import GpuSnapshot, JobSnapshot, MetricsServer, Snapshot, start_metrics_server
+from gpuwatch.core.metrics_http import MetricsServer, start_metrics_server
+from gpuwatch.core.metrics_snapshot import GpuSnapshot, JobSnapshot, Snapshot
 from gpuwatch.collector.jobs import JobsMonitor
 from gpuwatch.collector.owners import current_owners, owner_columns
 from gpuwatch.collector.scoring import Scorer
-from gpuwatch.collector.store.base import Store
+from gpuwatch.collector.store.base import EventQueries, IngestStats, Inventory, SampleQueries
 
 DEFAULT_RENDER_INTERVAL_S = 5.0
 
 
-def build_snapshot(store: Store, scorer: Scorer | None = None, jobs: JobsMonitor | None = None) -> Snapshot:
+
+class MetricsReads(IngestStats, Inventory, SampleQueries, EventQueries, Protocol):
+    """What /metrics reads: the inventory's latest values, owners, the writer's counters."""
+
+
+def build_snapshot(store: MetricsReads, scorer: Scorer | None = None, jobs: JobsMonitor | None = None) -> Snapshot:
     """One consistent-enough view for one scrape (each part is read once)."""
     inventory = {(g["node"], g["index"]): g for g in store.gpus()}
     xids: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
@@ -77,7 +83,7 @@ class MetricsService:
         self._token, self._insecure, self._interval_s = token, insecure, interval_s
         self.server: MetricsServer | None = None
 
-    def start(self, store: Store) -> Mapping[str, Any]:
+    def start(self, store: MetricsReads) -> Mapping[str, Any]:
         provider = functools.partial(build_snapshot, store, *self._parts)
         self.server = start_metrics_server(self.listen, provider, self._token, insecure=self._insecure,
                                            gpu_telemetry=self.gpu_telemetry, render_interval_s=self._interval_s)

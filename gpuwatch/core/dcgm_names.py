@@ -220,7 +220,7 @@ def dcgm_labels(gpu: Mapping[str, Any], naming: DcgmNaming = LEGACY) -> dict[str
 
 
 def dcgm_families(gpus: Sequence[Mapping[str, Any]], naming: DcgmNaming = LEGACY) -> list[Metric]:
-    """The DCGM-named families of every GPU snapshot (``GpuSnapshot`` of gpuwatch.core.prometheus).
+    """The DCGM-named families of every GPU snapshot (``GpuSnapshot`` of gpuwatch.core.metrics_snapshot).
 
     Built as plain :class:`Metric` objects: a GPU with a job carries one label more than one without.
     """

@@ -17,7 +17,6 @@ deduplicated the same way, and the once-per-cluster work takes a lease (:meth:`C
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import os
 import re
@@ -33,17 +32,16 @@ import clickhouse_connect
 import pandas as pd
 import pyarrow as pa
 
-from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
 from gpuwatch.collector.store import rollups
-from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S
-from gpuwatch.collector.store.inventory import InventoryCache
-from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S, size_bytes
-from gpuwatch.collector.store.duckdb import KNOWN_EVENT_KINDS, attr_keys, batch_tables, ms_to_datetime
-from gpuwatch.collector.store.writer import GroupWriter
+from gpuwatch.collector.store.dialect import CLICKHOUSE
+from gpuwatch.collector.store.engine import EngineStore, StoreOptions
+from gpuwatch.collector.store.queries import check_fields
+from gpuwatch.core.settings import size_bytes
+from gpuwatch.collector.store.duckdb import batch_tables, ms_to_datetime
 from gpuwatch.core.columnar import ColumnarBatch
-from gpuwatch.core.errors import NotFound, UserError
-from gpuwatch.core.spans import SPAN_COLUMNS, TEXT_SPAN_COLUMNS
+from gpuwatch.core.errors import UserError
+from gpuwatch.core.spans import SPAN_COLUMNS
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -161,35 +159,19 @@ def create_statements(database: str, ttl_days: float | None, cluster: str | None
     return statements
 
 
-class ClickHouseStore(GroupWriter):
+class ClickHouseStore(EngineStore):
     """A ClickHouse database (server, cluster or in-process chdb), written by one writer thread per collector."""
+
+    dialect = CLICKHOUSE
 
     single_writer = False  # other collectors may store batches of the same agents
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        retention_days: float | None = None,
-        retention_interval_s: float = 3600.0,
-        max_group_batches: int = 2048,
-        max_queued_batches: int = 8192,
-        memory_limit: str = DEFAULT_MEMORY_LIMIT,
-        span_retention_s: float | None = DEFAULT_SPAN_RETENTION_S,
-        span_trim_interval_s: float = DEFAULT_SPAN_TRIM_INTERVAL_S,
-        clickhouse_cluster: str | None = None,
-        raw_retention_s: float | None = None,
-        rollup_retention_s: float | None = None,
-    ) -> None:
-        # GPU samples tiered: raw rows for raw_retention_s, then per-minute rollups for rollup_retention_s
-        # (None: raw rows follow retention_days and no rollups are built)
-        self.raw_retention_s = raw_retention_s
-        self.rollup_retention_s = rollup_retention_s
-        self._dirty = rollups.DirtyMinutes()
-        self._inventory = InventoryCache()
+    def __init__(self, url: str, *, clickhouse_cluster: str | None = None, **options: Any) -> None:
+        """``options``: :class:`~gpuwatch.collector.store.engine.StoreOptions`."""
+        opts = StoreOptions(**options)
         self.path = url
         self._connect_args, self.database = _connection(url)
-        self._settings = {"final": 1, "max_memory_usage": _bytes(memory_limit),
+        self._settings = {"final": 1, "max_memory_usage": _bytes(opts.memory_limit),
                           # a cluster's Distributed inserts land before they are acknowledged
                           **({"insert_distributed_sync": 1} if clickhouse_cluster else {})}
         self._local = threading.local()
@@ -200,7 +182,7 @@ class ClickHouseStore(GroupWriter):
             if url.startswith("chdb://"):
                 _private_directory(url.removeprefix("chdb://"))
             admin = clickhouse_connect.get_client(**self._connect_args)
-            for statement in create_statements(self.database, retention_days, clickhouse_cluster):
+            for statement in create_statements(self.database, opts.retention_days, clickhouse_cluster):
                 admin.command(statement)
         except Exception as exc:  # connection refused, authentication, a chdb directory it cannot use
             cause = _chdb_failure_cause(url.removeprefix("chdb://")) if url.startswith("chdb://") else ""
@@ -212,11 +194,7 @@ class ClickHouseStore(GroupWriter):
         except Exception as exc:  # a server user without access to system tables: the store still opens
             log.warning("store %s: cannot list detached parts: %s", _redacted(url), _first_line(exc))
         last = self._query("SELECT agent_id, last_sequence FROM agents")
-        super().__init__(
-            {r.agent_id: int(r.last_sequence) for r in last.itertuples()},
-            retention_days=retention_days, span_retention_s=span_retention_s,
-            retention_interval_s=retention_interval_s, span_trim_interval_s=span_trim_interval_s,
-            max_group_batches=max_group_batches, max_queued_batches=max_queued_batches)
+        super().__init__({r.agent_id: int(r.last_sequence) for r in last.itertuples()}, opts)
 
     def _report_detached_parts(self) -> None:
         """Log every part the engine set aside (a part found broken at start is moved to
@@ -259,10 +237,6 @@ class ClickHouseStore(GroupWriter):
         if df.columns.empty:  # an empty answer comes without columns; Arrow's keeps the schema
             df = self._client().query_arrow(sql, parameters=params or {}).to_pandas()
         return df
-
-    def _records(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        df = self._query(sql, params)
-        return df.astype(object).where(df.notna(), None).to_dict("records")
 
     def _command(self, sql: str, params: dict[str, Any] | None = None) -> Any:
         return self._client().command(sql, parameters=params or {})
@@ -434,148 +408,9 @@ class ClickHouseStore(GroupWriter):
         return self.run_write(lambda _: self._trim(retention), timeout)
 
     # ---- telemetry reads -------------------------------------------------------------------------------
-    def nodes(self) -> list[dict[str, Any]]:
-        return self._records("""
-            WITH s AS (SELECT node, count() AS samples FROM gpu_samples GROUP BY node),
-                 g AS (SELECT node, count() AS gpus FROM gpus GROUP BY node)
-            SELECT a.node AS node, toInt64(coalesce(any(g.gpus), 0)) AS gpus,
-                   toInt64(coalesce(any(s.samples), 0)) AS samples,
-                   toInt64(toUnixTimestamp64Milli(max(a.last_seen))) AS last_seen_ms,
-                   argMax(a.agent_id, a.last_seen) AS agent_id,
-                   toInt64(argMax(a.last_sequence, a.last_seen)) AS last_sequence
-            FROM agents AS a LEFT JOIN g ON g.node = a.node LEFT JOIN s ON s.node = a.node
-            GROUP BY a.node ORDER BY a.node SETTINGS join_use_nulls = 1""")
-
-    def gpus(self, node: str | None = None) -> list[dict[str, Any]]:
-        return self._records("""
-            WITH s AS (SELECT node, gpu_index, count() AS samples,
-                              toInt64(toUnixTimestamp64Milli(max(ts))) AS last_sample_ms,
-                              argMax(job_id, ts) AS job_id, argMax(rank, ts) AS rank
-                       FROM gpu_samples WHERE isNull({node:Nullable(String)}) OR node = {node:Nullable(String)}
-                       GROUP BY node, gpu_index)
-            SELECT g.node AS node, g.`index` AS `index`, g.uuid AS uuid, g.name AS name, g.pci_bus_id AS pci_bus_id,
-                   g.serial AS serial, toInt64(g.memory_total_bytes) AS memory_total_bytes,
-                   g.architecture AS architecture,
-                   g.gpm_supported AS gpm_supported, toInt64(toUnixTimestamp64Milli(g.first_seen)) AS first_seen_ms,
-                   toInt64(toUnixTimestamp64Milli(g.last_seen)) AS last_seen_ms,
-                   toInt64(coalesce(s.samples, 0)) AS samples,
-                   s.last_sample_ms AS last_sample_ms, s.job_id AS job_id, s.rank AS rank
-            FROM gpus AS g LEFT JOIN s ON s.node = g.node AND s.gpu_index = g.`index`
-            WHERE isNull({node:Nullable(String)}) OR g.node = {node:Nullable(String)} ORDER BY g.node, g.`index`
-            SETTINGS join_use_nulls = 1""", {"node": node})
-
-    def latest(self, node: str | None = None, gpu_index: int | None = None) -> list[dict[str, Any]]:
-        values = ", ".join(f"argMaxIf({name}, ts, isNotNull({name})) AS {name}" for name in fields.GPU_FIELD_NAMES)
-        rows = self._records(f"""
-            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(max(ts))) AS ts_ms, {values} FROM gpu_samples
-            WHERE (isNull({{node:Nullable(String)}}) OR node = {{node:Nullable(String)}})
-              AND (isNull({{gpu:Nullable(Int32)}}) OR gpu_index = {{gpu:Nullable(Int32)}})
-            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"node": node, "gpu": gpu_index})
-        return rows
-
-    def series(self, node: str, gpu_index: int, field: str, since_ms: int | None = None,
-               until_ms: int | None = None, limit: int | None = None) -> pd.DataFrame:
-        _check_field(field)
-        cutoff = self._raw_cutoff_ms()
-        rolled = pd.DataFrame({"ts_ms": [], "value": []})
-        if cutoff is not None and (since_ms is None or since_ms < cutoff):
-            value = rollups.column(field, rollups.series_stat(field))
-            rolled = self._query(f"""
-                SELECT toInt64(toUnixTimestamp64Milli(minute)) AS ts_ms, {value} AS value
-                FROM {rollups.ROLLUP_TABLE} WHERE node = {{node:String}} AND gpu_index = {{gpu:Int32}}
-                  AND isNotNull({value}) AND minute >= fromUnixTimestamp64Milli({{since:Int64}})
-                  AND minute < fromUnixTimestamp64Milli({{cutoff:Int64}})
-                  AND minute <= fromUnixTimestamp64Milli({{until:Int64}}) ORDER BY minute""",
-                {"node": node, "gpu": gpu_index, "since": since_ms or 0, "cutoff": cutoff,
-                 "until": until_ms or 2**62 // 1000})
-            since_ms = max(since_ms or 0, cutoff)
-        df = self._query(f"""
-            SELECT toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, {field} AS value FROM gpu_samples
-            WHERE node = {{node:String}} AND gpu_index = {{gpu:Int32}} AND isNotNull({field})
-              AND ts >= fromUnixTimestamp64Milli({{since:Int64}}) AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
-            ORDER BY ts DESC LIMIT {{limit:UInt64}}""",
-            {"node": node, "gpu": gpu_index, "since": since_ms or 0, "until": until_ms or 2**62 // 1000,
-             "limit": limit or 2**62})
-        if df.empty and rolled.empty:
-            self._check_gpu(node, gpu_index)
-        return rollups.join_series(rolled, df.iloc[::-1].reset_index(drop=True), limit)
-
-    def _check_gpu(self, node: str, gpu_index: int | None = None) -> None:
-        known = self._records("""
-            SELECT gpu_index FROM (SELECT node, toNullable(`index`) AS gpu_index FROM gpus UNION ALL
-                                   SELECT DISTINCT node, toNullable(gpu_index) FROM gpu_samples UNION ALL
-                                   SELECT node, NULL FROM agents) WHERE node = {node:String}""", {"node": node})
-        if not known:
-            raise NotFound(f"unknown node {node!r}; `gpuwatch nodes` lists the known ones")
-        if gpu_index is not None and gpu_index not in {r["gpu_index"] for r in known}:
-            raise NotFound(f"node {node!r} has no GPU {gpu_index}; `gpuwatch gpus --node {node}` lists its GPUs")
-
-    def events(self, node: str | None = None, kind: str | None = None, since_ms: int | None = None,
-               limit: int | None = None) -> list[dict[str, Any]]:
-        rows = self._records("""
-            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, kind, code, message, attrs FROM events
-            WHERE (isNull({node:Nullable(String)}) OR node = {node:Nullable(String)})
-              AND (isNull({kind:Nullable(String)}) OR kind = {kind:Nullable(String)})
-              AND ts >= fromUnixTimestamp64Milli({since:Int64})
-            ORDER BY ts DESC LIMIT {limit:UInt64}""",
-            {"node": node, "kind": kind, "since": since_ms or 0, "limit": limit or 2**62})
-        if not rows:
-            if node is not None:
-                self._check_gpu(node)
-            if kind is not None and kind not in KNOWN_EVENT_KINDS and not self._records(
-                    "SELECT 1 FROM events WHERE kind = {kind:String} LIMIT 1", {"kind": kind}):
-                raise UserError(f"event kind {kind!r} is not one of the known kinds: "
-                                f"{', '.join(sorted(KNOWN_EVENT_KINDS))}")
-        for row in rows:
-            row["attrs"] = json.loads(row["attrs"]) if row["attrs"] else {}
-        return rows
-
-    def event_rows(self, kinds: Sequence[str], since_ms: int | None = None,
-                   until_ms: int | None = None) -> pd.DataFrame:
-        return self._query("""
-            SELECT node, gpu_index, ts, kind, code FROM events
-            WHERE has({kinds:Array(String)}, kind) AND ts > fromUnixTimestamp64Milli({since:Int64})
-              AND ts <= fromUnixTimestamp64Milli({until:Int64})""",
-            {"kinds": list(kinds), "since": since_ms if since_ms is not None else -1,
-             "until": until_ms if until_ms is not None else 2**62 // 1000})
-
-    def event_attrs(self, kind: str, keys: Sequence[str], since_ms: int | None = None,
-                    until_ms: int | None = None) -> pd.DataFrame:
-        picked = "".join(f", JSONExtractString(attrs, '{k}') AS `{k}`" for k in attr_keys(keys))
-        return self._query(f"""
-            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms{picked} FROM events
-            WHERE kind = {{kind:String}} AND ts >= fromUnixTimestamp64Milli({{since:Int64}})
-              AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
-            ORDER BY ts, node, gpu_index""",
-            {"kind": kind, "since": since_ms or 0, "until": until_ms if until_ms is not None else 2**62 // 1000})
-
-    def event_counts_by_node(self) -> dict[str, int]:
-        return {r["node"]: int(r["n"]) for r in self._records("SELECT node, count() AS n FROM events GROUP BY node")}
-
-    def first_failures(self, fatal_xids: Sequence[int]) -> pd.DataFrame:
-        return self._query(f"""
-            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(min(ts))) AS failed_ms FROM events
-            WHERE gpu_index >= 0 AND (kind = '{event_kinds.GPU_LOST}'
-                                      OR (kind = '{event_kinds.XID}' AND has({{fatal:Array(Int64)}}, code)))
-            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(int(c) for c in fatal_xids)})
-
-    def fatal_events(self, fatal_xids: Sequence[int], until_ms: int | None = None) -> pd.DataFrame:
-        return self._query(f"""
-            SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, kind, ifNull(code, 0) AS code
-            FROM events WHERE gpu_index >= 0 AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
-              AND (kind = '{event_kinds.GPU_LOST}'
-                   OR (kind = '{event_kinds.XID}' AND has({{fatal:Array(Int64)}}, code)))
-            ORDER BY ts""", {"until": _until(until_ms), "fatal": sorted(int(c) for c in fatal_xids)})
-
-    def event_times(self, kind: str, until_ms: int | None = None) -> pd.DataFrame:
-        return self._query("""
-            SELECT node, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms FROM events
-            WHERE kind = {kind:String} AND ts <= fromUnixTimestamp64Milli({until:Int64})""",
-            {"kind": kind, "until": _until(until_ms)})
-
     def counter_drops(self, field: str, gpus: Sequence[tuple[str, int]], since_ms: int,
                       until_ms: int | None = None) -> pd.DataFrame:
-        _check_field(field)
+        check_fields([field])
         return self._query(f"""
             SELECT node, gpu_index, ts_ms FROM (
                 SELECT node, gpu_index, toInt64(toUnixTimestamp64Milli(ts)) AS ts_ms, {field} AS value,
@@ -586,77 +421,8 @@ class ClickHouseStore(GroupWriter):
                   AND ts >= fromUnixTimestamp64Milli({{since:Int64}})
                   AND ts <= fromUnixTimestamp64Milli({{until:Int64}}))
             WHERE n > 1 AND value < before""",
-            {"gpus": [f"{n}/{g}" for n, g in gpus], "since": since_ms, "until": _until(until_ms)})
-
-    def stopped_agents(self) -> pd.DataFrame:
-        return self._query(f"""
-            SELECT node, toInt64(toUnixTimestamp64Micro(max(ts))) AS stopped_us FROM events
-            WHERE kind IN ('{event_kinds.AGENT_START}', '{event_kinds.AGENT_STOP}') GROUP BY node
-            HAVING argMax(kind, ts) = '{event_kinds.AGENT_STOP}'""")
-
-    def gpu_samples(self, since_ms: int | None = None, until_ms: int | None = None,
-                    nodes: Sequence[str] | None = None, columns: Sequence[str] | None = None) -> pd.DataFrame:
-        for c in columns or ():
-            _check_field(c)
-        wanted = ", ".join(columns if columns is not None else fields.GPU_FIELD_NAMES)
-        return self._query(f"""
-            SELECT node, gpu_index, ts, job_id, rank, local_rank{', ' + wanted if wanted else ''} FROM gpu_samples
-            WHERE ts >= fromUnixTimestamp64Milli({{since:Int64}}) AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
-              AND (empty({{nodes:Array(String)}}) OR has({{nodes:Array(String)}}, node))
-            ORDER BY node, gpu_index, ts""",
-            {"since": since_ms or 0, "until": until_ms or 2**62 // 1000, "nodes": list(nodes or [])})
-
-    def host_samples(self, since_ms: int | None = None, nodes: Sequence[str] | None = None) -> pd.DataFrame:
-        return self._query(f"""
-            SELECT node, ts, {', '.join(fields.HOST_FIELD_NAMES)} FROM host_samples
-            WHERE ts >= fromUnixTimestamp64Milli({{since:Int64}})
-              AND (empty({{nodes:Array(String)}}) OR has({{nodes:Array(String)}}, node))
-            ORDER BY node, ts""", {"since": since_ms or 0, "nodes": list(nodes or [])})
-
-    def gpu_minutes(self, since_ms: int, until_ms: int, *, last: Sequence[str], means: Sequence[str],
-                    mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
-        for c in [*last, *means, *mins, *maxs]:
-            _check_field(c)
-        cutoff = self._raw_cutoff_ms()
-        if cutoff is not None and since_ms < cutoff:  # minutes whose raw rows expired: their rollups
-            rolled = self._query(f"""
-                SELECT node, gpu_index, minute, ts, job_id, rank{rollups.minute_columns(last, means, mins, maxs)}
-                FROM {rollups.ROLLUP_TABLE} WHERE minute >= fromUnixTimestamp64Milli({{since:Int64}})
-                  AND minute < fromUnixTimestamp64Milli({{cutoff:Int64}})
-                  AND ts <= fromUnixTimestamp64Milli({{until:Int64}})""",
-                {"since": rollups.floor_minute(since_ms), "cutoff": cutoff, "until": until_ms})
-            raw = self.gpu_minutes(max(since_ms, cutoff), until_ms, last=last, means=means, mins=mins, maxs=maxs)
-            both = pd.concat([p for p in (rolled, raw) if len(p)] or [raw], ignore_index=True)
-            return both.sort_values(["node", "gpu_index", "ts"], kind="stable").reset_index(drop=True)
-        values = ([f"argMaxIf({c}, ts, isNotNull({c})) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
-                  + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
-        # the newest sample's time is aliased apart from ts, which the GROUP BY would otherwise take for it
-        return self._query(f"""
-            SELECT node, gpu_index, toStartOfMinute(ts) AS minute, max(ts) AS newest, argMax(job_id, ts) AS job_id,
-                   argMax(rank, ts) AS rank{''.join(', ' + v for v in values)}
-            FROM gpu_samples AS g WHERE g.ts >= fromUnixTimestamp64Milli({{since:Int64}})
-              AND g.ts <= fromUnixTimestamp64Milli({{until:Int64}})
-            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, newest""",
-            {"since": since_ms, "until": until_ms}).rename(columns={"newest": "ts"})
-
-    def newest_sample_ms(self) -> int | None:
-        df = self._query("SELECT toInt64(toUnixTimestamp64Milli(max(ts))) AS t, count() AS n FROM gpu_samples")
-        return int(df["t"].iloc[0]) if int(df["n"].iloc[0]) else None
-
-    def xid_counts(self) -> list[dict[str, Any]]:
-        return self._records(f"""
-            SELECT node, gpu_index, code, count() AS n FROM events WHERE kind = '{event_kinds.XID}'
-            GROUP BY node, gpu_index, code ORDER BY node, gpu_index, code""")
-
-    def agent_health(self) -> list[dict[str, Any]]:
-        return self._records(f"""
-            WITH d AS (SELECT node, toInt64(greatest(sum(ifNull(code, 0)), max(ifNull(
-                              toInt64OrNull(JSONExtractString(attrs, 'dropped_total')), 0)))) AS dropped
-                       FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
-            SELECT a.node AS node, toInt64(coalesce(max(d.dropped), 0)) AS spool_dropped,
-                   toInt64(toUnixTimestamp64Milli(max(a.last_seen))) AS last_seen_ms
-            FROM agents AS a LEFT JOIN d ON d.node = a.node GROUP BY a.node ORDER BY a.node
-            SETTINGS join_use_nulls = 1""")
+            {"gpus": [f"{n}/{g}" for n, g in gpus], "since": since_ms,
+             "until": self.dialect.time(until_ms, upper=True)})
 
     def columns(self, table: str) -> list[str]:
         self.count(table)  # names an unknown table
@@ -669,29 +435,6 @@ class ClickHouseStore(GroupWriter):
         return int(self._query(f"SELECT count() AS n FROM {table}")["n"].iloc[0])
 
     # ---- jobs ------------------------------------------------------------------------------------------
-    def spans(self, job_id: str | None = None, since_us: float | None = None) -> pd.DataFrame:
-        return _spans_frame(self._query("""
-            SELECT * FROM spans WHERE (isNull({job:Nullable(String)}) OR job_id = {job:Nullable(String)})
-              AND (isNull({since:Nullable(Float64)}) OR start_us >= {since:Nullable(Float64)})
-            ORDER BY job_id, rank, start_us""", {"job": job_id, "since": since_us}))
-
-    def recent_spans(self, window_s: float, job_id: str | None = None,
-                     kinds: Sequence[str] | None = None) -> pd.DataFrame:
-        return _spans_frame(self._query("""
-            SELECT s.* FROM spans AS s INNER JOIN (
-                SELECT job_id, max(start_us) AS newest FROM spans
-                WHERE isNull({job:Nullable(String)}) OR job_id = {job:Nullable(String)} GROUP BY job_id) AS j
-              ON s.job_id = j.job_id
-            WHERE s.start_us + greatest(s.dur_us, 0) >= j.newest - {window:Float64}
-              AND (empty({kinds:Array(String)}) OR has({kinds:Array(String)}, s.kind))
-            ORDER BY s.job_id, s.rank, s.start_us""",
-            {"job": job_id, "window": window_s * 1e6, "kinds": list(kinds or [])}))
-
-    def span_job_ids(self) -> list[str]:
-        return self._query("""
-            SELECT DISTINCT job_id FROM (SELECT job_id FROM job_steps UNION ALL SELECT job_id FROM spans)
-            WHERE job_id <> '' ORDER BY job_id""")["job_id"].tolist()
-
     def job_progress(self) -> pd.DataFrame:
         df = self._query("""
             SELECT job_id, toInt64(uniqExact(rank)) AS ranks, arraySort(groupUniqArray(node)) AS nodes,
@@ -708,19 +451,6 @@ class ClickHouseStore(GroupWriter):
         if len(rows):
             table = rows[["job_id", "rank", "step", "category", "us"]].assign(ts=_utc_now())
             self.run_write(lambda _: self._insert("step_breakdowns", table))
-
-    def step_breakdown_totals(self, job_id: str) -> pd.DataFrame:
-        return self._query("""
-            SELECT category, sum(us) AS us, toInt64(uniqExact(step)) AS steps, toInt64(uniqExact(rank)) AS ranks
-            FROM step_breakdowns WHERE job_id = {job:String} GROUP BY category ORDER BY category""", {"job": job_id})
-
-    def sample_jobs(self) -> list[dict[str, Any]]:
-        return self._records("""
-            SELECT job_id, arraySort(groupUniqArray(node)) AS nodes, toInt64(uniqExact(node, gpu_index)) AS gpus,
-                   toInt64(uniqExactIf(rank, rank >= 0)) AS ranks,
-                   toInt64(toUnixTimestamp64Milli(min(ts))) AS first_seen_ms,
-                   toInt64(toUnixTimestamp64Milli(max(ts))) AS last_seen_ms
-            FROM gpu_samples WHERE isNotNull(job_id) AND job_id <> '' GROUP BY job_id ORDER BY job_id""")
 
     def jobs_seen(self) -> list[dict[str, Any]]:
         return self._records("""
@@ -741,11 +471,6 @@ class ClickHouseStore(GroupWriter):
         df = self._client().query_arrow("SELECT timeline FROM job_timelines WHERE job_id = {job:String} ORDER BY rank",
                                         parameters={"job": job_id}, use_strings=False)
         return [bytes(v) for v in df.column("timeline").to_pylist()]
-
-    def traced_jobs(self) -> list[dict[str, Any]]:
-        return self._records("""
-            SELECT job_id, toInt64(count()) AS ranks, toInt64(toUnixTimestamp64Milli(max(submitted_at))) AS submitted_ms
-            FROM job_timelines GROUP BY job_id ORDER BY job_id""")
 
     def save_submission(self, job_id: str, timelines: pd.DataFrame, rows: pd.DataFrame, doc_json: str,
                         source: str) -> None:
@@ -773,37 +498,10 @@ class ClickHouseStore(GroupWriter):
         self._insert("breakdown_docs", pd.DataFrame([{"job_id": job_id, "source": source, "doc": doc_json,
                                                       "computed_at": now}]))
 
-    def breakdown_doc(self, job_id: str, source: str) -> str | None:
-        df = self._query("SELECT doc FROM breakdown_docs WHERE job_id = {job:String} AND source = {source:String}",
-                         {"job": job_id, "source": source})
-        return str(df["doc"].iloc[0]) if len(df) else None
-
-    def breakdown_rows(self, job_id: str, source: str | None = None) -> pd.DataFrame:
-        return self._query("""
-            SELECT source, rank, step, category, us FROM breakdowns WHERE job_id = {job:String}
-              AND (isNull({source:Nullable(String)}) OR source = {source:Nullable(String)})
-            ORDER BY source, rank, step NULLS FIRST, category""", {"job": job_id, "source": source})
-
     # ---- alerts and leases -----------------------------------------------------------------------------
     def upsert_alerts(self, rows: pd.DataFrame) -> None:
         if len(rows):
             self.run_write(lambda _: self._insert("alerts", rows))
-
-    def firing_alerts(self) -> pd.DataFrame:
-        return self._query("""SELECT alertname, subject, toInt64(toUnixTimestamp64Milli(updated_at)) AS updated_ms, doc
-                              FROM alerts WHERE status = 'firing'""")
-
-    def alert_docs(self, include_resolved: bool) -> list[str]:
-        return self._query("""
-            SELECT doc FROM alerts WHERE status = 'firing' OR {all:Bool}
-            ORDER BY status = 'firing' DESC, starts_at DESC""", {"all": bool(include_resolved)})["doc"].tolist()
-
-    def alert_starts(self, alertname: str) -> pd.DataFrame:
-        return self._query("""
-            SELECT JSONExtractString(doc, 'node') AS node, toInt32(JSONExtractInt(doc, 'gpu_index')) AS gpu_index,
-                   toInt64(toUnixTimestamp64Milli(starts_at)) AS starts_ms,
-                   JSONExtractFloat(doc, 'peak_risk') AS peak_risk
-            FROM alerts WHERE alertname = {name:String} ORDER BY starts_at""", {"name": alertname})
 
     def take_lease(self, name: str, holder: str, ttl_s: float) -> bool:
         """Take or renew the lease ``name`` for ``ttl_s`` seconds; False while another holder's is unexpired.
@@ -939,24 +637,6 @@ def _agents_frame(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.Data
         last[b.agent_id] = (b.node.node, max(seq, b.sequence))
     return pd.DataFrame([{"agent_id": agent, "node": node, "last_sequence": seq, "last_seen": now}
                          for agent, (node, seq) in last.items()])
-
-
-def _spans_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """Span rows typed as the DuckDB store returns them (plain object strings)."""
-    for column in TEXT_SPAN_COLUMNS:
-        if column in df.columns:
-            df[column] = df[column].astype(object)
-    return df
-
-
-def _until(until_ms: int | None) -> int:
-    """An upper time bound for a query: ``until_ms``, or the far future."""
-    return until_ms if until_ms is not None else 2**62 // 1000
-
-
-def _check_field(name: str) -> None:
-    if name not in fields.GPU_FIELD_NAMES:
-        raise UserError(f"unknown GPU field {name!r}; fields are listed in gpuwatch.core.fields")
 
 
 def _utc_now() -> dt.datetime:

@@ -26,24 +26,23 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
 from gpuwatch.collector.store import rollups
-from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S, STEP_MARK_KINDS, StoreDamaged
-from gpuwatch.collector.store.inventory import InventoryCache
-from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
+from gpuwatch.collector.store.dialect import DUCKDB, ms_to_datetime
+from gpuwatch.collector.store.base import STEP_MARK_KINDS, StoreDamaged
+from gpuwatch.collector.store.engine import EngineStore, StoreOptions
+from gpuwatch.collector.store.queries import check_fields
 from gpuwatch.collector.store.writer import (GroupWriter, IngestCounters, StoreClosed, WriteResult,  # noqa: F401
                                              fingerprint)
 from gpuwatch.core.batches import check_name_lengths
 from gpuwatch.core.columnar import ColumnarBatch
-from gpuwatch.core.errors import NotFound, UserError
+from gpuwatch.core.errors import UserError
 from gpuwatch.core.spans import SPAN_COLUMNS, SPAN_UNSET, span_arrow_schema
 from gpuwatch.v1 import telemetry_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 # the kinds gpuwatch/core/events.py defines (its upper-case string constants): the wire contract of Event.kind
-KNOWN_EVENT_KINDS = frozenset(v for k, v in vars(event_kinds).items() if k.isupper() and isinstance(v, str))
 
 _chain = itertools.chain.from_iterable
 
@@ -124,37 +123,22 @@ RETENTION: dict[str, str] = {
 # SpanTable column (gpuwatch.core.spans) -> (Arrow type, value used when a batch leaves the column empty).
 _SPAN_COLUMNS: dict[str, tuple[pa.DataType, Any]] = {f.name: (f.type, SPAN_UNSET[f.name]) for f in span_arrow_schema()}
 
-_GPU_FIELD_INDEX = {name: i for i, name in enumerate(fields.GPU_FIELD_NAMES)}
 _GPU_INFO_COLUMNS = ("uuid", "name", "pci_bus_id", "serial", "memory_total_bytes", "architecture", "gpm_supported")
 
 
-class DuckDBStore(GroupWriter):
+class DuckDBStore(EngineStore):
     """One DuckDB database file (or ":memory:"), written by one writer thread, read through cursors."""
+
+    dialect = DUCKDB
 
     unstorable_errors: tuple[type[BaseException], ...] = (duckdb.ConversionException, duckdb.OutOfRangeException,
                                                           duckdb.InvalidInputException, duckdb.ConstraintException)
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        retention_days: float | None = None,
-        retention_interval_s: float = 3600.0,
-        max_group_batches: int = 2048,
-        max_queued_batches: int = 8192,
-        memory_limit: str = DEFAULT_MEMORY_LIMIT,
-        span_retention_s: float | None = DEFAULT_SPAN_RETENTION_S,
-        span_trim_interval_s: float = DEFAULT_SPAN_TRIM_INTERVAL_S,
-        raw_retention_s: float | None = None,
-        rollup_retention_s: float | None = None,
-    ) -> None:
-        # GPU samples tiered: raw rows for raw_retention_s, then per-minute rollups for rollup_retention_s
-        # (None: raw rows follow retention_days and no rollups are built)
-        self.raw_retention_s = raw_retention_s
-        self.rollup_retention_s = rollup_retention_s
-        self._dirty = rollups.DirtyMinutes()
+    def __init__(self, path: str, **options: Any) -> None:
+        """``options``: :class:`~gpuwatch.collector.store.engine.StoreOptions`."""
+        opts = StoreOptions(**options)
         try:
-            self._con = duckdb.connect(path, config={"memory_limit": memory_limit})
+            self._con = duckdb.connect(path, config={"memory_limit": opts.memory_limit})
         except duckdb.IOException as exc:
             raise UserError(f"cannot open store {path}: {_first_line(exc)}") from None
         except duckdb.Error as exc:  # an invalid memory_limit: DuckDB names the setting
@@ -168,12 +152,7 @@ class DuckDBStore(GroupWriter):
         self.path = path
         self.damaged = ""  # why the file was found unreadable since it opened; then no batch is taken
         self._cursor_lock = threading.Lock()
-        self._inventory = InventoryCache()
-        super().__init__(
-            dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()),
-            retention_days=retention_days, span_retention_s=span_retention_s,
-            retention_interval_s=retention_interval_s, span_trim_interval_s=span_trim_interval_s,
-            max_group_batches=max_group_batches, max_queued_batches=max_queued_batches)
+        super().__init__(dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()), opts)
 
     # ----------------------------------------------------------------------------------------- writes
     def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
@@ -295,79 +274,6 @@ class DuckDBStore(GroupWriter):
                         "restore it from a backup (agents keep their batches meanwhile)")
         log.error("%s", self.damaged)
 
-    def _records(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Rows as plain dicts with None (not NaN) for SQL NULL, ready for JSON and protobuf."""
-        df = self.query_df(sql, params)
-        return df.astype(object).where(df.notna(), None).to_dict("records")
-
-    def nodes(self) -> list[dict[str, Any]]:
-        """Per node: GPUs in the inventory, gpu_samples rows, last batch time (ms), agent and its last sequence."""
-        return self._records("""
-            WITH s AS (SELECT node, count(*) AS samples FROM gpu_samples GROUP BY node),
-                 g AS (SELECT node, count(*) AS gpus FROM gpus GROUP BY node)
-            SELECT a.node, coalesce(g.gpus, 0)::BIGINT AS gpus, coalesce(s.samples, 0)::BIGINT AS samples,
-                   epoch_ms(max(a.last_seen)) AS last_seen_ms, arg_max(a.agent_id, a.last_seen) AS agent_id,
-                   arg_max(a.last_sequence, a.last_seen)::BIGINT AS last_sequence
-            FROM agents a LEFT JOIN g USING (node) LEFT JOIN s USING (node)
-            GROUP BY a.node, g.gpus, s.samples ORDER BY a.node""")
-
-    def gpus(self, node: str | None = None) -> list[dict[str, Any]]:
-        """Inventory rows with their sample count, last sample time (ms) and the job owning the last sample."""
-        return self._records("""
-            WITH s AS (SELECT node, gpu_index, count(*) AS samples, epoch_ms(max(ts)) AS last_sample_ms,
-                              arg_max(job_id, ts) AS job_id, arg_max(rank, ts) AS rank
-                       FROM gpu_samples WHERE $node IS NULL OR node = $node GROUP BY node, gpu_index)
-            SELECT g.node, g."index", g.uuid, g.name, g.pci_bus_id, g.serial, g.memory_total_bytes::BIGINT
-                   AS memory_total_bytes, g.architecture, g.gpm_supported, epoch_ms(g.first_seen) AS first_seen_ms,
-                   epoch_ms(g.last_seen) AS last_seen_ms, coalesce(s.samples, 0)::BIGINT AS samples,
-                   s.last_sample_ms, s.job_id, s.rank
-            FROM gpus g LEFT JOIN s ON s.node = g.node AND s.gpu_index = g."index"
-            WHERE $node IS NULL OR g.node = $node ORDER BY g.node, g."index" """, {"node": node})
-
-    def latest(self, node: str | None = None, gpu_index: int | None = None) -> list[dict[str, Any]]:
-        """Per GPU: the time of its last sample and the last non-NULL value of every field (None if never)."""
-        values = ", ".join(f"arg_max({name}, ts) AS {name}" for name in fields.GPU_FIELD_NAMES)
-        return self._records(f"""
-            SELECT node, gpu_index, epoch_ms(max(ts)) AS ts_ms, {values} FROM gpu_samples
-            WHERE ($node IS NULL OR node = $node) AND ($gpu IS NULL OR gpu_index = $gpu)
-            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"node": node, "gpu": gpu_index})
-
-    def series(
-        self,
-        node: str,
-        gpu_index: int,
-        field: str,
-        since_ms: int | None = None,
-        until_ms: int | None = None,
-        limit: int | None = None,
-    ) -> pd.DataFrame:
-        """One GPU field over time (columns ts_ms, value, resolution_s), oldest first; with ``limit``, the
-        newest rows. Before the raw cutoff the points are per-minute rollups (resolution_s 60)."""
-        if field not in _GPU_FIELD_INDEX:
-            raise UserError(f"unknown GPU field {field!r}; fields are listed in gpuwatch.core.fields")
-        cutoff = self._raw_cutoff_ms()
-        rolled = pd.DataFrame({"ts_ms": [], "value": []})
-        if cutoff is not None and (since_ms is None or since_ms < cutoff):
-            rolled = self.query_df(f"""
-                SELECT epoch_ms(minute) AS ts_ms, {rollups.column(field, rollups.series_stat(field))} AS value
-                FROM {rollups.ROLLUP_TABLE} WHERE node = $node AND gpu_index = $gpu
-                  AND {rollups.column(field, rollups.series_stat(field))} IS NOT NULL
-                  AND ($since IS NULL OR minute >= $since) AND minute < $cutoff
-                  AND ($until IS NULL OR minute <= $until) ORDER BY minute""",
-                {"node": node, "gpu": gpu_index, "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms),
-                 "cutoff": ms_to_datetime(cutoff)})
-            since_ms = cutoff if since_ms is None else max(since_ms, cutoff)
-        df = self.query_df(f"""
-            SELECT epoch_ms(ts) AS ts_ms, {field} AS value FROM gpu_samples
-            WHERE node = $node AND gpu_index = $gpu AND {field} IS NOT NULL
-              AND ($since IS NULL OR ts >= $since) AND ($until IS NULL OR ts <= $until)
-            ORDER BY ts DESC LIMIT $limit""",
-            {"node": node, "gpu": gpu_index, "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms),
-             "limit": limit if limit else None})
-        if df.empty and rolled.empty:
-            self._check_gpu(node, gpu_index)
-        return rollups.join_series(rolled, df.iloc[::-1].reset_index(drop=True), limit)
-
     def _raw_cutoff_ms(self) -> int | None:
         with self._cursor_lock:
             cursor = self._con.cursor()
@@ -375,74 +281,6 @@ class DuckDBStore(GroupWriter):
             return rollups.duckdb_cutoff(cursor)
         finally:
             cursor.close()
-
-    def _check_gpu(self, node: str, gpu_index: int | None = None) -> None:
-        """NotFound naming a node (or GPU) the store has never heard of, so an empty answer is never a typo."""
-        known = self._records("""
-            SELECT gpu_index FROM (SELECT node, "index" AS gpu_index FROM gpus UNION
-                                   SELECT DISTINCT node, gpu_index FROM gpu_samples UNION
-                                   SELECT node, NULL FROM agents) WHERE node = $node""", {"node": node})
-        if not known:
-            raise NotFound(f"unknown node {node!r}; `gpuwatch nodes` lists the known ones")
-        if gpu_index is not None and gpu_index not in {r["gpu_index"] for r in known}:
-            raise NotFound(f"node {node!r} has no GPU {gpu_index}; `gpuwatch gpus --node {node}` lists its GPUs")
-
-    def events(
-        self, node: str | None = None, kind: str | None = None, since_ms: int | None = None, limit: int | None = None
-    ) -> list[dict[str, Any]]:
-        """Events newest first, with attrs as a dict and ts as epoch ms."""
-        rows = self._records("""
-            SELECT node, gpu_index, epoch_ms(ts) AS ts_ms, kind, code, message, attrs FROM events
-            WHERE ($node IS NULL OR node = $node) AND ($kind IS NULL OR kind = $kind)
-              AND ($since IS NULL OR ts >= $since)
-            ORDER BY ts DESC LIMIT $limit""",
-            {"node": node, "kind": kind, "since": _ms_or_none(since_ms), "limit": limit if limit else None})
-        if not rows:
-            self._check_event_filters(node, kind)
-        for row in rows:
-            row["attrs"] = json.loads(row["attrs"]) if row["attrs"] else {}
-        return rows
-
-    def _check_event_filters(self, node: str | None, kind: str | None) -> None:
-        """NotFound for an unknown node, UserError for a kind neither defined nor ever stored (a typo)."""
-        if node is not None:
-            self._check_gpu(node)
-        if kind is not None and kind not in KNOWN_EVENT_KINDS and not self._records(
-                "SELECT 1 FROM events WHERE kind = $kind LIMIT 1", {"kind": kind}):
-            raise UserError(f"event kind {kind!r} is not one of the known kinds: "
-                            f"{', '.join(sorted(KNOWN_EVENT_KINDS))}")
-
-    def gpu_samples(
-        self,
-        since_ms: int | None = None,
-        until_ms: int | None = None,
-        nodes: Sequence[str] | None = None,
-        columns: Sequence[str] | None = None,
-    ) -> pd.DataFrame:
-        """Wide GPU samples (identity columns plus ``columns``, default all fields) ordered by node, GPU, ts."""
-        unknown = [c for c in columns or () if c not in _GPU_FIELD_INDEX]
-        if unknown:
-            raise UserError(f"unknown GPU field(s) {', '.join(map(repr, unknown))}")
-        wanted = ", ".join(columns if columns is not None else fields.GPU_FIELD_NAMES)
-        return self.query_df(f"""
-            SELECT node, gpu_index, ts, job_id, rank, local_rank{', ' + wanted if wanted else ''} FROM gpu_samples
-            WHERE ($since IS NULL OR ts >= $since) AND ($until IS NULL OR ts <= $until)
-              AND ($nodes IS NULL OR list_contains($nodes, node))
-            ORDER BY node, gpu_index, ts""",
-            {"since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms), "nodes": list(nodes) if nodes else None})
-
-    def host_samples(self, since_ms: int | None = None, nodes: Sequence[str] | None = None) -> pd.DataFrame:
-        """Host samples (node, ts and every host field) ordered by node and ts."""
-        return self.query_df(f"""
-            SELECT node, ts, {', '.join(fields.HOST_FIELD_NAMES)} FROM host_samples
-            WHERE ($since IS NULL OR ts >= $since) AND ($nodes IS NULL OR list_contains($nodes, node))
-            ORDER BY node, ts""", {"since": _ms_or_none(since_ms), "nodes": list(nodes) if nodes else None})
-
-    def spans(self, job_id: str | None = None, since_us: float | None = None) -> pd.DataFrame:
-        """Op-level spans (the SpanTable columns plus ingest ts) ordered by job, rank, start."""
-        return self.query_df("""
-            SELECT * FROM spans WHERE ($job IS NULL OR job_id = $job) AND ($since IS NULL OR start_us >= $since)
-            ORDER BY job_id, rank, start_us""", {"job": job_id, "since": since_us})
 
     def jobs_seen(self) -> list[dict[str, Any]]:
         """Jobs seen in GPU samples or spans: nodes, GPUs, ranks, first and last time (ms)."""
@@ -457,30 +295,6 @@ class DuckDBStore(GroupWriter):
                    max(t) AS last_seen_ms
             FROM rows GROUP BY job_id ORDER BY job_id""")
 
-    def sample_jobs(self) -> list[dict[str, Any]]:
-        """Jobs named on GPU samples: their nodes (sorted list), GPUs, ranks, first and last sample (ms)."""
-        return self._records("""
-            SELECT job_id, list_sort(list(DISTINCT node)) AS nodes, count(DISTINCT (node, gpu_index)) AS gpus,
-                   count(DISTINCT rank) FILTER (WHERE rank >= 0) AS ranks, epoch_ms(min(ts)) AS first_seen_ms,
-                   epoch_ms(max(ts)) AS last_seen_ms
-            FROM gpu_samples WHERE job_id IS NOT NULL AND job_id <> '' GROUP BY job_id ORDER BY job_id""")
-
-    def xid_counts(self) -> list[dict[str, Any]]:
-        """XID events stored per node, GPU and code."""
-        return self._records(f"""
-            SELECT node, gpu_index, code, count(*) AS n FROM events WHERE kind = '{event_kinds.XID}'
-            GROUP BY node, gpu_index, code ORDER BY node, gpu_index, code""")
-
-    def agent_health(self) -> list[dict[str, Any]]:
-        """Per node: batches its agent dropped from a full spool (``spool_dropped`` events) and last batch (ms)."""
-        return self._records(f"""
-            WITH d AS (SELECT node, greatest(sum(code), max(TRY_CAST(attrs->>'dropped_total' AS BIGINT)))::BIGINT
-                              AS dropped
-                       FROM events WHERE kind = '{event_kinds.SPOOL_DROPPED}' GROUP BY node)
-            SELECT a.node, coalesce(max(d.dropped), 0)::BIGINT AS spool_dropped,
-                   epoch_ms(max(a.last_seen)) AS last_seen_ms
-            FROM agents a LEFT JOIN d USING (node) GROUP BY a.node ORDER BY a.node""")
-
     def columns(self, table: str) -> list[str]:
         """The column names of one of the store's tables, in order."""
         self.count(table)  # names an unknown table
@@ -493,88 +307,11 @@ class DuckDBStore(GroupWriter):
         return int(self.query_df(f"SELECT count(*) AS n FROM {table}")["n"].iloc[0])
 
     # ---- scoring ---------------------------------------------------------------------------------------
-    def gpu_minutes(self, since_ms: int, until_ms: int, *, last: Sequence[str], means: Sequence[str],
-                    mins: Sequence[str], maxs: Sequence[str]) -> pd.DataFrame:
-        """Every GPU's samples per minute between the two times: node, gpu_index, minute, ts (last sample),
-        job_id and rank of the last sample, then the last value of ``last``, the mean of ``means``, the
-        minimum of ``mins`` and the maximum of ``maxs`` (each under its own name)."""
-        _check_fields([*last, *means, *mins, *maxs])
-        cutoff = self._raw_cutoff_ms()
-        if cutoff is not None and since_ms < cutoff:  # minutes whose raw rows expired: their rollups
-            rolled = self.query_df(f"""
-                SELECT node, gpu_index, minute, ts, job_id, rank{rollups.minute_columns(last, means, mins, maxs)}
-                FROM {rollups.ROLLUP_TABLE} WHERE minute >= $since AND minute < $cutoff AND ts <= $until""",
-                {"since": ms_to_datetime(rollups.floor_minute(since_ms)), "cutoff": ms_to_datetime(cutoff),
-                 "until": ms_to_datetime(until_ms)})
-            raw = self.gpu_minutes(max(since_ms, cutoff), until_ms, last=last, means=means, mins=mins, maxs=maxs)
-            both = pd.concat([p for p in (rolled, raw) if len(p)] or [raw], ignore_index=True)
-            return both.sort_values(["node", "gpu_index", "ts"], kind="stable").reset_index(drop=True)
-        values = ([f"arg_max({c}, ts) AS {c}" for c in last] + [f"avg({c}) AS {c}" for c in means]
-                  + [f"min({c}) AS {c}" for c in mins] + [f"max({c}) AS {c}" for c in maxs])
-        return self.query_df(f"""
-            SELECT node, gpu_index, date_trunc('minute', ts) AS minute, max(ts) AS ts, arg_max(job_id, ts) AS job_id,
-                   arg_max(rank, ts) AS rank{''.join(', ' + v for v in values)}
-            FROM gpu_samples WHERE ts >= $since AND ts <= $until
-            GROUP BY node, gpu_index, minute ORDER BY node, gpu_index, ts""",
-            {"since": ms_to_datetime(since_ms), "until": ms_to_datetime(until_ms)})
-
-    def newest_sample_ms(self) -> int | None:
-        """The time of the newest stored GPU sample (epoch ms), None before the first."""
-        newest = self.query_df("SELECT epoch_ms(max(ts)) AS t FROM gpu_samples")["t"].iloc[0]
-        return None if pd.isna(newest) else int(newest)
-
-    def event_rows(self, kinds: Sequence[str], since_ms: int | None = None,
-                   until_ms: int | None = None) -> pd.DataFrame:
-        """Events of ``kinds`` after ``since_ms`` up to ``until_ms``: node, gpu_index, ts, kind, code."""
-        return self.query_df("""
-            SELECT node, gpu_index, ts, kind, code FROM events
-            WHERE list_contains($kinds, kind) AND ($since IS NULL OR ts > $since)
-              AND ($until IS NULL OR ts <= $until)""",
-            {"kinds": list(kinds), "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms)})
-
-    def event_attrs(self, kind: str, keys: Sequence[str], since_ms: int | None = None,
-                    until_ms: int | None = None) -> pd.DataFrame:
-        """Events of ``kind`` from ``since_ms`` up to ``until_ms``, oldest first: node, gpu_index, ts_ms and the
-        attribute ``keys`` as text ("" where absent), read in SQL (no row-by-row JSON in Python)."""
-        picked = "".join(f", coalesce(json_extract_string(attrs, '$.\"{k}\"'), '') AS \"{k}\""
-                         for k in attr_keys(keys))
-        return self.query_df(f"""
-            SELECT node, gpu_index, epoch_ms(ts) AS ts_ms{picked} FROM events
-            WHERE kind = $kind AND ($since IS NULL OR ts >= $since) AND ($until IS NULL OR ts <= $until)
-            ORDER BY ts, node, gpu_index""",
-            {"kind": kind, "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms)})
-
-    def event_counts_by_node(self) -> dict[str, int]:
-        """Events stored per node."""
-        return {r["node"]: int(r["n"]) for r in self._records("SELECT node, count(*) AS n FROM events GROUP BY node")}
-
-    def first_failures(self, fatal_xids: Sequence[int]) -> pd.DataFrame:
-        """Per GPU that failed (lost, or a fatal XID): node, gpu_index and the first failure (failed_ms)."""
-        return self.query_df(f"""
-            SELECT node, gpu_index, epoch_ms(min(ts)) AS failed_ms FROM events
-            WHERE gpu_index >= 0 AND (kind = '{event_kinds.GPU_LOST}'
-                                      OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
-            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"fatal": sorted(int(c) for c in fatal_xids)})
-
-    def fatal_events(self, fatal_xids: Sequence[int], until_ms: int | None = None) -> pd.DataFrame:
-        """Lost GPUs and fatal XIDs up to ``until_ms``, oldest first: node, gpu_index, ts_ms, kind, code (0 if none)."""
-        return self.query_df(f"""
-            SELECT node, gpu_index, epoch_ms(ts) AS ts_ms, kind, coalesce(code, 0) AS code FROM events
-            WHERE gpu_index >= 0 AND ($until IS NULL OR ts <= $until)
-              AND (kind = '{event_kinds.GPU_LOST}' OR (kind = '{event_kinds.XID}' AND list_contains($fatal, code)))
-            ORDER BY ts""", {"until": _ms_or_none(until_ms), "fatal": sorted(int(c) for c in fatal_xids)})
-
-    def event_times(self, kind: str, until_ms: int | None = None) -> pd.DataFrame:
-        """When each node logged events of ``kind`` up to ``until_ms``: node, ts_ms."""
-        return self.query_df("""
-            SELECT node, epoch_ms(ts) AS ts_ms FROM events WHERE kind = $kind AND ($until IS NULL OR ts <= $until)""",
-            {"kind": kind, "until": _ms_or_none(until_ms)})
-
     def counter_drops(self, field: str, gpus: Sequence[tuple[str, int]], since_ms: int,
                       until_ms: int | None = None) -> pd.DataFrame:
         """Samples of ``gpus`` where the counter ``field`` went back (a driver reload restarts NVML's counters),
         between the two times: node, gpu_index, ts_ms."""
-        _check_fields([field])
+        check_fields([field])
         return self.query_df(f"""
             WITH c AS (
                 SELECT node, gpu_index, ts, {field} AS value,
@@ -585,33 +322,7 @@ class DuckDBStore(GroupWriter):
             {"gpus": [f"{n}/{g}" for n, g in gpus], "since": ms_to_datetime(since_ms),
              "until": _ms_or_none(until_ms)})
 
-    def stopped_agents(self) -> pd.DataFrame:
-        """Nodes whose agent's last lifecycle event is a stop: node, stopped_us (epoch µs)."""
-        return self.query_df(f"""
-            SELECT node, epoch_us(max(ts)) AS stopped_us FROM events
-            WHERE kind IN ('{event_kinds.AGENT_START}', '{event_kinds.AGENT_STOP}') GROUP BY node
-            HAVING arg_max(kind, ts) = '{event_kinds.AGENT_STOP}'""")
-
     # ---- jobs ------------------------------------------------------------------------------------------
-    def recent_spans(self, window_s: float, job_id: str | None = None,
-                     kinds: Sequence[str] | None = None) -> pd.DataFrame:
-        """Spans (of ``kinds``, default all) within ``window_s`` of their job's newest span (the job's own
-        clock), like :meth:`spans`."""
-        return self.query_df("""
-            WITH j AS (SELECT job_id, max(start_us) AS newest FROM spans
-                       WHERE $job IS NULL OR job_id = $job GROUP BY job_id)
-            SELECT s.* FROM spans s JOIN j USING (job_id)
-            WHERE s.start_us + greatest(s.dur_us, 0) >= j.newest - $window
-              AND ($kinds IS NULL OR list_contains($kinds, s.kind))
-            ORDER BY s.job_id, s.rank, s.start_us""",
-            {"job": job_id, "window": window_s * 1e6, "kinds": list(kinds) if kinds else None})
-
-    def span_job_ids(self) -> list[str]:
-        """Jobs with step marks or raw spans, sorted."""
-        return self.query_df("""
-            SELECT job_id FROM job_steps WHERE job_id <> '' UNION SELECT job_id FROM spans WHERE job_id <> ''
-            ORDER BY 1""")["job_id"].tolist()
-
     def job_progress(self) -> pd.DataFrame:
         """Per job, from its step marks over its whole life: ranks, nodes (sorted list), world_size, steps
         (last finished step + 1), last_step_us (end of the last finished step) and finished (every rank
@@ -631,22 +342,11 @@ class DuckDBStore(GroupWriter):
             self.run_write(lambda con: _insert_frame(con, "INSERT INTO step_breakdowns BY NAME SELECT * FROM {view}",
                                                      table))
 
-    def step_breakdown_totals(self, job_id: str) -> pd.DataFrame:
-        """The job's per-step efficiency summed per category: category, us, steps (distinct), ranks."""
-        return self.query_df("""
-            SELECT category, sum(us) AS us, count(DISTINCT step) AS steps, count(DISTINCT rank) AS ranks
-            FROM step_breakdowns WHERE job_id = $job GROUP BY category ORDER BY category""", {"job": job_id})
-
     # ---- breakdowns of submitted traces ----------------------------------------------------------------
     def job_timelines(self, job_id: str) -> list[bytes]:
         """The job's submitted rank timelines (serialized), by rank."""
         df = self.query_df("SELECT timeline FROM job_timelines WHERE job_id = ? ORDER BY rank", [job_id])
         return [bytes(blob) for blob in df["timeline"]]
-
-    def traced_jobs(self) -> list[dict[str, Any]]:
-        """Jobs with submitted traces: job_id, ranks, submitted_ms (the last submission)."""
-        return self._records("""SELECT job_id, count(*) AS ranks, epoch_ms(max(submitted_at)) AS submitted_ms
-                                FROM job_timelines GROUP BY job_id ORDER BY job_id""")
 
     def save_submission(self, job_id: str, timelines: pd.DataFrame, rows: pd.DataFrame, doc_json: str,
                         source: str) -> None:
@@ -670,17 +370,6 @@ class DuckDBStore(GroupWriter):
         """Replace the job's breakdown from ``source``: its rows (rank, step, category, us) and document."""
         self.run_write(lambda con: _replace_breakdown(con, job_id, source, rows, doc_json))
 
-    def breakdown_doc(self, job_id: str, source: str) -> str | None:
-        """The last breakdown document (JSON text) stored for the job from ``source``, or None."""
-        df = self.query_df("SELECT doc FROM breakdown_docs WHERE job_id = ? AND source = ?", [job_id, source])
-        return str(df["doc"].iloc[0]) if len(df) else None
-
-    def breakdown_rows(self, job_id: str, source: str | None = None) -> pd.DataFrame:
-        """The job's stored breakdown rows: source, rank, step, category, us, ordered."""
-        return self.query_df("""
-            SELECT source, rank, step, category, us FROM breakdowns WHERE job_id = $job AND ($source IS NULL OR
-            source = $source) ORDER BY source, rank, step NULLS FIRST, category""", {"job": job_id, "source": source})
-
     # ---- alerts ----------------------------------------------------------------------------------------
     def upsert_alerts(self, rows: pd.DataFrame) -> None:
         """Insert or update alert rows (id, alertname, subject, status, starts_at, ends_at, updated_at, doc)."""
@@ -690,25 +379,6 @@ class DuckDBStore(GroupWriter):
             INSERT INTO alerts BY NAME SELECT * REPLACE (doc::JSON AS doc) FROM {view}
             ON CONFLICT (id) DO UPDATE SET status = excluded.status, ends_at = excluded.ends_at,
                 updated_at = excluded.updated_at, doc = excluded.doc""", rows))
-
-    def firing_alerts(self) -> pd.DataFrame:
-        """Alerts persisted as firing: alertname, subject, updated_ms, doc (JSON text)."""
-        return self.query_df("""
-            SELECT alertname, subject, epoch_ms(updated_at) AS updated_ms, doc::VARCHAR AS doc FROM alerts
-            WHERE status = 'firing'""")
-
-    def alert_docs(self, include_resolved: bool) -> list[str]:
-        """Alert documents (JSON text): firing ones, newest first, then resolved ones with ``include_resolved``."""
-        return self.query_df("""
-            SELECT doc::VARCHAR AS doc FROM alerts WHERE status = 'firing' OR $all
-            ORDER BY status = 'firing' DESC, starts_at DESC""", {"all": bool(include_resolved)})["doc"].tolist()
-
-    def alert_starts(self, alertname: str) -> pd.DataFrame:
-        """Every ``alertname`` alert: node, gpu_index, starts_ms, peak_risk (from its document), oldest first."""
-        return self.query_df("""
-            SELECT doc->>'node' AS node, CAST(doc->>'gpu_index' AS INTEGER) AS gpu_index,
-                   epoch_ms(starts_at) AS starts_ms, CAST(doc->>'peak_risk' AS DOUBLE) AS peak_risk
-            FROM alerts WHERE alertname = $name ORDER BY starts_at""", {"name": alertname})
 
     # ---- leases ----------------------------------------------------------------------------------------
     def take_lease(self, name: str, holder: str, ttl_s: float) -> bool:
@@ -901,12 +571,6 @@ def _stored_keys(con: duckdb.DuckDBPyConnection, keys: list[tuple[str, int]]) ->
     return {(agent, int(seq)): fingerprint for agent, seq, fingerprint in rows}
 
 
-def _check_fields(names: Iterable[str]) -> None:
-    unknown = [c for c in names if c not in _GPU_FIELD_INDEX]
-    if unknown:
-        raise UserError(f"unknown GPU field(s) {', '.join(map(repr, unknown))}")
-
-
 def _insert_frame(con: duckdb.DuckDBPyConnection, sql: str, frame: pd.DataFrame | pa.Table) -> None:
     con.register("_frame", frame)
     try:
@@ -999,19 +663,6 @@ def _private(path: str) -> None:
                 os.chmod(name, 0o600)
         except FileNotFoundError:
             pass
-
-
-def ms_to_datetime(ms: int) -> dt.datetime:
-    """Epoch ms as a naive UTC datetime (DuckDB TIMESTAMP has no zone)."""
-    return dt.datetime(1970, 1, 1) + dt.timedelta(milliseconds=ms)
-
-
-def attr_keys(keys: Sequence[str]) -> list[str]:
-    """Attribute names safe to write into a query (the callers' own constants; checked all the same)."""
-    bad = [k for k in keys if not k.replace("_", "").isalnum()]
-    if bad:
-        raise ValueError(f"event attribute names {bad}: letters, digits and _ only")
-    return list(keys)
 
 
 def _ms_or_none(ms: int | None) -> dt.datetime | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuwatch.core.prometheus import LatencyHistogram
+from gpuwatch.core.metrics_snapshot import IngestSnapshot, LatencyHistogram
 from gpuwatch.collector.store.base import StoreClosed, WriteResult
 from gpuwatch.core.columnar import ColumnarBatch, from_message
 from gpuwatch.core.errors import AgentIdConflict
@@ -82,11 +82,11 @@ class IngestCounters:
         with self._lock:
             self.rejected += 1
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> IngestSnapshot:
         with self._lock:
-            counts = {"batches_total": self.batches, "samples_total": self.samples,
-                      "duplicates_total": self.duplicates, "rejected_total": self.rejected}
-        return {**counts, "commit_seconds": self.commit_seconds.snapshot()}
+            batches, samples, duplicates, rejected = self.batches, self.samples, self.duplicates, self.rejected
+        return IngestSnapshot(batches_total=batches, samples_total=samples, duplicates_total=duplicates,
+                              rejected_total=rejected, commit_seconds=self.commit_seconds.snapshot())
 
 
 class GroupWriter:
