@@ -38,7 +38,7 @@ from gpuwatch.collector.store.dialect import CLICKHOUSE
 from gpuwatch.collector.store.engine import EngineStore, StoreOptions
 from gpuwatch.collector.store.queries import check_fields
 from gpuwatch.core.settings import size_bytes
-from gpuwatch.collector.store.duckdb import batch_tables, ms_to_datetime
+from gpuwatch.collector.store.duckdb import _agents_table, batch_tables, ms_to_datetime
 from gpuwatch.core.columnar import ColumnarBatch
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.spans import SPAN_COLUMNS
@@ -165,6 +165,7 @@ class ClickHouseStore(EngineStore):
     dialect = CLICKHOUSE
 
     single_writer = False  # other collectors may store batches of the same agents
+    linger_s = 0.2  # every insert makes a part that merges rewrite: fewer, larger ones (writer.py)
 
     def __init__(self, url: str, *, clickhouse_cluster: str | None = None, **options: Any) -> None:
         """``options``: :class:`~gpuwatch.collector.store.engine.StoreOptions`."""
@@ -270,7 +271,7 @@ class ClickHouseStore(EngineStore):
         messages = [b.message for b in batches]
         inventory = self._inventory.to_write(batches)
         self._insert("gpus", self._gpus_frame({key: gpu for key, (_, gpu) in inventory.items()}, now))
-        self._insert("agents", _agents_frame(messages, now))
+        self._insert("agents", _agents_table(messages, now))
         self._insert("ingested", ingested)
         self._inventory.written(inventory)
 
@@ -291,12 +292,14 @@ class ClickHouseStore(EngineStore):
     def _stored_keys(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
         if not keys:
             return {}
-        # one query per group, read as Arrow: its usual answer (fresh batches) is empty, which _query would ask twice
+        # one query per group, read as Arrow: its usual answer (fresh batches) is empty, which _query would ask
+        # twice; without FINAL (the GROUP BY folds a mark stored twice), which would merge every part of the
+        # table on each commit
         rows = self._client().query_arrow("""
             SELECT agent_id, sequence, any(fingerprint) AS fingerprint FROM ingested
             WHERE (agent_id, sequence) IN (SELECT tupleElement(k, 1), tupleElement(k, 2)
                                            FROM (SELECT arrayJoin({keys:Array(Tuple(String, UInt64))}) AS k))
-            GROUP BY agent_id, sequence""", parameters={"keys": [(a, int(s)) for a, s in keys]})
+            GROUP BY agent_id, sequence SETTINGS final = 0""", parameters={"keys": [(a, int(s)) for a, s in keys]})
         return {(r["agent_id"], int(r["sequence"])): r["fingerprint"] for r in rows.to_pylist()}
 
     def _housekeeping(self, retention: bool, trim: bool) -> None:
@@ -630,13 +633,6 @@ def _plain_strings(table: pa.Table) -> pa.Table:
                      for name, col in zip(table.column_names, table.columns)})
 
 
-def _agents_frame(batches: list[pb.TelemetryBatch], now: dt.datetime) -> pd.DataFrame:
-    last: dict[str, tuple[str, int]] = {}
-    for b in batches:
-        node, seq = last.get(b.agent_id, (b.node.node, 0))
-        last[b.agent_id] = (b.node.node, max(seq, b.sequence))
-    return pd.DataFrame([{"agent_id": agent, "node": node, "last_sequence": seq, "last_seen": now}
-                         for agent, (node, seq) in last.items()])
 
 
 def _utc_now() -> dt.datetime:

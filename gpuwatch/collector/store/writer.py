@@ -9,7 +9,6 @@ ordered with ingest. Housekeeping (retention, trimming raw spans) runs on it at 
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -102,6 +101,11 @@ class GroupWriter:
     #: Engine errors that mean a batch holds something the engine cannot keep (a value out of its range), as
     #: opposed to the engine failing (a full disk): the server refuses such a batch for good.
     unstorable_errors: tuple[type[BaseException], ...] = ()
+    #: Under load (the previous group was more than one batch), how long after a commit the writer goes on
+    #: taking in batches before it commits the next group. 0: commit what is queued at once. An engine whose
+    #: every insert has a fixed cost and makes a part that merges rewrite (ClickHouse) stores the same rows
+    #: in fewer, larger inserts; a store that gets a batch now and then still commits it at once.
+    linger_s = 0.0
 
     def __init__(self, last_sequence: dict[str, int], *, retention_days: float | None, span_retention_s: float | None,
                  retention_interval_s: float, span_trim_interval_s: float, max_group_batches: int,
@@ -190,13 +194,17 @@ class GroupWriter:
         next_retention = time.monotonic() + self._retention_interval_s
         next_trim = time.monotonic() + self._span_trim_interval_s
         stopping = False
+        last_commit, last_size = 0.0, 0  # when the previous group was committed, and its size
         while not stopping:
             try:
                 first = [self._queue.get(timeout=max(0.01, min(next_retention, next_trim) - time.monotonic()))]
             except queue.Empty:
                 first = []
             group: list = []
-            for item in itertools.chain(first, self._drain()):
+            items = first + list(self._drain())
+            if last_size > 1 and all(isinstance(item, _Pending) for item in items):
+                items += self._held(last_commit + self.linger_s)
+            for item in items:
                 if item is _STOP:
                     stopping = True
                 elif isinstance(item, _Task):
@@ -206,6 +214,8 @@ class GroupWriter:
                 else:
                     group.append(item)
             self._write_group(group)
+            if group:
+                last_commit, last_size = time.monotonic(), len(group)
             if stopping:
                 break
             retention, trim = time.monotonic() >= next_retention, time.monotonic() >= next_trim
@@ -225,6 +235,20 @@ class GroupWriter:
                 yield self._queue.get_nowait()
             except queue.Empty:
                 return
+
+    def _held(self, until: float) -> list:
+        """More items while they keep coming (none for a quarter of the linger ends the wait), until ``until``
+        (monotonic) at the latest; a task or the stop ends the wait too (it runs at once, after the batches
+        before it)."""
+        held: list = []
+        while (left := until - time.monotonic()) > 0:
+            try:
+                held.append(self._queue.get(timeout=min(left, self.linger_s / 4)))
+            except queue.Empty:
+                break
+            if not isinstance(held[-1], _Pending):
+                break
+        return held
 
     def _write_group(self, group: list[_Pending]) -> None:
         if not group:
