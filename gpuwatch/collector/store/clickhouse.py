@@ -606,6 +606,23 @@ class ClickHouseStore(GroupWriter):
             ORDER BY node, gpu_index, ts""",
             {"since": since_ms or 0, "until": until_ms or 2**62 // 1000, "nodes": list(nodes or [])})
 
+    def tiered_gpu_samples(self, since_ms: int | None = None, until_ms: int | None = None,
+                           nodes: Sequence[str] | None = None) -> pd.DataFrame:
+        cutoff = self._raw_cutoff_ms()
+        rolled = pd.DataFrame()
+        if cutoff is not None and (since_ms is None or since_ms < cutoff):
+            rolled = self._query(f"""
+                SELECT node, gpu_index, ts, job_id, rank, CAST(NULL, 'Nullable(Int32)') AS local_rank
+                       {rollups.sample_columns()}
+                FROM {rollups.ROLLUP_TABLE} WHERE minute < fromUnixTimestamp64Milli({{cutoff:Int64}})
+                  AND ts >= fromUnixTimestamp64Milli({{since:Int64}})
+                  AND ts <= fromUnixTimestamp64Milli({{until:Int64}})
+                  AND (empty({{nodes:Array(String)}}) OR has({{nodes:Array(String)}}, node))
+                ORDER BY node, gpu_index, ts""",
+                {"cutoff": cutoff, "since": since_ms or 0, "until": _until(until_ms), "nodes": list(nodes or [])})
+            since_ms = max(since_ms or 0, cutoff)
+        return rollups.join_samples(rolled, self.gpu_samples(since_ms, until_ms, nodes))
+
     def host_samples(self, since_ms: int | None = None, nodes: Sequence[str] | None = None) -> pd.DataFrame:
         return self._query(f"""
             SELECT node, ts, {', '.join(fields.HOST_FIELD_NAMES)} FROM host_samples

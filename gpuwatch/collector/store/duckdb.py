@@ -431,6 +431,23 @@ class DuckDBStore(GroupWriter):
             ORDER BY node, gpu_index, ts""",
             {"since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms), "nodes": list(nodes) if nodes else None})
 
+    def tiered_gpu_samples(self, since_ms: int | None = None, until_ms: int | None = None,
+                           nodes: Sequence[str] | None = None) -> pd.DataFrame:
+        """:meth:`gpu_samples` across the tiers: each minute before the raw cutoff as one row from its rollup
+        (at its newest sample's time, no local rank), raw rows from the cutoff on; ``rolled_up`` says which."""
+        cutoff = self._raw_cutoff_ms()
+        rolled = pd.DataFrame()
+        if cutoff is not None and (since_ms is None or since_ms < cutoff):
+            rolled = self.query_df(f"""
+                SELECT node, gpu_index, ts, job_id, rank, NULL::INTEGER AS local_rank{rollups.sample_columns()}
+                FROM {rollups.ROLLUP_TABLE} WHERE minute < $cutoff AND ($since IS NULL OR ts >= $since)
+                  AND ($until IS NULL OR ts <= $until) AND ($nodes IS NULL OR list_contains($nodes, node))
+                ORDER BY node, gpu_index, ts""",
+                {"cutoff": ms_to_datetime(cutoff), "since": _ms_or_none(since_ms), "until": _ms_or_none(until_ms),
+                 "nodes": list(nodes) if nodes else None})
+            since_ms = cutoff if since_ms is None else max(since_ms, cutoff)
+        return rollups.join_samples(rolled, self.gpu_samples(since_ms, until_ms, nodes))
+
     def host_samples(self, since_ms: int | None = None, nodes: Sequence[str] | None = None) -> pd.DataFrame:
         """Host samples (node, ts and every host field) ordered by node and ts."""
         return self.query_df(f"""
