@@ -9,14 +9,12 @@ import pandas as pd
 import pytest
 
 from gpuwatch.apps import cli
-from gpuwatch.apps.export import export_store
 from gpuwatch.collector import client
 from gpuwatch.collector.scoring import score_gpus
 from gpuwatch.collector.server import serve
 from gpuwatch.core.settings import local_collector
 from gpuwatch.collector.store import open_store, rollups
 from gpuwatch.core.errors import UserError
-from gpuwatch.core.recording import open_recording
 from gpuwatch.core.settings import COLLECTOR_OPTIONS, load_config
 from gpuwatch.core.times import parse_duration
 from gpuwatch.models.model import load_model
@@ -151,21 +149,3 @@ def test_retention_flags_take_durations():
     with pytest.raises(UserError, match=r"raw_retention .*'2x' is not a duration"):
         load_config(COLLECTOR_OPTIONS, {"raw_retention": "2x"}, env={})
 
-
-def test_export_writes_rolled_up_minutes_before_the_raw_cutoff_and_raw_rows_after(tmp_path):
-    store = _tiered("duckdb", tmp_path)  # export reads DuckDB files only
-    for seq in range(1, BATCHES + 1):
-        store.write(make_batch(seq))
-    end = T0_MS + 1000 * (BATCHES * 3 + 2)
-    store.apply_retention(now_ms=end)
-    raw_left, minutes = store.count("gpu_samples"), store.count(rollups.ROLLUP_TABLE)
-    cutoff = rollups.floor_minute(end - 60_000)
-    expected = store.series("node-1", 0, "gpu_power_watts")
-    store.close()
-    result = export_store(tmp_path / "tiered.duckdb", tmp_path / "E", quiet=True)
-    rolled_before = len(range(rollups.floor_minute(T0_MS), cutoff, 60_000)) * 2  # minutes x GPUs
-    assert result["gpu_rows_from_rollups"] == rolled_before < minutes
-    assert result["rows"]["gpu_samples"] == raw_left + rolled_before
-    gpu = open_recording(tmp_path / "E").table("gpu_samples")
-    gpu0 = gpu[gpu["gpu_index"] == 0]
-    assert gpu0["gpu_power_watts"].tolist() == pytest.approx(expected["value"].tolist())

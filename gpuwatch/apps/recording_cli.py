@@ -93,7 +93,10 @@ def _run_import(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", required=True, help="collector DuckDB store (of a stopped collector, or a copy)")
+    store = p.add_mutually_exclusive_group(required=True)
+    store.add_argument("--db", help="collector DuckDB store file (of a stopped collector, or a copy)")
+    store.add_argument("--store", help="collector store URL: chdb:///DIR, a DuckDB file or duckdb:///PATH, "
+                       "clickhouse://host:8123/db (a stopped collector's, or a copy)")
     p.add_argument("--out", required=True, help="recording directory to write (new or empty)")
     p.add_argument("--since", dest="since_ms", type=time_flag("--since"),
                    help="from this time: 15m, 2h, 7d (ago), ISO 8601 time or epoch ms")
@@ -103,7 +106,8 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 def _run_export(args: argparse.Namespace) -> dict[str, Any]:
     from gpuwatch.apps.export import export_store
 
-    return export_store(args.db, args.out, since_ms=args.since_ms, until_ms=args.until_ms, quiet=args.quiet)
+    return export_store(args.store or args.db, args.out, since_ms=args.since_ms, until_ms=args.until_ms,
+                        quiet=args.quiet)
 
 
 def format_result(result: dict[str, Any]) -> str:

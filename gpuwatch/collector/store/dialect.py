@@ -96,6 +96,10 @@ class Dialect:
         """The integer under ``key`` of a JSON text, NULL where absent or not a number."""
         return f"TRY_CAST({doc}->>'{key}' AS BIGINT)"
 
+    def null_int32(self) -> str:
+        """A NULL of a nullable 32-bit integer column."""
+        return "NULL::INTEGER"
+
     def minute(self, expr: str) -> str:
         """The time ``expr`` truncated to its minute."""
         return f"date_trunc('minute', {expr})"
@@ -178,6 +182,9 @@ class ClickHouseDialect(Dialect):
 
     def json_int_or_null(self, doc: str, key: str) -> str:
         return f"toInt64OrNull(JSONExtractString({doc}, '{key}'))"
+
+    def null_int32(self) -> str:
+        return "CAST(NULL, 'Nullable(Int32)')"
 
     def minute(self, expr: str) -> str:
         return f"toStartOfMinute({expr})"

@@ -215,6 +215,24 @@ class SqlQueries:
             ORDER BY node, gpu_index, ts""",
             {"since": d.time(since_ms), "until": d.time(until_ms, upper=True), "nodes": d.list_value(nodes)})
 
+    def tiered_gpu_samples(self, since_ms: int | None = None, until_ms: int | None = None,
+                           nodes: Sequence[str] | None = None) -> pd.DataFrame:
+        """:meth:`gpu_samples` across the tiers: each minute before the raw cutoff as one row from its rollup
+        (at its newest sample's time, no local rank), raw rows from the cutoff on; ``rolled_up`` says which."""
+        d = self.dialect
+        cutoff = self._raw_cutoff_ms()
+        rolled = pd.DataFrame()
+        if cutoff is not None and (since_ms is None or since_ms < cutoff):
+            rolled = self.query_df(f"""
+                SELECT node, gpu_index, ts, job_id, rank, {d.null_int32()} AS local_rank{rollups.sample_columns()}
+                FROM {rollups.ROLLUP_TABLE} WHERE minute < {d.at('cutoff')} AND {d.since('ts', 'since')}
+                  AND {d.until('ts', 'until')} AND {d.in_list('node', 'nodes')}
+                ORDER BY node, gpu_index, ts""",
+                {"cutoff": d.time(cutoff), "since": d.time(since_ms), "until": d.time(until_ms, upper=True),
+                 "nodes": d.list_value(nodes)})
+            since_ms = cutoff if since_ms is None else max(since_ms, cutoff)
+        return rollups.join_samples(rolled, self.gpu_samples(since_ms, until_ms, nodes))
+
     def series(self, node: str, gpu_index: int, field: str, since_ms: int | None = None,
                until_ms: int | None = None, limit: int | None = None) -> pd.DataFrame:
         """One GPU field over time (columns ts_ms, value, resolution_s), oldest first; with ``limit``, the

@@ -102,6 +102,22 @@ def series_stat(field: str) -> str:
     return "last" if fields.BY_NAME[field].kind is fields.Kind.COUNTER else "mean"
 
 
+def sample_columns() -> str:
+    """The rollup columns a rolled-up minute shows as one sample, under the fields' names (each field's
+    :func:`series_stat`), so a rolled-up row reads like a raw ``gpu_samples`` row."""
+    return "".join(f", {column(f, series_stat(f))} AS {f}" for f in fields.GPU_FIELD_NAMES)
+
+
+def join_samples(rolled: pd.DataFrame, raw: pd.DataFrame) -> pd.DataFrame:
+    """GPU sample rows from both tiers, ordered by node, GPU and time, with ``rolled_up`` saying which rows
+    stand for a whole minute (from its rollup) and which are raw samples."""
+    parts = [p.assign(rolled_up=flag) for p, flag in ((rolled, True), (raw, False)) if len(p)]
+    if not parts:
+        return raw.assign(rolled_up=pd.Series(dtype=bool))
+    both = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+    return both.sort_values(["node", "gpu_index", "ts"], kind="stable").reset_index(drop=True)
+
+
 def join_series(rolled: pd.DataFrame, raw: pd.DataFrame, limit: int | None) -> pd.DataFrame:
     """One series (ts_ms, value, resolution_s), oldest first, from the rolled-up points before the raw cutoff
     and the raw points after it (their resolution: the GPU's sample interval, whole seconds, at least 1)."""
