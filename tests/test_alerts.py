@@ -133,7 +133,7 @@ def test_collector_gives_the_alerts_advice_for_its_configured_job(tmp_path):
 
 
 def test_alerts_on_a_clock_hours_ahead_reach_alertmanager_and_resolve_there(alertmanager):
-    """Issue 29.16: agents on simulated or skewed time gave startsAt hours ahead; Alertmanager answered 400
+    """Before the fix: agents on simulated or skewed time gave startsAt hours ahead; Alertmanager answered 400
     "start time must be before end time", and the resolved alert was later shown active for 13 h."""
     sender = AlertmanagerSender(alertmanager, backoff_s=0.1)
     engine = AlertEngine(AlertPolicy(0.4, keep_firing_for_s=0), senders=[sender])

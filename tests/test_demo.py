@@ -201,7 +201,7 @@ def test_piped_the_view_prints_a_frame_on_change_and_hourly_in_simulated_time_an
 
 
 def test_streaming_the_recording_into_a_live_collector_raises_the_alert_replay_offline_raises(demo, tmp_path):
-    """Issue 29.21: `replay --offline` raised "GPUFailureRisk ... has failed" for the failed GPU; the same
+    """Before the fix: `replay --offline` raised "GPUFailureRisk ... has failed" for the failed GPU; the same
     recording streamed into a live collector raised none (its rounds jumped over the risk's rise)."""
 
     from gpuwatch.apps import cli

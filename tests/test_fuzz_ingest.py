@@ -210,7 +210,7 @@ _STREAM_SEQUENCES = itertools.count(2)  # a fresh sequence per example: a reused
 @FUZZ
 @given(data=column_mutations())
 def test_damaged_columns_get_a_final_answer_on_push_and_stream_and_what_is_stored_reads_back(collector, data):
-    """Issue 29: a Column whose name is not UTF-8 or whose inner bytes are not protobuf answered UNKNOWN on
+    """Before the fix: a Column whose name is not UTF-8 or whose inner bytes are not protobuf answered UNKNOWN on
     Push and ended a stream with OK after earlier acks (the agent resent it forever)."""
     _, channel, stub = collector
     pushed = _answer(channel, data)

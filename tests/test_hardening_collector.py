@@ -1,4 +1,4 @@
-"""Hardening round 2, the collector's side (issue 29): poison columns, unbounded labels and GPUs, damaged
+"""Hardening round 2, the collector's side: poison columns, unbounded labels and GPUs, damaged
 store files, private files, and what the stores keep. Each test was written to fail before its fix."""
 import logging
 import os
@@ -81,14 +81,14 @@ def _label_bomb(kind: str):
         batch.spans.job_id.append("j" * 1000)
     elif kind == "labels":
         batch.node.labels.update({f"k{i}": "v" for i in range(1000)})
-    elif kind == "gpus":  # issue 29.4: one batch declared 100,000 GPUs
+    elif kind == "gpus":  # one batch declared 100,000 GPUs
         batch.gpus.extend([type(batch.gpus[0])(index=i, uuid=f"GPU-{i}") for i in range(2, 100_000)])
     return batch
 
 
 @pytest.mark.parametrize("kind", ["node", "job_id", "event_kind", "agent_id", "span_job_id", "labels", "gpus"])
 def test_unbounded_names_and_gpus_are_refused(collector, channel, kind):
-    """Issue 29.3/29.4: a 1 MiB node name, a 2 MiB job id, a 4 MiB event kind, 100,000 GPUs were acked."""
+    """Before the fix: a 1 MiB node name, a 2 MiB job id, a 4 MiB event kind, 100,000 GPUs were acked."""
     details = _refused(channel, _label_bomb(kind))
     assert "at most" in details
     assert len(details) < 1000, "the refusal does not echo the huge name"
@@ -107,7 +107,7 @@ def test_a_huge_event_message_is_cut_and_the_rest_of_the_batch_kept(collector, c
 
 
 def test_distinct_label_values_per_agent_are_bounded_and_other_agents_are_served(collector, channel):
-    """Issue 29.3: 50,000 distinct event kinds from one agent were acked (each a key of the events table)."""
+    """Before the fix: 50,000 distinct event kinds from one agent were acked (each a key of the events table)."""
     from gpuwatch.collector.label_budget import BUDGET
 
     seq = 0
@@ -147,7 +147,7 @@ def _truncated_store(path) -> None:
 
 
 def test_a_truncated_duckdb_file_is_refused_at_open_with_one_line(tmp_path):
-    """Issue 29.5: a file cut to half was served: batches acked into it, every query an IO error."""
+    """Before the fix: a file cut to half was served: batches acked into it, every query an IO error."""
     path = tmp_path / "cut.duckdb"
     _truncated_store(path)
     with pytest.raises(UserError) as refused:
@@ -184,7 +184,7 @@ def test_a_store_found_unreadable_while_serving_answers_unavailable_not_ack(tmp_
 
 
 def test_the_duckdb_wal_stays_private_when_the_engine_recreates_it_after_a_checkpoint(tmp_path):
-    """Issue 29.7: under umask 022 the WAL DuckDB recreates after a checkpoint was 0644 (telemetry, node names
+    """Before the fix: under umask 022 the WAL DuckDB recreates after a checkpoint was 0644 (telemetry, node names
     and job ids readable by every local user)."""
     old = os.umask(0o022)
     try:
@@ -213,7 +213,7 @@ def _one_batch_chdb(folder):
 
 
 def test_a_broken_clickhouse_part_is_logged_with_the_rows_lost(tmp_path, caplog):
-    """Issue 29.6: a truncated part was moved to detached/broken-on-start_* and its rows vanished silently."""
+    """Before the fix: a truncated part was moved to detached/broken-on-start_* and its rows vanished silently."""
     url = _one_batch_chdb(tmp_path / "st")
     (part,) = [p for p in (tmp_path / "st" / "data" / "gpuwatch" / "gpu_samples").iterdir() if p.is_dir()
                and p.name != "detached"]
@@ -230,7 +230,7 @@ def test_a_broken_clickhouse_part_is_logged_with_the_rows_lost(tmp_path, caplog)
 
 
 def test_a_damaged_clickhouse_table_definition_names_the_cause(tmp_path):
-    """Issue 29.6: the open failed with "Error initializing EmbeddedServer: . (BAD_ARGUMENTS)" and no cause."""
+    """Before the fix: the open failed with "Error initializing EmbeddedServer: . (BAD_ARGUMENTS)" and no cause."""
     url = _one_batch_chdb(tmp_path / "st")
     (tmp_path / "st" / "metadata" / "gpuwatch" / "gpus.sql").write_text("CREATE TABLE garbage ((")
     with pytest.raises(UserError) as refused:
@@ -240,7 +240,7 @@ def test_a_damaged_clickhouse_table_definition_names_the_cause(tmp_path):
 
 
 def test_memory_limit_help_names_what_it_bounds(capsys):
-    """Issue 29.15: 2,000 agents peaked at 1,776 MiB with --memory-limit 1GB, which bounds the engine only."""
+    """Before the fix: 2,000 agents peaked at 1,776 MiB with --memory-limit 1GB, which bounds the engine only."""
     from gpuwatch.apps import cli
 
     with pytest.raises(SystemExit):
@@ -251,7 +251,7 @@ def test_memory_limit_help_names_what_it_bounds(capsys):
 
 
 def test_an_agent_quarantines_a_batch_with_a_malformed_column_and_sends_the_rest(collector, tmp_path):
-    """Issue 29.1, end to end: the agent resent such a batch for ever and every later batch waited behind it."""
+    """End to end: before the fix, the agent resent such a batch for ever and every later batch waited behind it."""
     from gpuwatch.agent.spool import Spool
     from gpuwatch.agent.uplink import Uplink
 

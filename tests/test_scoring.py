@@ -226,7 +226,7 @@ def test_an_alert_on_a_gpu_that_then_fails_says_failed_until_the_gpu_is_reset(st
 
 
 def test_data_that_arrives_faster_than_rounds_is_scored_at_every_step_like_an_offline_replay(tmp_path, model, kind):
-    """Issue 29.21: a recording streamed into a live collector raised no GPUFailureRisk for the GPU that failed
+    """Before the fix: a recording streamed into a live collector raised no GPUFailureRisk for the GPU that failed
     (its rounds, on the data clock, jumped from before the risk rose to after the failure), where
     `replay --offline`, scoring every step, raised "GPUFailureRisk ... has failed"."""
     store = open_store(store_url(kind, tmp_path, "fast"))
@@ -253,7 +253,7 @@ def test_data_that_arrives_faster_than_rounds_is_scored_at_every_step_like_an_of
 
 def test_a_node_whose_data_arrives_after_the_data_clock_passed_its_times_is_still_scored_step_by_step(
         tmp_path, model, kind):
-    """Issue 29.21, the live-stream case: node 1's whole recording is stored first and scored, carrying the data
+    """The live-stream case: node 1's whole recording is stored first and scored, carrying the data
     clock to its end; node 0's recording of the same hours (its GPU failed at 29 h) arrives after that round.
     A catch-up keyed by the newest time in the store scored nothing new and raised no alert."""
     store = open_store(store_url(kind, tmp_path, "late"))
