@@ -99,16 +99,20 @@ def refold(prev: pd.DataFrame, events: pd.DataFrame, start_ms: int | None) -> pd
         seeds = prev[pd.MultiIndex.from_frame(prev[["node", "gpu_index"]].astype({"gpu_index": np.int64}))
                      .isin(touched)]
     seeds = seeds.assign(_seed=0).astype({"gpu_index": np.int64, "from_ms": np.int64, "last_ms": np.int64})
+    # the look-back's events before a seed row belong to the rows before it, which stay as they are
+    began = e.merge(seeds[["node", "gpu_index", "from_ms"]].rename(columns={"from_ms": "_began"}),
+                    on=["node", "gpu_index"], how="left")["_began"].to_numpy()
+    e = e[~(e["from_ms"].to_numpy() < began)]
     # a seed row stands at its last announcement: the events that continue it are within LOOKBACK_MS of that
     df = pd.concat([seeds[[*ROW_COLUMNS, "_seed"]], e[[*ROW_COLUMNS, "_seed"]]], ignore_index=True)
     df = df.sort_values(["node", "gpu_index", "_seed", "last_ms"], kind="stable").reset_index(drop=True)
-    for key in SAME:
-        df[key] = df[key].fillna("").astype(str)
-    gpu_same = df[["node", "gpu_index"]].eq(df[["node", "gpu_index"]].shift()).all(axis=1)
-    owner_same = df[list(SAME)].eq(df[list(SAME)].shift()).all(axis=1)
-    gap = df["last_ms"] - df["last_ms"].shift()
-    new = ~(gpu_same & owner_same & (gap <= LOOKBACK_MS))
-    group = new.cumsum()
+    for key in ("node", *SAME):
+        df[key] = df[key].fillna("").astype(str).astype(object)
+    gpu_same = df[["node", "gpu_index"]].eq(df[["node", "gpu_index"]].shift()).all(axis=1).to_numpy(bool)
+    owner_same = df[list(SAME)].eq(df[list(SAME)].shift()).all(axis=1).to_numpy(bool)
+    last = df["last_ms"].to_numpy(np.int64)
+    close = np.concatenate([[False], np.diff(last) <= LOOKBACK_MS])
+    group = np.cumsum(~(gpu_same & owner_same & close))
     out = df.groupby(group, sort=False).agg(
         node=("node", "first"), gpu_index=("gpu_index", "first"), from_ms=("from_ms", "first"),
         last_ms=("last_ms", "max"), **{k: (k, "first") for k in SAME}).reset_index(drop=True)
@@ -192,12 +196,19 @@ def _select(quote: str) -> str:
 _DUCK_COLUMNS, _CH_COLUMNS = _select('"'), _select("`")
 
 
+def _open_as_none(rows: pd.DataFrame) -> pd.DataFrame:
+    """``to_ms`` as ints and None (an open interval), as :func:`refold` writes it."""
+    to = [None if pd.isna(v) else int(v) for v in rows["to_ms"]]
+    return rows.assign(to_ms=pd.Series(to, index=rows.index, dtype=object))
+
+
 # ---- DuckDB ------------------------------------------------------------------------------------------------
 def duckdb_ddl() -> list[str]:
     owners = ", ".join(f'"{k}" VARCHAR NOT NULL' for k in SAME)
     return [f"""CREATE TABLE IF NOT EXISTS {TABLE} (
     node VARCHAR NOT NULL, gpu_index INTEGER NOT NULL, from_ms BIGINT NOT NULL, to_ms BIGINT, last_ms BIGINT NOT NULL,
-    {owners}, PRIMARY KEY (node, gpu_index, from_ms))"""]
+    {owners})"""]  # keyed by (node, gpu_index, from_ms), kept by duckdb_replace: DuckDB rejects a key deleted and
+    # inserted again in one transaction
 
 
 class DuckDBOwners:
@@ -211,34 +222,33 @@ class DuckDBOwners:
         return None if df.empty else int(df["cutoff_ms"].iloc[0])
 
     def rows(self, before_ms: int | None, since_last_ms: int | None) -> pd.DataFrame:
-        return self._query(f"""
+        return _open_as_none(self._query(f"""
             SELECT {_DUCK_COLUMNS} FROM {TABLE}
             WHERE ($before IS NULL OR from_ms < $before) AND ($since IS NULL OR last_ms >= $since)
             UNION
             SELECT {_DUCK_COLUMNS} FROM {TABLE} WHERE from_ms < $before
             QUALIFY row_number() OVER (PARTITION BY node, gpu_index ORDER BY from_ms DESC) = 1""",
-                           {"before": before_ms, "since": since_last_ms})
+                           {"before": before_ms, "since": since_last_ms}))
 
 
 def duckdb_replace(con: duckdb.DuckDBPyConnection, start_ms: int | None, rows: pd.DataFrame, mark: int) -> None:
     """Replace the rows from ``start_ms`` (None: all) and those of ``rows``' keys by ``rows``, and record the
     mark, in one transaction."""
-    con.begin()
+    con.register("_owner_rows", rows.astype({"to_ms": "Int64"}))
     try:
-        con.execute(f"DELETE FROM {TABLE} WHERE $start IS NULL OR from_ms >= $start", {"start": start_ms})
-        if len(rows):
-            con.register("_owner_rows", rows.astype({"to_ms": "Int64"}))
-            try:
-                con.execute(f"""DELETE FROM {TABLE} AS t USING _owner_rows AS n
-                    WHERE t.node = n.node AND t.gpu_index = n.gpu_index AND t.from_ms = n.from_ms""")
-                con.execute(f"INSERT INTO {TABLE} BY NAME SELECT {_DUCK_COLUMNS} FROM _owner_rows")
-            finally:
-                con.unregister("_owner_rows")
-        con.execute(f"INSERT OR REPLACE INTO {STATE_TABLE} VALUES ($name, $mark)", {"name": MARK, "mark": mark})
-        con.commit()
-    except BaseException:
-        con.rollback()
-        raise
+        con.begin()
+        try:
+            con.execute(f"DELETE FROM {TABLE} WHERE $start IS NULL OR from_ms >= $start", {"start": start_ms})
+            con.execute(f"""DELETE FROM {TABLE} AS t USING _owner_rows AS n
+                WHERE t.node = n.node AND t.gpu_index = n.gpu_index AND t.from_ms = n.from_ms""")
+            con.execute(f"INSERT INTO {TABLE} BY NAME SELECT {_DUCK_COLUMNS} FROM _owner_rows")
+            con.execute(f"INSERT OR REPLACE INTO {STATE_TABLE} VALUES ($name, $mark)", {"name": MARK, "mark": mark})
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+    finally:
+        con.unregister("_owner_rows")
 
 
 def duckdb_expire(con: duckdb.DuckDBPyConnection, before_ms: int) -> int:
@@ -276,7 +286,7 @@ class ClickHouseOwners:
             SELECT {_CH_COLUMNS} FROM (SELECT * FROM {TABLE} WHERE from_ms < {{before:Int64}}
                                         ORDER BY from_ms DESC LIMIT 1 BY node, gpu_index)""",
                          {"before": before, "since": since_last_ms if since_last_ms is not None else -2**62})
-        return df.astype({"to_ms": object}).where(df.notna(), None) if len(df) else df
+        return _open_as_none(df)
 
 
 def clickhouse_replace(query: Callable[[str, dict[str, Any]], pd.DataFrame],
