@@ -414,13 +414,9 @@ class ClickHouseStore(GroupWriter):
         if self.rollup_retention_s:
             checks.append((rollups.ROLLUP_TABLE, "minute", now - int(self.rollup_retention_s * 1000)))
             # ownership intervals outlive the events, as long as the rollups
-            before = {"before": now - int(self.rollup_retention_s * 1000)}
-            where = owner_tables.clickhouse_expire_where()
-            count = f"SELECT count() AS n FROM {owner_tables.TABLE} WHERE {where}"
-            found = int(self._query(count, before)["n"].iloc[0])
-            if found:
-                self._command(f"DELETE FROM {self._table_for_delete(owner_tables.TABLE)} WHERE {where}", before)
-            deleted[owner_tables.TABLE] = found
+            deleted[owner_tables.TABLE] = owner_tables.clickhouse_expire(
+                self._query, self._command, self._table_for_delete(owner_tables.TABLE),
+                now - int(self.rollup_retention_s * 1000))
         for table, column, before in checks:
             where = f"{column} < fromUnixTimestamp64Milli({{before:Int64}})"
             found = int(self._query(f"SELECT count() AS n FROM {table} WHERE {where}", {"before": before})["n"].iloc[0])

@@ -314,6 +314,12 @@ def clickhouse_replace(query: Callable[[str, dict[str, Any]], pd.DataFrame],
     insert(STATE_TABLE, pd.DataFrame({"name": [MARK], "cutoff_ms": [mark]}))
 
 
-def clickhouse_expire_where() -> str:
-    """The WHERE of the DELETE of intervals that ended before ``{before:Int64}``."""
-    return "to_ms < {before:Int64}"
+def clickhouse_expire(query: Callable[[str, dict[str, Any]], pd.DataFrame],
+                      command: Callable[[str, dict[str, Any]], Any], target: str, before_ms: int) -> int:
+    """Delete the intervals that ended before ``before_ms`` (``target``: the table, or its local tables on a
+    cluster); return how many."""
+    where, params = "to_ms < {before:Int64}", {"before": before_ms}
+    found = int(query(f"SELECT count() AS n FROM {TABLE} WHERE {where}", params)["n"].iloc[0])
+    if found:
+        command(f"DELETE FROM {target} WHERE {where}", params)
+    return found
