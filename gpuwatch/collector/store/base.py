@@ -27,7 +27,8 @@ STEP_MARK_KINDS = ("step", "end")
 
 #: Every table of a store, created when it opens (docs/store-schema.md).
 TABLES = ("gpu_samples", "host_samples", "events", "gpus", "agents", "ingested", "spans", "alerts", "job_steps",
-          "step_breakdowns", "job_timelines", "breakdowns", "breakdown_docs", "leases", "gpu_rollups", "tier_state")
+          "step_breakdowns", "job_timelines", "breakdowns", "breakdown_docs", "leases", "gpu_rollups", "tier_state",
+          "owner_intervals")
 
 
 @dataclass(frozen=True)
