@@ -185,3 +185,22 @@ def test_intervals_outlive_the_events_until_the_rollup_retention(tmp_path, kind)
         assert _records(owner_intervals(store)) == _records(kept.reset_index(drop=True))
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_events_stored_before_a_restart_are_folded_after_it(tmp_path, kind):
+    events = sorted(_events(), key=lambda e: e[1])
+    store = open_store(store_url(kind, tmp_path), retention_days=3650)
+    store.write(_batch(events[:20], 1))
+    store.build_owner_intervals()
+    store.write(_batch(events[20:], 2))  # committed, then the collector stops before its next maintenance
+    store.close()
+    store = open_store(store_url(kind, tmp_path), retention_days=3650)
+    try:
+        _check_same_as_events(store)  # answered from the table and the events it lacks
+        store.build_owner_intervals()
+        assert store._owner_table.mark() == events[-1][1] + 1
+        _check_same_as_events(store)
+        assert len(_table(store)) == 9
+    finally:
+        store.close()

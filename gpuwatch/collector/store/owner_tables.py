@@ -65,6 +65,8 @@ class PendingOwners:
 
     def __init__(self) -> None:
         self.low: int | None = None
+        # the first maintenance after opening refolds from the mark: events stored before a restart, not folded
+        self.opened = True
 
     def note(self, batches: Sequence[ColumnarBatch]) -> None:
         """Noted before the group commits: a refold over events that then failed to land is harmless."""
@@ -83,6 +85,7 @@ class PendingOwners:
         the writer thread both notes and maintains)."""
         if self.low == low:
             self.low = None
+        self.opened = False
 
 
 def refold(prev: pd.DataFrame, events: pd.DataFrame, start_ms: int | None) -> pd.DataFrame:
@@ -172,6 +175,8 @@ def maintain(table: OwnerTable, events: EventReader, pending: PendingOwners, flo
     """Refold the table from the oldest pending event (or the mark) and have ``replace(start, rows, mark)``
     store the rows in place of those from ``start`` on and of the same keys (writer thread)."""
     low, mark = pending.low, table.mark()
+    if low is None and mark is not None and not pending.opened:
+        return  # nothing new since the last refold
     start = pending.start(mark)
     if start is not None and floor_ms is not None:  # older events are past retention: their rows are final
         start = max(start, floor_ms)
@@ -179,7 +184,7 @@ def maintain(table: OwnerTable, events: EventReader, pending: PendingOwners, flo
         found = events(ev.GPU_OWNER, SAME, None)
         rows = refold(pd.DataFrame(columns=ROW_COLUMNS), found, None)
     else:
-        before = table.rows(start, None)
+        before = table.rows(start, start)  # each GPU's latest row before the refold is all it needs
         latest = before.sort_values("from_ms", kind="stable").groupby(["node", "gpu_index"]).tail(1)
         found = events(ev.GPU_OWNER, SAME, max(0, start - LOOKBACK_MS) or None)
         rows = refold(latest, found, start)
