@@ -141,15 +141,22 @@ def intervals(table: OwnerTable, events: EventReader, pending: PendingOwners,
     time from ``since_ms`` (None: all), in time order: the table's rows, with the events it has not folded yet
     refolded on top. A GPU's first row starts when its owner took it (not at the window's look-back)."""
     look = None if since_ms is None else max(0, int(since_ms) - LOOKBACK_MS)
-    start = pending.start(table.mark())
-    if start is None:
-        rows = refold(pd.DataFrame(columns=ROW_COLUMNS), events(ev.GPU_OWNER, SAME, look or None), None)
-    else:
-        before = table.rows(start, look)
-        latest = before.sort_values("from_ms", kind="stable").groupby(["node", "gpu_index"]).tail(1)
-        rows = spliced(before, refold(latest, events(ev.GPU_OWNER, SAME, max(0, start - LOOKBACK_MS) or None),
-                                      start))
-    return merged(rows, look)
+    before, rows, _ = _refolded(table, events, pending.start(table.mark()), look)
+    return merged(spliced(before, rows), look)
+
+
+def _refolded(table: OwnerTable, events: EventReader, start_ms: int | None,
+              since_last_ms: int | None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The table's rows before ``start_ms`` (``table.rows``), the rows :func:`refold` makes from there and the
+    events it read; with no ``start_ms`` (a table never built), no rows and the events from ``since_last_ms``
+    (None: all) folded."""
+    if start_ms is None:
+        found = events(ev.GPU_OWNER, SAME, since_last_ms or None)
+        return pd.DataFrame(columns=ROW_COLUMNS), refold(pd.DataFrame(columns=ROW_COLUMNS), found, None), found
+    before = table.rows(start_ms, since_last_ms)
+    latest = before.sort_values("from_ms", kind="stable").groupby(["node", "gpu_index"]).tail(1)
+    found = events(ev.GPU_OWNER, SAME, max(0, start_ms - LOOKBACK_MS) or None)
+    return before, refold(latest, found, start_ms), found
 
 
 def merged(rows: pd.DataFrame, since_last_ms: int | None) -> pd.DataFrame:
@@ -180,14 +187,7 @@ def maintain(table: OwnerTable, events: EventReader, pending: PendingOwners, flo
     start = pending.start(mark)
     if start is not None and floor_ms is not None:  # older events are past retention: their rows are final
         start = max(start, floor_ms)
-    if start is None:
-        found = events(ev.GPU_OWNER, SAME, None)
-        rows = refold(pd.DataFrame(columns=ROW_COLUMNS), found, None)
-    else:
-        before = table.rows(start, start)  # each GPU's latest row before the refold is all it needs
-        latest = before.sort_values("from_ms", kind="stable").groupby(["node", "gpu_index"]).tail(1)
-        found = events(ev.GPU_OWNER, SAME, max(0, start - LOOKBACK_MS) or None)
-        rows = refold(latest, found, start)
+    _, rows, found = _refolded(table, events, start, start)  # each GPU's latest row before start seeds it
     after = int(found["ts_ms"].max()) + 1 if len(found) else None  # the table holds every event before it
     if after is not None or mark is None:
         replace(start, rows, max(m for m in (mark, after, 0) if m is not None))
