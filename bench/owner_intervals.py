@@ -1,9 +1,10 @@
-"""What reading GPU ownership costs in its stored form (``gpu_owner`` change points in the events table, joined
-into intervals at query time), on both engines: the question behind keeping that form rather than a table of
-intervals of its own (docs/owners.md, "Stored as intervals").
+"""What reading GPU ownership costs, on both engines: folding the ``gpu_owner`` change points of the events
+table at query time (a store whose ``owner_intervals`` table was never built) against reading that table
+(docs/owners.md, "Stored as intervals"), and what building the table costs.
 
 Writes --days of ownership for --gpus GPUs (8 per node): every GPU announced hourly (as agents do) and moved to
-a new pod every --change-h hours, then times ``owner_intervals`` over the last 7 days and ``current_owners``.
+a new pod every --change-h hours, then times ``owner_intervals`` over the last 7 days and ``current_owners``
+before and after ``build_owner_intervals`` (the same answers both ways, checked).
 
     python bench/owner_intervals.py [--gpus 1000] [--days 7] [--change-h 6]
 """
@@ -50,21 +51,31 @@ def main() -> None:
     parser.add_argument("--days", type=int, default=7)
     parser.add_argument("--change-h", type=int, default=6)
     args = parser.parse_args()
-    print(f"{'engine':8} {'events':>9} {'intervals':>10} {'owner_intervals 7d s':>21} {'current_owners s':>17}")
+    print(f"{'engine':8} {'events':>9} {'intervals':>10} {'build s':>8} "
+          f"{'owner_intervals 7d s: events':>29} {'table':>6} {'current_owners s: events':>25} {'table':>6}")
     for engine in ("duckdb", "chdb"):
         with tempfile.TemporaryDirectory() as tmp:
             url = str(Path(tmp) / "s.duckdb") if engine == "duckdb" else f"chdb://{tmp}/ch"
             store = open_store(url, retention_days=3650)
             written = fill(store, args.gpus, args.days, args.change_h)
-            until = T0_MS + args.days * 24 * HOUR_MS
-            start = time.perf_counter()
-            intervals = owner_intervals(store, until - 7 * 24 * HOUR_MS)
-            read_s = time.perf_counter() - start
-            start = time.perf_counter()
-            current_owners(store)
-            now_s = time.perf_counter() - start
+            since = T0_MS + args.days * 24 * HOUR_MS - 7 * 24 * HOUR_MS
+            timed = []
+            for step in ("events", "table"):
+                start = time.perf_counter()
+                intervals = owner_intervals(store, since)
+                read_s = time.perf_counter() - start
+                start = time.perf_counter()
+                owners = current_owners(store)
+                timed.append((intervals, read_s, owners, time.perf_counter() - start))
+                if step == "events":
+                    start = time.perf_counter()
+                    store.build_owner_intervals()
+                    build_s = time.perf_counter() - start
             store.close()
-            print(f"{engine:8} {written:9d} {len(intervals):10d} {read_s:21.2f} {now_s:17.2f}")
+            (folded, fold_s, owners, owners_s), (table, table_s, table_owners, table_owners_s) = timed
+            assert owners == table_owners and len(folded) == len(table)
+            print(f"{engine:8} {written:9d} {len(table):10d} {build_s:8.2f} {fold_s:29.2f} {table_s:6.2f} "
+                  f"{owners_s:25.2f} {table_owners_s:6.2f}")
 
 
 if __name__ == "__main__":

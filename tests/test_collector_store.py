@@ -24,7 +24,7 @@ def test_wide_tables_have_one_column_per_catalogue_field(store):
     host_columns = store.columns("host_samples")
     assert gpu_columns == ["node", "gpu_index", "ts", "job_id", "rank", "local_rank", *fields.GPU_FIELD_NAMES]
     assert host_columns == ["node", "ts", *fields.HOST_FIELD_NAMES]
-    assert len(DDL) == len(TABLES) == 16  # every table, features' included, is created when the store opens
+    assert len(DDL) == len(TABLES) == 17  # every table, features' included, is created when the store opens
     assert all(store.count(table) == 0 for table in TABLES)
 
 

@@ -1,9 +1,9 @@
 """GPU ownership as intervals, joined with the samples at query time (never a label on every stored sample).
 
 The agents send a ``gpu_owner`` event whenever a GPU's owner changes (pod, namespace, container from the
-kubelet; job and rank from the launcher's environment). Those change points are the stored intervals: an
-owner holds a GPU from its event until the next ``gpu_owner`` event of that GPU (the open one until now).
-This module reads them through the store interface (so DuckDB and ClickHouse answer alike), says who holds
+kubelet; job and rank from the launcher's environment); the collector folds them into the ``owner_intervals``
+table: an owner holds a GPU from its event until the next ``gpu_owner`` event of that GPU (the open one until
+now). This module reads them through the store interface (so DuckDB and ClickHouse answer alike), says who holds
 each GPU now (``gpuwatch gpus``), and rolls per-minute samples up per owner (``gpuwatch usage``).
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ import numpy as np
 import pandas as pd
 
 from gpuwatch.collector.store.base import EventQueries, SampleQueries
+from gpuwatch.collector.store.owner_tables import OWNER_KEYS
 from gpuwatch.core import events as ev
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.recording import ts_ms
 from gpuwatch.collector.query_documents import usage_response
 from gpuwatch.v1 import query_pb2 as q
 
-OWNER_KEYS = ("namespace", "pod", "container", "job_id", "rank", "user")
 #: What ``usage --by`` groups on: the owner columns that name each group.
 USAGE_GROUPS: dict[str, tuple[str, ...]] = {
     "pod": ("namespace", "pod"), "namespace": ("namespace",), "job": ("job_id",), "user": ("user",)}
@@ -43,22 +43,11 @@ class OwnerReads(SampleQueries, EventQueries, Protocol):
 
 def owner_intervals(store: EventQueries, since_ms: int | None = None) -> pd.DataFrame:
     """node, gpu_index, from_ms, to_ms (None: still open), uuid and the owner columns, in time order: the
-    intervals that hold any time after ``since_ms`` (None: all). Agents announce every owner again each
-    GPU_OWNER_REANNOUNCE_S, so the change points of twice that before ``since_ms`` are all that is read; an
-    announcement of the owner already holding the GPU continues its interval."""
-    start = None if since_ms is None else max(0, int(since_ms - 2 * ev.GPU_OWNER_REANNOUNCE_S * 1000))
-    columns = ["node", "gpu_index", "from_ms", "to_ms", "uuid", *OWNER_KEYS]
-    df = store.event_attrs(ev.GPU_OWNER, ("uuid", *OWNER_KEYS), since_ms=start or None)
-    if df.empty:
-        return pd.DataFrame(columns=columns)
-    df = df.rename(columns={"ts_ms": "from_ms"}).astype({"gpu_index": int, "from_ms": np.int64})
-    df = df.sort_values(["node", "gpu_index", "from_ms"], kind="stable").reset_index(drop=True)
-    same = ["node", "gpu_index", "uuid", *OWNER_KEYS]
-    df = df[df[same].ne(df[same].shift()).any(axis=1)].reset_index(drop=True)  # re-announcements continue
-    following = df.groupby(["node", "gpu_index"])["from_ms"].shift(-1)
-    df["to_ms"] = following.astype(object).where(following.notna(), None)
-    df["rank"] = pd.to_numeric(df["rank"], errors="coerce").fillna(-1).astype(int)
-    return df[columns]
+    intervals that hold any time after ``since_ms`` (None: all), from the store's ``owner_intervals`` table and
+    the ``gpu_owner`` events not folded into it yet (collector/store/owner_tables.py). Agents announce every
+    owner again each GPU_OWNER_REANNOUNCE_S: an owner not announced within twice that before a time does not
+    hold the GPU then."""
+    return store.owner_intervals(since_ms)
 
 
 def current_owners(store: OwnerReads) -> dict[tuple[str, int], dict[str, Any]]:

@@ -33,7 +33,7 @@ import pandas as pd
 import pyarrow as pa
 
 from gpuwatch.core import fields
-from gpuwatch.collector.store import rollups
+from gpuwatch.collector.store import owner_tables, rollups
 from gpuwatch.collector.store.dialect import CLICKHOUSE
 from gpuwatch.collector.store.engine import EngineStore, StoreOptions
 from gpuwatch.collector.store.queries import check_fields
@@ -120,6 +120,7 @@ def _ddl(ttl_days: float | None) -> dict[str, tuple[str, str]]:
                    "{engine} ORDER BY (name, term, claimed_ms, holder) TTL toDateTime(intDiv(claimed_ms, 1000)) + "
                    "INTERVAL 1 DAY"),
         **rollups.clickhouse_ddl(),  # the tiers of GPU samples (collector/store/rollups.py)
+        **owner_tables.clickhouse_ddl(),  # GPU ownership intervals (collector/store/owner_tables.py)
     }
 
 
@@ -128,7 +129,7 @@ MIGRATIONS: list[tuple[str, str, str]] = [
     ("ingested", "fingerprint", "Nullable(String)"),
 ]
 
-_ENGINE = re.compile(r"^(Replacing)?\{engine\}(?:\((\w+)\))?(.*)$", re.S)
+_ENGINE = re.compile(r"^(Replacing)?\{engine\}(?:\(([\w, ]+)\))?(.*)$", re.S)
 
 
 def create_statements(database: str, ttl_days: float | None, cluster: str | None = None) -> list[str]:
@@ -194,6 +195,7 @@ class ClickHouseStore(EngineStore):
             self._report_detached_parts()
         except Exception as exc:  # a server user without access to system tables: the store still opens
             log.warning("store %s: cannot list detached parts: %s", _redacted(url), _first_line(exc))
+        self._owner_table = owner_tables.ClickHouseOwners(self._query)
         last = self._query("SELECT agent_id, last_sequence FROM agents")
         super().__init__({r.agent_id: int(r.last_sequence) for r in last.itertuples()}, opts)
 
@@ -263,6 +265,7 @@ class ClickHouseStore(EngineStore):
             return
         if self.raw_retention_s:  # noted first: a minute rebuilt from rows that then failed to land is harmless
             self._dirty.note(batches)
+        self._owners_pending.note(batches)
         now = ms_to_datetime(int(time.time() * 1000))
         tables = batch_tables(batches, now)
         ingested = tables.pop("ingested")
@@ -305,6 +308,7 @@ class ClickHouseStore(EngineStore):
     def _housekeeping(self, retention: bool, trim: bool) -> None:
         # retention is the tables' TTL; only the raw spans' window is trimmed here, and GPU samples tiered
         self._build_rollups()
+        self._build_owner_intervals()
         if retention and self.raw_retention_s:
             self._expire_tiers(None)
         if trim and self.span_retention_s:
@@ -344,6 +348,21 @@ class ClickHouseStore(EngineStore):
         span-trim interval; tests and benchmarks call this)."""
         self.run_write(lambda _: self._build_rollups(), timeout)
 
+    def build_owner_intervals(self, timeout: float | None = None) -> None:
+        """Fold every ``gpu_owner`` event committed so far into the ``owner_intervals`` table (the writer does
+        it with the rollups; tests and benchmarks call this)."""
+        self.run_write(lambda _: self._build_owner_intervals(), timeout)
+
+    def _build_owner_intervals(self) -> None:
+        floor = self._retention_cutoff_ms() + owner_tables.LOOKBACK_MS if self.retention_days else None
+        owner_tables.maintain(self._owner_table, self.event_attrs, self._owners_pending, floor,
+                              lambda start, rows, mark: owner_tables.clickhouse_replace(
+                                  self._query, self._insert, start, rows, mark))
+
+    def owner_intervals(self, since_ms: int | None = None) -> pd.DataFrame:
+        """The GPU ownership intervals holding any time from ``since_ms`` (owner_tables.intervals)."""
+        return owner_tables.intervals(self._owner_table, self.event_attrs, self._owners_pending, since_ms)
+
     def _raw_cutoff_ms(self) -> int | None:
         df = self._query(f"SELECT max(cutoff_ms) AS c, count() AS n FROM {rollups.STATE_TABLE} WHERE name = 'raw'")
         return int(df["c"].iloc[0]) if int(df["n"].iloc[0]) else None
@@ -370,6 +389,10 @@ class ClickHouseStore(EngineStore):
         checks = [("gpu_samples", "ts", cutoff)]
         if self.rollup_retention_s:
             checks.append((rollups.ROLLUP_TABLE, "minute", now - int(self.rollup_retention_s * 1000)))
+            # ownership intervals outlive the events, as long as the rollups
+            deleted[owner_tables.TABLE] = owner_tables.clickhouse_expire(
+                self._query, self._command, self._table_for_delete(owner_tables.TABLE),
+                now - int(self.rollup_retention_s * 1000))
         for table, column, before in checks:
             where = f"{column} < fromUnixTimestamp64Milli({{before:Int64}})"
             found = int(self._query(f"SELECT count() AS n FROM {table} WHERE {where}", {"before": before})["n"].iloc[0])

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpuwatch.core import fields
-from gpuwatch.collector.store import rollups
+from gpuwatch.collector.store import owner_tables, rollups
 from gpuwatch.collector.store.dialect import DUCKDB, ms_to_datetime
 from gpuwatch.collector.store.base import STEP_MARK_KINDS, StoreDamaged
 from gpuwatch.collector.store.engine import EngineStore, StoreOptions
@@ -107,6 +107,8 @@ DDL: list[str] = [
 
 # the tiers of GPU samples: per-minute rollups and the raw cutoff (collector/store/rollups.py)
 DDL.extend(rollups.duckdb_ddl())
+# GPU ownership intervals folded from the gpu_owner events (collector/store/owner_tables.py)
+DDL.extend(owner_tables.duckdb_ddl())
 
 # Run after DDL on every open: columns added since a table was first created.
 MIGRATIONS: list[str] = [
@@ -152,6 +154,7 @@ class DuckDBStore(EngineStore):
         self.path = path
         self.damaged = ""  # why the file was found unreadable since it opened; then no batch is taken
         self._cursor_lock = threading.Lock()
+        self._owner_table = owner_tables.DuckDBOwners(self.query_df)
         super().__init__(dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()), opts)
 
     # ----------------------------------------------------------------------------------------- writes
@@ -184,6 +187,20 @@ class DuckDBStore(EngineStore):
             _rollback_keeping_cause(self._con)
             raise
 
+    def build_owner_intervals(self, timeout: float | None = None) -> None:
+        """Fold every ``gpu_owner`` event committed so far into the ``owner_intervals`` table (the writer does
+        it with the rollups; tests and benchmarks call this)."""
+        self.run_write(lambda con: self._build_owner_intervals(), timeout)
+
+    def _build_owner_intervals(self) -> None:
+        floor = self._retention_cutoff_ms() + owner_tables.LOOKBACK_MS if self.retention_days else None
+        owner_tables.maintain(self._owner_table, self.event_attrs, self._owners_pending, floor,
+                              lambda start, rows, mark: owner_tables.duckdb_replace(self._con, start, rows, mark))
+
+    def owner_intervals(self, since_ms: int | None = None) -> pd.DataFrame:
+        """The GPU ownership intervals holding any time from ``since_ms`` (owner_tables.intervals)."""
+        return owner_tables.intervals(self._owner_table, self.event_attrs, self._owners_pending, since_ms)
+
     def _expire_tiers(self, now_ms: int | None) -> dict[str, int]:
         now = int(time.time() * 1000) if now_ms is None else now_ms
         assert self.raw_retention_s
@@ -193,6 +210,8 @@ class DuckDBStore(EngineStore):
         self._con.begin()
         try:
             deleted = rollups.duckdb_expire(self._con, cutoff, keep)
+            if keep is not None:  # ownership intervals outlive the events, as long as the rollups
+                deleted[owner_tables.TABLE] = owner_tables.duckdb_expire(self._con, keep)
             self._con.commit()
         except BaseException:
             _rollback_keeping_cause(self._con)
@@ -211,6 +230,7 @@ class DuckDBStore(EngineStore):
 
     def _housekeeping(self, retention: bool, trim: bool) -> None:
         self._build_rollups()
+        self._build_owner_intervals()
         if retention and self.raw_retention_s:
             self._expire_tiers(None)
         if retention and self.retention_days:
@@ -231,6 +251,7 @@ class DuckDBStore(EngineStore):
         if self.damaged:
             raise StoreDamaged(self.damaged)
         inventory = self._inventory.to_write(batches)
+        self._owners_pending.note(batches)
         self._con.begin()
         try:
             _insert_group(self._con, batches, inventory)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuwatch.collector.store import rollups
+from gpuwatch.collector.store import owner_tables, rollups
 from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S
 from gpuwatch.collector.store.inventory import InventoryCache
 from gpuwatch.collector.store.queries import SqlQueries
@@ -40,6 +40,7 @@ class EngineStore(SqlQueries, GroupWriter):
         self.raw_retention_s = options.raw_retention_s
         self.rollup_retention_s = options.rollup_retention_s
         self._dirty = rollups.DirtyMinutes()
+        self._owners_pending = owner_tables.PendingOwners()
         self._inventory = InventoryCache()
         super().__init__(
             last_sequence, retention_days=options.retention_days, span_retention_s=options.span_retention_s,
