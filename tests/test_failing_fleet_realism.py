@@ -10,7 +10,8 @@ import pytest
 from gpuwatch.core.recording import open_recording
 from gpuwatch.models import reliability
 from gpuwatch.models.faults import fault_events
-from gpuwatch.simulator.failing_fleet import DAY_MS, FLEET_KNOBS, PROFILES, FleetConfig, plan_faults, simulate_fleet
+from gpuwatch.simulator.failing_fleet import (DAY_MS, FLEET_KNOBS, PROFILES, RANDOM_KNOB_RANGES, FleetConfig,
+                                              plan_faults, randomized_config, simulate_fleet)
 
 
 def _planned(cfg: FleetConfig) -> dict:
@@ -80,3 +81,13 @@ def test_a_pcie_width_drop_is_the_fault_and_the_taxonomy_reads_it_so(tmp_path):
         assert len(mine) == 1 and mine["kinds"].item() == "pcie_width", plan
         assert mine["had_precursor"].item()
     assert len(found) == len(width)  # no other mechanism narrows the link
+
+
+def test_randomized_configurations_draw_every_site_knob_within_its_range_and_repeat_by_seed():
+    """Domain randomisation for training mixtures: each seed its own site, the same seed the same site."""
+    drawn = [randomized_config(s) for s in range(20)]
+    assert randomized_config(3) == drawn[3] and drawn[3] != drawn[4]
+    for knob, (lo, hi) in RANDOM_KNOB_RANGES.items():
+        values = [getattr(c, knob) for c in drawn]
+        assert all(lo <= v <= hi for v in values) and len(set(values)) == 20, knob
+    assert set(RANDOM_KNOB_RANGES) <= set(FLEET_KNOBS)

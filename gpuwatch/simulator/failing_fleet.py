@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,26 @@ PROFILES: dict[str, FleetConfig] = {
                              power_capping=0.3, hot_aisle=8.0, noisy_gpu_fraction=0.05, precursor_strength=0.7,
                              lookalikes_per_gpu_day=0.05, idle_fraction=0.45, job_util_spread=0.8),
 }
+
+
+#: Domain randomisation (Tobin et al., 2017): the range each site knob is drawn from, log-uniform where the
+#: range is a ratio (low > 0), else uniform. Wide on purpose — from a quiet, busy site to a noisy, half-idle
+#: one — so a model trained on many draws cannot lean on one fleet's levels; chosen from what the knobs mean,
+#: not from any held-out fleet's values.
+RANDOM_KNOB_RANGES: dict[str, tuple[float, float]] = {
+    "noise": (0.7, 2.4), "counter_level": (0.4, 5.0), "resets_per_gpu_day": (0.0, 0.12),
+    "app_xids_per_node_day": (0.02, 0.5), "power_capping": (0.0, 0.5), "hot_aisle": (0.0, 12.0),
+    "noisy_gpu_fraction": (0.0, 0.06), "lead_time_scale": (0.6, 1.8), "precursor_strength": (0.4, 1.2),
+    "lookalikes_per_gpu_day": (0.0, 0.06), "idle_fraction": (0.1, 0.6), "job_util_spread": (0.2, 0.9),
+}
+
+
+def randomized_config(seed: int, base: FleetConfig | None = None) -> FleetConfig:
+    """A fleet configuration with every knob of RANDOM_KNOB_RANGES drawn at random (same seed, same draw)."""
+    rng = np.random.default_rng([seed, 0x5EED])
+    knobs: dict[str, Any] = {k: float(np.exp(rng.uniform(math.log(lo), math.log(hi))) if lo > 0
+                                      else rng.uniform(lo, hi)) for k, (lo, hi) in RANDOM_KNOB_RANGES.items()}
+    return replace(base or FleetConfig(), seed=seed, **knobs)
 
 
 @dataclass
