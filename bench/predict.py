@@ -183,7 +183,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
             print("the shipped model does best on the validation fleet: default model not replaced")
         else:
             save_model(shipped[best], default_model_path())
-            MODEL_CARD.write_text(model_card(shipped[best], trained_on[best], results, args))
+            MODEL_CARD.write_text(model_card(shipped[best], best, trained_on[best], results, args))
             print(f"default model written ({best}): {default_model_path()} "
                   f"({default_model_path().stat().st_size:,} bytes), card {MODEL_CARD}")
     score_s = time_score(work / f"{args.heldout[0]}-203", args.budget)
@@ -231,16 +231,20 @@ def train_candidate(args: argparse.Namespace, work: Path, times: dict, mixture: 
     return model, names
 
 
-def model_card(model: dict, trained_on: list[str], results: dict, args: argparse.Namespace) -> str:
+def model_card(model: dict, column: str, trained_on: list[str], results: dict, args: argparse.Namespace) -> str:
     """The shipped model's card: what it was trained on and how it did on configurations it never saw."""
+    candidates = " ".join(f"--candidate {c}" for c in dict.fromkeys(args.candidate))
     lines = [
         "# Shipped failure model (models/data/default_model.skops)", "",
         "Regenerate: `python bench/predict.py --save-default` (writes the model and this card; "
         f"this one: `--nodes {args.nodes} --gpus {args.gpus} --days {args.days:g} --resolution {args.resolution:g} "
-        f"--fault-rate-multiplier {args.fault_rate_multiplier:g} --fleets-per-profile {args.fleets_per_profile}`).",
+        f"--fault-rate-multiplier {args.fault_rate_multiplier:g} --fleets-per-profile {args.fleets_per_profile} "
+        f"{candidates}`: this model is the column `{column}` below, chosen on `{args.validation_profile}` — within "
+        "the budget first, then recall).",
         "",
         "## Trained on", "",
-        f"Simulated fleets (`gpuwatch simulate --profile NAME`, docs/failure-model.md): {', '.join(trained_on)}; "
+        "Simulated fleets (`gpuwatch simulate --profile NAME`; `randomized`: every site knob drawn at random, "
+        f"simulator.failing_fleet.randomized_config; docs/failure-model.md): {', '.join(trained_on)}; "
         f"each {args.nodes} nodes x {args.gpus} GPUs x {2 * args.days:g} days at {args.resolution:g} s, fault rate "
         f"x{args.fault_rate_multiplier:g}, each split in time on its own. No real hardware data. Horizon "
         f"{model['horizon_s']:g} s; {len(model['features'])} features (the history across faults among them); "
@@ -248,8 +252,9 @@ def model_card(model: dict, trained_on: list[str], results: dict, args: argparse
         "collector and `gpuwatch score` calibrate it online to the false-alarm budget).", "",
         f"## Judged on fleets never trained on (budget {args.budget:g} false alarms per 1,000 GPU-days)", "",
         "Each fleet runs two periods; numbers are for the second. retrained = trained on the site's own first "
-        "period; shipped = this model; both calibrated online to the budget. rules = DCGM health limits at the "
-        "threshold chosen for the budget on the first period.", ""]
+        f"period; shipped = the model shipped before this one; `{column}` = this model; candidates and both "
+        "calibrated online to the budget. rules = DCGM health limits at the threshold chosen for the budget on the "
+        "first period.", ""]
     for profile, result in results.items():
         lines += ["```", side_by_side(profile, result), "```", ""]
     lines += ["Sudden faults (no warning in telemetry) are reported apart. Re-evaluate on your own fleet "
