@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+import pandas as pd
 import pytest
 
 from gpuwatch.core import fields
@@ -12,7 +13,8 @@ from gpuwatch.agent.nvml import NoGpuDriverError, NvmlSampler
 from gpuwatch.simulator.degrade import Degradation, parse_fault_spec
 from gpuwatch.simulator.fleet import SimulatedFleet
 from gpuwatch.agent.xid import XidDeduper, XidWatcher, normalize_bus_id, parse_kmsg_line
-from helpers import poll
+from gpuwatch.models.faults import fault_events
+from helpers import T0, poll
 
 
 class Clock:
@@ -274,7 +276,20 @@ def test_pcie_degradation_ends_with_the_gpu_lost(rig):
     assert any(e.code == 79 and e.gpu_index == 5 for e in xids)
 
 
+def test_pcie_width_degradation_narrows_the_link_at_the_fault_and_the_gpu_stays(rig):
+    """A width drop is a fault without an XID: the agent reads the narrower link through NVML."""
+    ticks, xids = _degrade(rig, "gpu=5,kind=pcie_width,after=0m,fail=2h", 130)
+    assert ticks[100].rows[5]["gpu_pcie_replay_total"] > 100 and ticks[100].rows[5]["gpu_pcie_link_width"] == 16
+    assert ticks[-1].rows[5]["gpu_pcie_link_width"] < ticks[-1].rows[5]["gpu_pcie_link_width_max"] == 16
+    assert not [e for e in xids if e.gpu_index == 5]
+    samples = pd.DataFrame([{"node": "n1", "gpu_index": 5, "ts": pd.Timestamp(T0 + 60_000 * i, unit="ms", tz="UTC"),
+                             **t.rows[5]} for i, t in enumerate(ticks)])
+    assert fault_events(pd.DataFrame(columns=["node", "gpu_index", "ts", "kind", "code"]), samples)["kind"].tolist(
+    ) == ["pcie"]
+
+
 @pytest.mark.parametrize("spec, problem", [
+    ("gpu=1,kind=pcie_width,fail=1h,xid=79", "raises no XID"),
     ("gpu=1,kind=ecc", "missing fail"),
     ("gpu=x,kind=ecc,fail=1h", "GPU index"),
     ("gpu=1,kind=disk,fail=1h", "kind=disk"),

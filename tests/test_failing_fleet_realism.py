@@ -9,7 +9,9 @@ import pytest
 
 from gpuwatch.core.recording import open_recording
 from gpuwatch.models import reliability
-from gpuwatch.simulator.failing_fleet import DAY_MS, FLEET_KNOBS, PROFILES, FleetConfig, plan_faults, simulate_fleet
+from gpuwatch.models.faults import fault_events
+from gpuwatch.simulator.failing_fleet import (DAY_MS, FLEET_KNOBS, PROFILES, RANDOM_KNOB_RANGES, FleetConfig,
+                                              plan_faults, randomized_config, simulate_fleet)
 
 
 def _planned(cfg: FleetConfig) -> dict:
@@ -35,6 +37,7 @@ def test_default_fleet_fails_at_the_real_gpu_rate_and_repeats_as_titan_did():
     assert 0.07 < hazard["top_1pct_share"] < 0.2
     shares = {k: v["share_of_gpu_faults"] for k, v in report["by_kind"].items()}
     assert shares["memory"] == pytest.approx(0.38, abs=0.05) and shares["sudden"] == pytest.approx(0.385, abs=0.05)
+    assert shares["pcie_width"] == pytest.approx(0.16, abs=0.04)  # StepFun: "PCIe link width low", a fault
     assert report["repair"]["median_h"] == pytest.approx(16.8, rel=0.3) and report["repair"]["p90_h"] > 150
 
 
@@ -58,3 +61,33 @@ def test_telemetry_idles_a_quarter_of_the_time_with_a_wide_temperature_spread(pr
     assert (g["gpu_utilization_ratio"] == 0).mean() >= 0.2
     t = g["gpu_temperature_celsius"]
     assert 20 < t.quantile(0.9) - t.quantile(0.1) < 45
+
+
+def test_a_pcie_width_drop_is_the_fault_and_the_taxonomy_reads_it_so(tmp_path):
+    """The simulated link trains down to fewer lanes at the fault (no XID) and the GPU keeps reporting until its
+    node is drained; models/faults.py finds each such fault as a pcie episode at that time, warned by the replay
+    bursts before it."""
+    cfg = replace(PROFILES["base"], nodes=6, days=12, resolution_s=300, seed=4, fault_rate_multiplier=300)
+    simulate_fleet(cfg, tmp_path, quiet=True)
+    rec = open_recording(tmp_path)
+    truth = pd.read_json(tmp_path / "simulation_truth.json")
+    width = truth[(truth["mechanism"] == "pcie_width") & ~truth["near_miss"]]
+    assert len(width) >= 2 and (width["final_xid"] == 0).all()
+    episodes = fault_events(rec.table("events"), rec.table("gpu_samples"))
+    found = episodes[episodes["kind"] == "pcie"]
+    for plan in width.itertuples():
+        mine = found[(found["node"] == plan.node) & (found["gpu_index"] == plan.gpu_index)
+                     & (found["start_ms"] >= plan.fault_ms) & (found["start_ms"] <= plan.fault_ms + 300_000)]
+        assert len(mine) == 1 and mine["kinds"].item() == "pcie_width", plan
+        assert mine["had_precursor"].item()
+    assert len(found) == len(width)  # no other mechanism narrows the link
+
+
+def test_randomized_configurations_draw_every_site_knob_within_its_range_and_repeat_by_seed():
+    """Domain randomisation for training mixtures: each seed its own site, the same seed the same site."""
+    drawn = [randomized_config(s) for s in range(20)]
+    assert randomized_config(3) == drawn[3] and drawn[3] != drawn[4]
+    for knob, (lo, hi) in RANDOM_KNOB_RANGES.items():
+        values = [getattr(c, knob) for c in drawn]
+        assert all(lo <= v <= hi for v in values) and len(set(values)) == 20, knob
+    assert set(RANDOM_KNOB_RANGES) <= set(FLEET_KNOBS)

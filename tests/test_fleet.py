@@ -152,6 +152,8 @@ def test_bad_fault_logs_get_one_line(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def telemetry():
     gpu, events = degrading_node(T0, hours=30, fault_after_h=20, failing_gpu=1)
+    narrow = (gpu["gpu_index"] == 3) & (gpu["ts"] >= pd.Timestamp(T0 + 10 * 3_600_000, unit="ms", tz="UTC"))
+    gpu.loc[narrow, "gpu_pcie_link_width"] = 8.0  # GPU 3's link trains down to x8: a fault of its own
     return gpu, events
 
 
@@ -168,8 +170,8 @@ def test_fleet_reads_a_store_of_either_engine_as_it_reads_the_recording(kind, te
     store.close()
     from_store = _json(capsys, ["fleet", url, "--json", "--quiet"])
     from_recording = _json(capsys, ["fleet", str(tmp_path / "rec"), "--json", "--quiet"])
-    assert from_store["episodes"] == from_recording["episodes"] == 1
-    assert from_store["by_kind"].keys() == {"memory"}
+    assert from_store["episodes"] == from_recording["episodes"] == 2
+    assert from_store["by_kind"].keys() == from_recording["by_kind"].keys() == {"memory", "pcie"}
     assert from_store["gpus"] == 4
     for key in ("exposure_gpu_hours", "rate_per_1000_gpu_days"):
         assert from_store[key] == pytest.approx(from_recording[key], rel=1e-6)

@@ -118,6 +118,16 @@ def test_alert_stays_firing_through_degradation_and_ends_at_the_fault():
     assert np.isnan(open_ended.alerts.iloc[0]["end_ms"])  # still firing when the data ends
 
 
+def test_a_fault_found_at_a_row_time_ends_the_alert_there():
+    """Evidence read from samples (a DBE count, a PCIe width drop) can start a fault exactly at a row's time."""
+    t = T0 + STEP_S * 1000 * np.arange(60)
+    risk = np.where((np.arange(60) >= 10) & (np.arange(60) < 40), 0.7, 0.01)
+    rows = pd.DataFrame({"node": "n", "gpu_index": 0, "t_ms": t})
+    fault = pd.DataFrame({"node": ["n"], "gpu_index": [0], "start_ms": [int(t[39])]})
+    r = replay(rows, risk, fault, policy=AlertPolicy(0.5), step_s=STEP_S)
+    assert r.alerts[["start_ms", "end_ms"]].values.tolist() == [[t[10], t[39]]]
+
+
 def test_scores_just_after_a_fault_neither_alert_nor_raise_the_bar():
     """The rounds right after a fault score the fault itself (its XIDs, the precursor in the windows): the GPU
     has failed, so no new "about to fail" alert, and the calibrator does not count them as false alarms."""

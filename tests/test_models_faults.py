@@ -45,3 +45,20 @@ def test_had_precursor_separates_warned_from_sudden_faults():
     ev = event_rows(("n1", 0, T0 + 240 * MIN, "xid", 48), ("n1", 1, T0 + 240 * MIN, "xid", 119))
     ep = fault_events(ev, s)
     assert ep.set_index("gpu_index")["had_precursor"].to_dict() == {0: True, 1: False}
+
+
+def test_a_pcie_link_falling_below_its_width_is_a_fault_of_its_own():
+    """StepFun's "PCIe link width low" (16 % of its GPU faults) drains the node: a fault of kind pcie, found on the
+    slow tier's samples too (the gauges missing between them), and only when the link fell: a GPU already
+    narrow in its first sample, or one whose link generation drops (idle power saving), has none."""
+    every_20 = np.arange(60) % 20 == 0
+    slow = np.where(every_20, np.r_[np.full(40, 16.0), np.full(20, 4.0)], np.nan)
+    s = pd.concat([minute_samples("n1", 0, 60, gpu_pcie_link_width=np.r_[np.full(45, 16.0), np.full(15, 8.0)]),
+                   minute_samples("n1", 1, 60, gpu_pcie_link_width=slow,
+                                  gpu_pcie_link_width_max=np.where(every_20, 16.0, np.nan)),
+                   minute_samples("n1", 2, 60, gpu_pcie_link_width=8.0),
+                   minute_samples("n1", 3, 60, gpu_pcie_link_gen=np.r_[np.full(30, 5.0), np.full(30, 1.0)],
+                                  gpu_pcie_link_gen_max=5.0)])
+    ep = fault_events(event_rows(), s)
+    assert ep[["gpu_index", "start_ms", "kinds", "kind"]].values.tolist() == [
+        [0, T0 + 45 * MIN, "pcie_width", "pcie"], [1, T0 + 40 * MIN, "pcie_width", "pcie"]]

@@ -20,10 +20,10 @@ from gpuwatch.core.errors import UserError
 from gpuwatch.core.progress import Progress
 from gpuwatch.core.recording import MANIFEST, open_recording
 from gpuwatch.models import reliability
-from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, fault_events
+from gpuwatch.models.faults import FAULT_COLUMNS, fault_events
 
 NODES_PER_READ = 64
-_SAMPLE_COLUMNS = ["node", "gpu_index", "ts", *FAULT_COUNTERS, *FAULT_FLAGS]
+_SAMPLE_COLUMNS = ["node", "gpu_index", "ts", *FAULT_COLUMNS]
 _EVENT_COLUMNS = ["node", "gpu_index", "ts", "kind", "code", "message", "attrs"]
 
 
@@ -67,7 +67,7 @@ def _chunks(data: str) -> Iterator[Any]:
         yield len(nodes)
         for i in range(0, len(nodes), NODES_PER_READ):
             group = nodes[i:i + NODES_PER_READ]
-            samples = store.gpu_samples(nodes=group, columns=[*FAULT_COUNTERS, *FAULT_FLAGS])
+            samples = store.gpu_samples(nodes=group, columns=[*FAULT_COLUMNS])
             yield len(group), samples, events[events["node"].isin(group)]
     finally:
         store.close()

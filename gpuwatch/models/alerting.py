@@ -145,7 +145,7 @@ def _episodes(rows: pd.DataFrame, ts: np.ndarray, risk: np.ndarray, active: np.n
     failed = same_gpu & failed_before[nxt_c]
     for j in np.flatnonzero(failed):
         f = fault_ms[g[ep["last"].iat[j]]]
-        end[j] = f[np.searchsorted(f, ts[ep["last"].iat[j]], side="right")]
+        end[j] = f[np.searchsorted(f, ts[ep["last"].iat[j]], side="left")]  # as _failed_before counts: f >= row
     gap = same_gpu & restart[nxt_c] & ~failed_before[nxt_c]
     end[gap] = ts[ep["last"].to_numpy()][gap] + step_ms
     last_of_gpu = ~same_gpu  # still firing when the GPU's data ends: a fault after its last row ends it there

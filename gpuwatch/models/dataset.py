@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from gpuwatch.core.errors import UserError
-from gpuwatch.models.faults import FAULT_COUNTERS, FAULT_FLAGS, PRECURSOR_COUNTERS, PRECURSOR_FLAGS, fault_events
+from gpuwatch.models.faults import FAULT_COLUMNS, PRECURSOR_COUNTERS, PRECURSOR_FLAGS, fault_events
 from gpuwatch.models.features import DEFAULT_STEP_S, SAMPLE_COLUMNS, add_peer_features, gpu_window_features
 from gpuwatch.models.history import with_history
 from gpuwatch.models.labels import DEFAULT_HORIZON_S, DEFAULT_WARNING_S, label
@@ -24,7 +24,7 @@ from gpuwatch.core.recording import open_recording
 
 NODES_PER_CHUNK = 8
 _COLUMNS = ["node", "gpu_index", "ts", "job_id"] + sorted(
-    set(SAMPLE_COLUMNS) | set(FAULT_COUNTERS) | set(FAULT_FLAGS) | set(PRECURSOR_COUNTERS) | set(PRECURSOR_FLAGS))
+    set(SAMPLE_COLUMNS) | set(FAULT_COLUMNS) | set(PRECURSOR_COUNTERS) | set(PRECURSOR_FLAGS))
 _EVENT_COLUMNS = ["node", "gpu_index", "ts", "kind", "code"]
 
 

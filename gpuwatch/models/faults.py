@@ -3,7 +3,8 @@
 A fault is an event that stops the job on that GPU (docs/background.md §4), from hard evidence only:
 an XID of NVIDIA's catalogue that kills the job or takes the GPU away — uncorrectable memory errors
 whether contained (94) or not (48, 95), fell off the bus (79), NVLink fatal, GSP/driver fatal — a lost
-GPU, an uncorrectable ECC error (volatile DBE counter increase) or a row-remap failure. Application XIDs
+GPU, an uncorrectable ECC error (volatile DBE counter increase), a row-remap failure, or a PCIe link that fell
+below its maximum width (StepFun's fleet drained the node for it: 16 % of its GPU faults). Application XIDs
 are features, never labels. Evidence of one GPU closer than ``COALESCE_S`` apart is one fault episode.
 XID classes follow the catalogue grouping in docs/background.md §2, extended in docs/failure-model.md §2.
 """
@@ -35,12 +36,17 @@ APPLICATION_XIDS = xids.APPLICATION
 #: retirement, power-smoothing wear.
 PRECURSOR_XIDS = xids.PRECURSOR - FATAL_XIDS
 #: Fault evidence that is not an XID, by kind.
-EVIDENCE_KINDS = {"gpu_lost": "bus", "dbe": "memory", "remap_failure": "memory"}
+EVIDENCE_KINDS = {"gpu_lost": "bus", "dbe": "memory", "remap_failure": "memory", "pcie_width": "pcie"}
 
 COALESCE_S = 3600
 #: Counter/flag evidence of a failure, read from gpu_samples.
 FAULT_COUNTERS = ("gpu_ecc_dbe_volatile_total",)
 FAULT_FLAGS = ("gpu_remapped_rows_failure",)
+#: The PCIe link width and its maximum: the link training down to fewer lanes is a fault of its own (the
+#: generation is not: it drops at idle to save power on healthy GPUs).
+LINK_WIDTH = ("gpu_pcie_link_width", "gpu_pcie_link_width_max")
+#: Every sample column the fault evidence reads.
+FAULT_COLUMNS = FAULT_COUNTERS + FAULT_FLAGS + LINK_WIDTH
 #: Precursor evidence in samples: (column, minimum growth over the look-back window that counts).
 PRECURSOR_COUNTERS = {
     "gpu_ecc_sbe_volatile_total": 10.0,
@@ -92,7 +98,8 @@ def _sorted_samples(samples: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataF
 
 
 def _rises(s: pd.DataFrame, column: str, flag: bool) -> pd.DataFrame:
-    """Rows where a counter grew (reset-aware) or a flag turned on, per GPU."""
+    """Rows where a counter grew (reset-aware) or a flag turned on, per GPU (a flag already on in a GPU's first
+    sample is no rise: nothing says when it turned on)."""
     prev = s.groupby(["node", "gpu_index"], sort=False)[column].shift()
     x = s[column]
     grew = (x > 0) & (prev == 0) if flag else (x > prev) & prev.notna()
@@ -100,7 +107,8 @@ def _rises(s: pd.DataFrame, column: str, flag: bool) -> pd.DataFrame:
 
 
 def evidence(events: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFrame:
-    """Every piece of fault evidence: node, gpu_index, ts_ms, kind ('xid_48', 'gpu_lost', 'dbe', 'remap_failure')."""
+    """Every piece of fault evidence: node, gpu_index, ts_ms, kind ('xid_48', 'gpu_lost', 'dbe', 'remap_failure',
+    'pcie_width': the link fell from its maximum width to fewer lanes)."""
     ev = _key(events)
     ev["kind"] = events["kind"].to_numpy()
     ev["code"] = events["code"].to_numpy()
@@ -108,9 +116,14 @@ def evidence(events: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFrame:
     fatal["kind"] = np.where(fatal["kind"] == "xid", "xid_" + fatal["code"].astype(str), fatal["kind"])
     parts = [fatal[["node", "gpu_index", "ts_ms", "kind"]]]
     if len(samples):
-        s = _sorted_samples(samples, FAULT_COUNTERS + FAULT_FLAGS)
+        s = _sorted_samples(samples, FAULT_COLUMNS)
         parts += [_rises(s, c, False).assign(kind="dbe") for c in FAULT_COUNTERS]
         parts += [_rises(s, c, True).assign(kind="remap_failure") for c in FAULT_FLAGS]
+        # the link is read on the slow tier: a sample without both gauges keeps the GPU's last known state
+        width, widest = (s[c] for c in LINK_WIDTH)
+        low = pd.Series(np.where(width.notna() & widest.notna(), (width < widest).astype(float), np.nan))
+        s["link_width_low"] = low.groupby([s["node"], s["gpu_index"]], sort=False).ffill()
+        parts.append(_rises(s, "link_width_low", True).assign(kind="pcie_width"))
     out = pd.concat(parts, ignore_index=True)
     return out[out["gpu_index"] >= 0].sort_values(["node", "gpu_index", "ts_ms"], kind="stable").reset_index(drop=True)
 
@@ -143,8 +156,7 @@ def precursor_evidence(events: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFr
     keep = (events["kind"].to_numpy() == "xid") & events["code"].isin(PRECURSOR_XIDS).to_numpy()
     parts = [ev.loc[keep, ["node", "gpu_index", "ts_ms"]].assign(amount=np.inf, signal="xid")]
     if len(samples):
-        s = _sorted_samples(samples, tuple(PRECURSOR_COUNTERS) + PRECURSOR_FLAGS + (
-            "gpu_pcie_link_width", "gpu_pcie_link_width_max", "gpu_clock_event_reasons"))
+        s = _sorted_samples(samples, tuple(PRECURSOR_COUNTERS) + PRECURSOR_FLAGS + ("gpu_clock_event_reasons",))
         grouped = s.groupby(["node", "gpu_index"], sort=False)
         reasons = s["gpu_clock_event_reasons"].fillna(0).astype(np.int64)
         interval_s = np.clip(grouped["ts_ms"].diff().fillna(0).to_numpy() / 1000, 0, 300)
@@ -158,8 +170,6 @@ def precursor_evidence(events: pd.DataFrame, samples: pd.DataFrame) -> pd.DataFr
             parts.append(rows.assign(amount=inc[inc > 0], signal=c))
         for c in PRECURSOR_FLAGS:
             parts.append(s.loc[s[c] > 0, ["node", "gpu_index", "ts_ms"]].assign(amount=np.inf, signal=c))
-        down = s["gpu_pcie_link_width"] < s["gpu_pcie_link_width_max"]
-        parts.append(s.loc[down, ["node", "gpu_index", "ts_ms"]].assign(amount=np.inf, signal="pcie_width"))
     return pd.concat(parts, ignore_index=True)
 
 

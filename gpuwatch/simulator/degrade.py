@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # failsim pulls in numpy and pandas: imported only when a fau
 
 #: --sim-fault kind -> failsim mechanism
 KINDS: dict[str, str] = {"ecc": "memory", "remap": "memory", "memory": "memory", "thermal": "thermal",
-                         "pcie": "pcie", "nvlink": "nvlink", "sudden": "sudden"}
+                         "pcie": "pcie", "pcie_width": "pcie_width", "nvlink": "nvlink", "sudden": "sudden"}
 _KEYS = ("gpu", "kind", "after", "fail", "xid", "seed")
 #: Recovery after the fault lies beyond any run: a failed simulated GPU stays failed.
 _NEVER_S = 10 * 365 * 86400
@@ -88,6 +88,8 @@ def parse_fault_spec(spec: str) -> FaultSpec:
     mechanism = MECHANISMS[KINDS[kind]]
     xid = None
     if "xid" in fields:
+        if not mechanism.final_xids:
+            raise ValueError(f"xid={fields['xid']}: a {kind} fault raises no XID (it shows in the link width)")
         if not fields["xid"].isdigit() or int(fields["xid"]) not in mechanism.final_xids:
             raise ValueError(f"xid={fields['xid']}: a {kind} fault ends in XID "
                              + " or ".join(map(str, mechanism.final_xids)))
@@ -115,7 +117,7 @@ class Degradation:
 
         start_ms = int(clock_start_s * 1000)
         fault_ms = start_ms + int(spec.fail_s * 1000)
-        xid = spec.xid if spec.xid is not None else MECHANISMS[spec.mechanism].final_xids[0]
+        xid = spec.xid if spec.xid is not None else (MECHANISMS[spec.mechanism].final_xids or (0,))[0]
         return cls(FaultPlan(node, spec.gpu, spec.mechanism, start_ms + int(spec.after_s * 1000), fault_ms,
                              fault_ms + _NEVER_S * 1000, xid, seed=spec.seed))
 

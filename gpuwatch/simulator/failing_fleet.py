@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +30,25 @@ DAY_MS = 24 * HOUR_MS
 
 @dataclass(frozen=True)
 class Mechanism:
-    """One way a GPU fails: its share of faults, precursor duration and the XIDs that end it."""
+    """One way a GPU fails: its share of faults, precursor duration and the XIDs that end it (none: the fault
+    shows in a gauge), and how long the GPU still reports after the fault before it is taken out."""
 
     name: str
     share: float
     precursor_median_h: float  # 0: sudden, nothing to see before the fault
     final_xids: tuple[int, ...]
     gpu_lost: bool
+    reports_after_fault_s: float = 0.0
 
 
 #: Shares follow StepFun's 158 GPU faults (docs/failure-model.md §1): memory/DBE 38 %, no XID or unknown cause
-#: 38 % (sudden), PCIe link width low 16 % plus lost / not found 4 % (pcie: the link degrades, then the GPU is
-#: taken out), NVLink 2 %, thermal 1.5 %.
+#: 38 % (sudden), PCIe link width low 16 % (pcie_width: replay bursts, then the link trains down to fewer lanes,
+#: the fault itself; the GPU still answers, slower, until its node is drained half an hour later), lost / not
+#: found 4 % (pcie: replay bursts, then it falls off the bus), NVLink 2 %, thermal 1.5 %.
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
     Mechanism("memory", 0.38, 8.0, (48, 64), False),
-    Mechanism("pcie", 0.20, 6.0, (79,), True),
+    Mechanism("pcie_width", 0.16, 6.0, (), False, reports_after_fault_s=1800.0),
+    Mechanism("pcie", 0.04, 6.0, (79,), True),
     Mechanism("nvlink", 0.02, 6.0, (74,), False),
     Mechanism("thermal", 0.015, 4.0, (79,), True),
     Mechanism("sudden", 0.385, 0.0, (119, 120, 79), False),
@@ -138,6 +142,26 @@ PROFILES: dict[str, FleetConfig] = {
 }
 
 
+#: Domain randomisation (Tobin et al., 2017): the range each site knob is drawn from, log-uniform where the
+#: range is a ratio (low > 0), else uniform. Wide on purpose — from a quiet, busy site to a noisy, half-idle
+#: one — so a model trained on many draws cannot lean on one fleet's levels; chosen from what the knobs mean,
+#: not from any held-out fleet's values.
+RANDOM_KNOB_RANGES: dict[str, tuple[float, float]] = {
+    "noise": (0.7, 2.4), "counter_level": (0.4, 5.0), "resets_per_gpu_day": (0.0, 0.12),
+    "app_xids_per_node_day": (0.02, 0.5), "power_capping": (0.0, 0.5), "hot_aisle": (0.0, 12.0),
+    "noisy_gpu_fraction": (0.0, 0.06), "lead_time_scale": (0.6, 1.8), "precursor_strength": (0.4, 1.2),
+    "lookalikes_per_gpu_day": (0.0, 0.06), "idle_fraction": (0.1, 0.6), "job_util_spread": (0.2, 0.9),
+}
+
+
+def randomized_config(seed: int, base: FleetConfig | None = None) -> FleetConfig:
+    """A fleet configuration with every knob of RANDOM_KNOB_RANGES drawn at random (same seed, same draw)."""
+    rng = np.random.default_rng([seed, 0x5EED])
+    knobs: dict[str, Any] = {k: float(np.exp(rng.uniform(math.log(lo), math.log(hi))) if lo > 0
+                                      else rng.uniform(lo, hi)) for k, (lo, hi) in RANDOM_KNOB_RANGES.items()}
+    return replace(base or FleetConfig(), seed=seed, **knobs)
+
+
 @dataclass
 class FaultPlan:
     """One GPU's failure (or near miss): precursor from ``onset_ms`` to ``fault_ms``, then down until ``recover_ms``."""
@@ -205,11 +229,9 @@ def plan_effects(plan: FaultPlan, ts_ms: np.ndarray | list[int], dt_s: float) ->
         eff.events += [(int(t), "xid", 63, "Row remapper: new row marked for remapping, reset gpu to activate.")
                        for t in ts_ms[remaps]]
         eff.events += _crossing(plan, ts_ms, dt_s, 0.6, "xid", 92, "High single-bit ECC error rate")
-    elif mech == "pcie":
+    elif mech in ("pcie", "pcie_width"):
         burst = (rng.random(len(s)) < 0.3 + 0.6 * s) & active
         eff.increments["gpu_pcie_replay_total"] = poisson(2.0 + 120.0 * s) * burst
-        width_drop = flag_after(0.5) if plan.seed % 5 < 3 else np.zeros(len(s), bool)
-        eff.offsets["gpu_pcie_link_width"] = np.where(width_drop, -8.0, 0.0)
     elif mech == "nvlink":
         crc = poisson(1.0 + 400.0 * s) * active
         eff.increments["gpu_nvlink_crc_flit_errors_total"] = crc
@@ -224,6 +246,10 @@ def plan_effects(plan: FaultPlan, ts_ms: np.ndarray | list[int], dt_s: float) ->
         eff.reason_bits = np.where(throttled > 0, 0x20 | 0x40, 0)  # SW and HW thermal slowdown
     if not plan.near_miss:
         eff.events += _fault_events(plan, ts_ms, dt_s)
+        if mech == "pcie_width":  # x16 -> x8 (or x4 for one plan in three) from the fault until the repair
+            lanes = 12.0 if plan.seed % 3 == 0 else 8.0
+            eff.offsets["gpu_pcie_link_width"] = np.where((ts_ms >= plan.fault_ms) & (ts_ms < plan.recover_ms),
+                                                          -lanes, 0.0)
         if mech == "memory" and plan.final_xid == 48:
             eff.increments["gpu_ecc_dbe_volatile_total"] = _at_fault(plan, ts_ms, dt_s, 1.0 + plan.seed % 3)
             eff.increments["gpu_ecc_dbe_aggregate_total"] = eff.increments["gpu_ecc_dbe_volatile_total"]
@@ -252,7 +278,10 @@ _XID_TEXT = {48: "DBE (Double Bit Error) ECC Error", 64: "Row remapping failure"
 
 def _fault_events(plan: FaultPlan, ts_ms: np.ndarray, dt_s: float) -> list:
     """The fault's XID, once (one fault, one report: a second XID 48 would read as a second uncorrectable error),
-    and the GPU-lost event or the context-killed XID that follows, if in range."""
+    and the GPU-lost event or the context-killed XID that follows, if in range. A fault without an XID (a PCIe
+    width drop) raises no event: it shows in the samples."""
+    if not plan.final_xid:
+        return []
     lo = int(ts_ms[0]) - int(dt_s * 1000) if len(ts_ms) else 0
     hi = int(ts_ms[-1]) if len(ts_ms) else -1
     text = _XID_TEXT.get(plan.final_xid, "")
@@ -308,7 +337,8 @@ def plan_faults(cfg: FleetConfig, node: int, rng: np.random.Generator) -> list[F
             repair = 0 if near else int(min(rng.lognormal(math.log(cfg.repair_median_h), cfg.repair_sigma),
                                             365 * 24.0) * HOUR_MS)
             plans.append(FaultPlan(node_name(node), g, mech, onset, t, t + repair,
-                                   int(rng.choice(m.final_xids)), near, int(rng.integers(2**31)),
+                                   int(rng.choice(m.final_xids)) if m.final_xids else 0, near,
+                                   int(rng.integers(2**31)),
                                    cfg.precursor_strength * rng.uniform(0.6, 1.4)))
             free_from = t + repair
             if not near:
@@ -432,7 +462,8 @@ def simulate_node(cfg: FleetConfig, node: int, ts: np.ndarray, job: np.ndarray, 
                                                                eff.reason_bits.astype(np.int64))
         node_events += [(t, g, kind, code, msg) for t, kind, code, msg in eff.events]
         if not plan.near_miss:
-            down = (ts >= plan.fault_ms) & (ts < plan.recover_ms)
+            taken_out = plan.fault_ms + int(MECHANISMS[plan.mechanism].reports_after_fault_s * 1000)
+            down = (ts >= taken_out) & (ts < plan.recover_ms)
             alive[g] &= ~down
             resets[g] = sorted(resets[g] + [int(np.searchsorted(ts, plan.recover_ms))])
     for name, inc in incr.items():

@@ -71,7 +71,8 @@ class FaultScripting:
         self.gpus[gpu].pcie_replays += n
 
     def set_pcie_link(self, gpu: int, gen: int, width: int) -> None:
-        """Downtrain (or restore) the PCIe link: a precursor of bus failures."""
+        """Downtrain (or restore) the PCIe link: a width below the maximum is a fault of its own
+        (gpuwatch.models.faults)."""
         self.gpus[gpu].pcie_gen, self.gpus[gpu].pcie_width = gen, width
 
     def add_nvlink_errors(self, gpu: int, crc_flit: int = 0, crc_data: int = 0, replay: int = 0,
