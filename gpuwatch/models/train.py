@@ -98,7 +98,7 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
     own = data if isinstance(data, list) else [data]
     sets = own + list(prior or [])
     splits = [time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s) for ds in sets]
-    for ds, split in zip(sets if not prior else sets[len(own):], splits if not prior else splits[len(own):]):
+    for ds, split in zip(sets, splits) if not prior else ():  # with a prior, the site may hold no fault at all
         _check_faults(ds, split)
     blocks = [(_usable(ds.rows, sp.train, max(ds.horizon_s, FIT_HORIZON_S)).assign(
         fit_label=lambda r, ds=ds: fit_labels(r, ds.horizon_s, ds.warning_s)),

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the CLI reads PRIORS at start-up; the feature code loads on
 
 #: What `gpuwatch train --prior` accepts; the first is the default.
 PRIORS = ("simulated", "none")
-PRIOR_FLEETS = 6
+PRIOR_FLEETS = 12
 PRIOR_SEED = 7100
 PRIOR_NODES, PRIOR_GPUS, PRIOR_DAYS, PRIOR_RESOLUTION_S = 4, 8, 14.0, 300.0
 #: The real GPU fault rate scaled so that each prior fleet holds tens of faults to learn from.
