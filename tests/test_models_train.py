@@ -250,7 +250,7 @@ def test_bench_predict_deletes_its_work_dir(tmp_path):
     bench = Path(__file__).resolve().parent.parent / "bench" / "predict.py"
     done = subprocess.run([sys.executable, str(bench), "--nodes", "1", "--gpus", "1", "--days", "0.5",
                            "--resolution", "600", "--fault-rate-multiplier", "1"],
-                          env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=900)
     assert "too few faults" in done.stdout + done.stderr, done.stdout + done.stderr
     assert list(tmp_path.iterdir()) == []
 
