@@ -98,8 +98,13 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
     own = data if isinstance(data, list) else [data]
     sets = own + list(prior or [])
     splits = [time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s) for ds in sets]
-    for ds, split in zip(sets, splits) if not prior else ():  # with a prior, the site may hold no fault at all
+    for ds, split in zip(sets, splits) if not prior else ():
         _check_faults(ds, split)
+    for ds in own if prior else ():  # the prior teaches the ranking; a fault-free recording is still no site data
+        if ds.episodes.empty:
+            raise UserError(f"{ds.source.path}: too few faults to learn from: no fault episode in it (need >= 1 "
+                            "beside the simulated prior; faults are fatal XIDs 48/79/94/95/..., GPU lost, DBE, remap "
+                            "failure): give a longer recording or more GPUs, or use the shipped model (--model default)")
     blocks = [(_usable(ds.rows, sp.train, max(ds.horizon_s, FIT_HORIZON_S)).assign(
         fit_label=lambda r, ds=ds: fit_labels(r, ds.horizon_s, ds.warning_s)),
         _usable(ds.rows, sp.validation, ds.horizon_s)) for ds, sp in zip(sets, splits)]
