@@ -104,7 +104,7 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
         if ds.episodes.empty:
             raise UserError(f"{ds.source.path}: too few faults to learn from: no fault episode in it (need >= 1 "
                             "beside the simulated prior; faults are fatal XIDs 48/79/94/95/..., GPU lost, DBE, remap "
-                            "failure): give a longer recording or more GPUs, or use the shipped model (--model default)")
+                            "failure): give a longer recording or more GPUs, or use the shipped model")
     blocks = [(_usable(ds.rows, sp.train, max(ds.horizon_s, FIT_HORIZON_S)).assign(
         fit_label=lambda r, ds=ds: fit_labels(r, ds.horizon_s, ds.warning_s)),
         _usable(ds.rows, sp.validation, ds.horizon_s)) for ds, sp in zip(sets, splits)]
