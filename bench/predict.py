@@ -3,8 +3,10 @@
 For each held-out configuration one fleet is simulated for two periods ("months", ``--days`` each), as a new
 site would meet it. Side by side on the second period:
 
-- **retrained**: `train` on the site's own first period (rows whose horizon reaches into the second are left
-  out), alert threshold calibrated online to the budget;
+- **retrained**: `train --prior none` on the site's own first period (rows whose horizon reaches into the
+  second are left out), alert threshold calibrated online to the budget;
+- **retrained+prior**: `train` as shipped (`--prior simulated`): the same first period beside simulated fleets
+  of randomized configurations (simulator/prior.py), the site's rows weighted up;
 - **shipped**: the default model as shipped, threshold calibrated online to the budget on the site's scores;
 - **candidate MIXTURE** (``--candidate``): a shipped model trained here on a training mixture — ``profiles``
   (SHIPPED_PROFILES, two fleets each) or ``randomized`` (as many fleets, every site knob drawn at random:
@@ -44,6 +46,7 @@ from gpuwatch.models.model import FailureModel, default_model_path, load_model, 
 from gpuwatch.models.rules import rule_scores
 from gpuwatch.models.train import train_model
 from gpuwatch.simulator.failing_fleet import PROFILES, FleetConfig, randomized_config, simulate_fleet
+from gpuwatch.simulator.prior import describe_prior, prior_datasets
 
 #: The configurations the shipped model is trained on (a held-out one is never among them).
 SHIPPED_PROFILES = ("base", "noisy", "subtle")
@@ -129,15 +132,26 @@ def judge(ds: Dataset, truth: pd.DataFrame, shipped: dict[str, FailureModel], ar
     online as shipped (the shipped model, the candidates)."""
     mid = ds.source.start_ms + (ds.source.end_ms - ds.source.start_ms) // 2
     block = (mid + int(ds.horizon_s * 1000), ds.source.end_ms + 1)
-    retrained, times[f"train_{name}_s"] = timed(f"train on {name}'s first period", train_model,
-                                                first_period(ds, mid), description=f"{name} first period",
-                                                false_alarm_budget=args.budget, quiet=True)
-    out = {"retrained": predictor_metrics(ds, retrained.risk(ds.rows), block, threshold=retrained.threshold,
-                                          budget=args.budget, truth=truth)}
+    site = first_period(ds, mid)
+    out: dict[str, dict] = {}
+    try:
+        retrained, times[f"train_{name}_s"] = timed(f"train on {name}'s first period", train_model, site,
+                                                    description=f"{name} first period",
+                                                    false_alarm_budget=args.budget, quiet=True)
+        out["retrained"] = predictor_metrics(ds, retrained.risk(ds.rows), block, threshold=retrained.threshold,
+                                             budget=args.budget, truth=truth)
+    except UserError as exc:  # a small fleet's first period may hold too few faults to retrain on alone
+        print(f"== {name}: retrained without a prior: not judged: {exc}", flush=True)
+    with_prior, times[f"train_prior_{name}_s"] = timed(
+        f"train on {name}'s first period + prior", train_model, site, description=f"{name} first period",
+        false_alarm_budget=args.budget, quiet=True, prior=prior_datasets(
+            horizon_s=ds.horizon_s, warning_s=ds.warning_s, step_s=ds.step_s), prior_name=describe_prior())
+    out["retrained+prior"] = predictor_metrics(ds, with_prior.risk(ds.rows), block, threshold=with_prior.threshold,
+                                               budget=args.budget, truth=truth)
     for column, model in shipped.items():
         out[column] = predictor_metrics(ds, model.risk(ds.rows), block, threshold=model.threshold,
                                         budget=args.budget, truth=truth)
-    out["rules"] = predictor_metrics(ds, rule_scores(ds.rows), block, threshold=retrained.baseline_threshold,
+    out["rules"] = predictor_metrics(ds, rule_scores(ds.rows), block, threshold=with_prior.baseline_threshold,
                                      budget=None, truth=truth)
     return out
 

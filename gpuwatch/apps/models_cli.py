@@ -16,6 +16,7 @@ from gpuwatch.apps.commandline import duration, positive_float, result_command
 from gpuwatch.core.errors import UserError
 from gpuwatch.core.settings import DEFAULT_FALSE_ALARM_BUDGET
 from gpuwatch.simulator.failing_fleet import FLEET_KNOBS, PROFILES
+from gpuwatch.simulator.prior import PRIORS
 
 def recall_value(text: str) -> float:
     """A predictor recall in [0, 1): at 1 no failure is left to checkpoint against."""
@@ -84,6 +85,10 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     _data_arguments(p)
     p.add_argument("--horizon", type=duration, default=3600.0, help="predict faults within (default 1h)")
     p.add_argument("-o", "--output", required=True, help="model file to write (.skops)")
+    p.add_argument("--prior", choices=PRIORS, default=PRIORS[0],
+                   help="what to learn from beside DATA: 'simulated' (default) adds simulated fleets of randomized "
+                   "configurations, so a site with few faults still gets a model that ranks; 'none' learns from "
+                   "DATA alone (needs >= 3 faults in its first 60%%)")
 
 
 def _evaluate_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,8 +139,14 @@ def _train(args: argparse.Namespace) -> dict:
                         "converted to a recording): a failure model learns warning signs from telemetry; "
                         "`gpuwatch advise --data` measures fault rates from such data")
     ds = build_dataset(args.data, horizon_s=args.horizon, quiet=args.quiet)
-    model = train_model(ds, false_alarm_budget=args.false_alarm_budget,
-                        description=f"trained on {args.data}", quiet=args.quiet)
+    prior, prior_name = None, "none"
+    if args.prior == "simulated":
+        from gpuwatch.simulator.prior import describe_prior, prior_datasets
+
+        prior = prior_datasets(horizon_s=ds.horizon_s, warning_s=ds.warning_s, step_s=ds.step_s)
+        prior_name = describe_prior()
+    model = train_model(ds, false_alarm_budget=args.false_alarm_budget, description=f"trained on {args.data}",
+                        quiet=args.quiet, prior=prior, prior_name=prior_name)
     if ds.uninformative_fields or model.training.dropped_features:
         fields = ", ".join(f"{k} ({v})" for k, v in (ds.uninformative_fields or {}).items()) or "none"
         print(f"gpuwatch train: left out {len(model.training.dropped_features)} features without information "

@@ -151,13 +151,19 @@ class TrainingRecord:
     dropped_features: tuple[str, ...] = ()
     false_alarm_budget: float | None = None  # absent from files older than the budget option
     seconds: float | None = None
+    #: What was learnt from beside the data (`gpuwatch train --prior`); None in files from before the option,
+    #: which then keep their stored dict as it was.
+    prior: str | None = None
+    #: Weight of each row of the data against the prior's (1 without a prior); None as ``prior``.
+    site_weight: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The stored (and JSON) form: plain lists and numbers."""
         return {"source": self.source, "fingerprint": self.fingerprint, "train_ms": list(self.train_ms),
                 "validation_ms": list(self.validation_ms), "test_ms": list(self.test_ms), "rows": self.rows,
                 "positives": self.positives, "dropped_features": list(self.dropped_features),
-                "false_alarm_budget": self.false_alarm_budget, "seconds": self.seconds}
+                "false_alarm_budget": self.false_alarm_budget, "seconds": self.seconds,
+                **({} if self.prior is None else {"prior": self.prior, "site_weight": self.site_weight})}
 
     @classmethod
     def from_dict(cls, stored: Mapping[str, Any]) -> TrainingRecord:
@@ -167,7 +173,9 @@ class TrainingRecord:
                    positives=_integer(stored, "positives"),
                    dropped_features=tuple(_names(stored, "dropped_features") if "dropped_features" in stored else ()),
                    false_alarm_budget=_optional_number(stored, "false_alarm_budget"),
-                   seconds=_optional_number(stored, "seconds"))
+                   seconds=_optional_number(stored, "seconds"),
+                   prior=_get(stored, "prior", str) if "prior" in stored else None,
+                   site_weight=_optional_number(stored, "site_weight"))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ side-by-side evaluation never picks a threshold on the data it evaluates. The te
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -86,41 +87,63 @@ STAGES = ("fit", "calibrate", "importance", "threshold")
 
 
 def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DEFAULT_FALSE_ALARM_BUDGET,
-                seed: int = 0, description: str = "", quiet: bool = False) -> FailureModel:
+                seed: int = 0, description: str = "", quiet: bool = False, prior: list[Dataset] | None = None,
+                prior_name: str = "none") -> FailureModel:
     """Fit, calibrate and pick the start threshold; returns the model that save_model writes. Progress
-    by stage (STAGES) on a terminal unless ``quiet``."""
-    sets = data if isinstance(data, list) else [data]
+    by stage (STAGES) on a terminal unless ``quiet``.
+
+    ``prior``: data sets learnt from beside ``data`` (simulated fleets: simulator/prior.py), named
+    ``prior_name`` in the training record. ``data`` then need not hold enough faults on its own; its rows are
+    weighted up to as much weight in all as the prior's (site_weight), and only the features it gives are used."""
+    own = data if isinstance(data, list) else [data]
+    sets = own + list(prior or [])
     splits = [time_split(ds.source.start_ms, ds.source.end_ms, horizon_s=ds.horizon_s) for ds in sets]
-    for ds, split in zip(sets, splits):
+    for ds, split in zip(sets, splits) if not prior else ():
         _check_faults(ds, split)
-    train = pd.concat([_usable(ds.rows, sp.train, max(ds.horizon_s, FIT_HORIZON_S)).assign(
-        fit_label=lambda r, ds=ds: fit_labels(r, ds.horizon_s, ds.warning_s)) for ds, sp in zip(sets, splits)],
-        ignore_index=True)
-    val = pd.concat([_usable(ds.rows, sp.validation, ds.horizon_s) for ds, sp in zip(sets, splits)],
+    for ds in own if prior else ():  # the prior teaches the ranking; a fault-free recording is still no site data
+        if ds.episodes.empty:
+            raise UserError(f"{ds.source.path}: too few faults to learn from: no fault episode in it (need >= 1 "
+                            "beside the simulated prior; faults are fatal XIDs 48/79/94/95/..., GPU lost, DBE, remap "
+                            "failure): give a longer recording or more GPUs, or use the shipped model")
+    blocks = [(_usable(ds.rows, sp.train, max(ds.horizon_s, FIT_HORIZON_S)).assign(
+        fit_label=lambda r, ds=ds: fit_labels(r, ds.horizon_s, ds.warning_s)),
+        _usable(ds.rows, sp.validation, ds.horizon_s)) for ds, sp in zip(sets, splits)]
+    n_own = len(own)
+    weight = site_weight(sum(len(t) + len(v) for t, v in blocks[:n_own]),
+                         sum(len(t) + len(v) for t, v in blocks[n_own:]))
+    train = pd.concat([t.assign(weight=weight if k < n_own else 1.0) for k, (t, _) in enumerate(blocks)],
+                      ignore_index=True)
+    val = pd.concat([v.assign(weight=weight if k < n_own else 1.0) for k, (_, v) in enumerate(blocks)],
                     ignore_index=True)
     for block, rows in (("train", train), ("validation", val)):
         if rows["label"].sum() < 2 or (rows["label"] == 0).sum() < 2:
             raise UserError(f"{sets[0].source.path}: the {block} block has {int(rows['label'].sum())} positive rows; "
                             "need faults in it (more data, or simulate with a higher --fault-rate-multiplier)")
-    names, dropped = informative_features(train, feature_names())
+    own_train = pd.concat([t for t, _ in blocks[:n_own]], ignore_index=True)
+    # A feature the site's data cannot give is left out even where the prior gives it: at the site it would
+    # always be missing, a case the prior never taught.
+    names, dropped = informative_features(own_train, feature_names())
     if not names:
         raise UserError(f"{sets[0].source.path}: no feature varies in the training block (every telemetry field "
                         "the model reads is empty or constant there): nothing to learn warning signs from")
     with Progress("train", total=len(STAGES), unit="stages", quiet=quiet) as progress:
         started = time.monotonic()
-        y = train["fit_label"].to_numpy()
-        pos_weight = min(MAX_POSITIVE_WEIGHT, (y == 0).sum() / max(y.sum(), 1))
+        y, w = train["fit_label"].to_numpy(), train["weight"].to_numpy()
+        pos_weight = min(MAX_POSITIVE_WEIGHT, w[y == 0].sum() / max(w[y == 1].sum(), 1e-9))
         clf = HistGradientBoostingClassifier(max_iter=200, learning_rate=0.08, max_leaf_nodes=15,
                                              min_samples_leaf=40, l2_regularization=1.0,
                                              class_weight={0: 1.0, 1: pos_weight}, random_state=seed,
                                              monotonic_cst=[monotone_direction(n) for n in names])
-        clf.fit(train[names].to_numpy(float), y)
+        clf.fit(train[names].to_numpy(float), y, sample_weight=w)
         progress.advance()
         calibrated = CalibratedClassifierCV(FrozenEstimator(clf), method="sigmoid")
-        calibrated.fit(val[names].to_numpy(float), val["label"].to_numpy())
+        with warnings.catch_warnings():  # the weights are meant for the sigmoid alone: the classifier is fitted
+            warnings.filterwarnings("ignore", message="Since FrozenEstimator does not appear to accept sample_weight")
+            calibrated.fit(val[names].to_numpy(float), val["label"].to_numpy(),
+                           sample_weight=val["weight"].to_numpy())
         progress.advance()
         first, split = sets[0], splits[0]
-        reference = _reference(train, names)
+        reference = _reference(own_train, names)
         importance = _importance(calibrated, val, names, seed)
         progress.advance()
         val_scores = probabilities(calibrated, names, val)
@@ -134,15 +157,15 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
                                   for ds, sp in zip(sets, splits)]))
         baseline_threshold = float(np.median([
             threshold_for_budget(ds, rule_scores(ds.rows), sp.validation, false_alarm_budget)
-            for ds, sp in zip(sets, splits)]))
+            for ds, sp in zip(own, splits)]))  # the rules are not learnt: chosen on the site's data alone
         validation_metrics = predictor_metrics(first, probabilities(calibrated, names, first.rows), split.validation,
                                                threshold=threshold, budget=None)
         training = TrainingRecord(
-            source=", ".join(str(ds.source.path) for ds in sets),
-            fingerprint="+".join(ds.source.fingerprint for ds in sets), train_ms=split.train,
+            source=", ".join(str(ds.source.path) for ds in own),
+            fingerprint="+".join(ds.source.fingerprint for ds in own), train_ms=split.train,
             validation_ms=split.validation, test_ms=split.test, rows=len(train), positives=int(y.sum()),
             dropped_features=tuple(dropped), false_alarm_budget=false_alarm_budget,
-            seconds=round(time.monotonic() - started, 1))
+            seconds=round(time.monotonic() - started, 1), prior=prior_name, site_weight=round(weight, 3))
         model = FailureModel(
             estimator=calibrated, features=tuple(names), horizon_s=first.horizon_s, warning_s=first.warning_s,
             step_s=first.step_s, threshold=threshold, baseline_threshold=baseline_threshold,
@@ -151,6 +174,12 @@ def train_model(data: Dataset | list[Dataset], *, false_alarm_budget: float = DE
             description=description)
         progress.advance()
     return model
+
+
+def site_weight(own_rows: int, prior_rows: int) -> float:
+    """Weight of each of the site's rows: the site as heavy in all as the prior (never below one row's weight),
+    so a short recording is not drowned by the simulated fleets and a long one does not drown them."""
+    return max(1.0, prior_rows / max(own_rows, 1))
 
 
 def _reference(train: pd.DataFrame, names: list[str]) -> dict[str, list[float]]:
