@@ -177,7 +177,8 @@ def test_cli_simulate_train_evaluate(fleet, tmp_path, capsys):
     assert main(["simulate", "--nodes", "2", "--gpus", "2", "--days", "0.5", "--resolution", "5m", "--seed", "9",
                  "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["gpu_rows"] > 0
-    assert main(["train", str(fleet / "train"), "--horizon", "1h", "-o", str(tmp_path / "m.skops"), "--json"]) == 0
+    assert main(["train", str(fleet / "train"), "--horizon", "1h", "-o", str(tmp_path / "m.skops"), "--json",
+                 "--prior", "none"]) == 0  # the prior has tests of its own (test_models_prior.py)
     capsys.readouterr()
     assert main(["evaluate", str(fleet / "train"), "--model", str(tmp_path / "m.skops"), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
