@@ -225,19 +225,24 @@ def test_an_alert_on_a_gpu_that_then_fails_says_failed_until_the_gpu_is_reset(st
     assert repaired[FAILING]["failed"] is None and _alerts(store) == []
 
 
-def test_data_that_arrives_faster_than_rounds_is_scored_at_every_step_like_an_offline_replay(tmp_path, model, kind):
+@pytest.mark.parametrize("clock", ["data", "wall"])
+def test_data_that_arrives_faster_than_rounds_is_scored_at_every_step_like_an_offline_replay(
+        tmp_path, model, kind, clock):
     """Before the fix: a recording streamed into a live collector raised no GPUFailureRisk for the GPU that failed
     (its rounds, on the data clock, jumped from before the risk rose to after the failure), where
-    `replay --offline`, scoring every step, raised "GPUFailureRisk ... has failed"."""
+    `replay --offline`, scoring every step, raised "GPUFailureRisk ... has failed". On the wall clock the same
+    happens to a backlog (an agent's spool drained after an outage, a recording of the last hours): the data
+    here ends now, and rounds on the wall clock scored only "now", when the GPU had already failed."""
     store = open_store(store_url(kind, tmp_path, "fast"))
     hub = AlertHub(model.alert_policy())
+    start = T0 if clock == "data" else (int(time.time() * 1000) // 60_000 - 31 * 60) * 60_000  # ends now
     try:
         hub.start(store)
-        gpu, events = degrading_node(T0, hours=31, fault_after_h=29, failing_gpu=FAILING)
+        gpu, events = degrading_node(start, hours=31, fault_after_h=29, failing_gpu=FAILING)
         early = gpu["ts"] < gpu["ts"].min() + (gpu["ts"].max() - gpu["ts"].min()) * 20 / 31  # the first 20 h
         for batch in sim_batches(gpu[early], events.iloc[:0]):
             store.write(batch)
-        scorer = Scorer(model, hub, clock="data")
+        scorer = Scorer(model, hub, clock=clock)
         scorer.bind(store)
         scorer.score_once()
         assert _alerts(store) == []  # at 20 h nothing is wrong yet
@@ -277,3 +282,28 @@ def test_a_node_whose_data_arrives_after_the_data_clock_passed_its_times_is_stil
     finally:
         hub.stop()
         store.close()
+
+
+def test_a_restarted_scorer_catches_up_only_data_that_arrives_after_it_started(store, model, monkeypatch):
+    """What the store held when the scorer was bound was scored by the collector before (or never will be live):
+    re-scoring up to two days of it step by step at every restart would cost a fleet's history per restart."""
+    import gpuwatch.collector.scoring as scoring
+
+    histories = []
+    real_history = scoring.score_history
+    monkeypatch.setattr(scoring, "score_history", lambda *a, **k: histories.append(a[2:4]) or real_history(*a, **k))
+    hub = AlertHub(model.alert_policy())
+    hub.start(store)
+    try:
+        scorer = Scorer(model, hub, clock="data")
+        scorer.bind(store)
+        newest = store.newest_sample_ms()
+        scorer.score_once()
+        assert histories == [] and scorer.scored_at_ms == newest  # the stored 38 h: scored at "now" only
+        later, _ = degrading_node(newest, hours=3, fault_after_h=40, failing_gpu=FAILING)
+        for batch in sim_batches(later, _.iloc[:0], agent="agent-sim-later"):
+            store.write(batch)
+        scorer.score_once()
+        assert histories == [(newest, store.newest_sample_ms() - 1)]  # the 3 h that came at once, step by step
+    finally:
+        hub.stop()

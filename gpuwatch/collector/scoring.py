@@ -201,6 +201,12 @@ AUTO_SKEW_S = 900.0
 CATCH_UP_S = 2 * 86_400.0
 
 
+def _newest_per_gpu(store: Inventory) -> dict[tuple[str, int], int]:
+    """Each stored GPU's newest sample time (epoch ms), by (node, GPU index)."""
+    return {(g["node"], int(g["index"])): int(g["last_sample_ms"]) for g in store.gpus()
+            if g.get("last_sample_ms") is not None}
+
+
 def newest_sample_ms(store: SampleQueries) -> int | None:
     """The time of the newest stored GPU sample (epoch ms), None before the first."""
     return store.newest_sample_ms()
@@ -212,7 +218,8 @@ class Scorer(PeriodicService["ScoringReads"]):
     A round scores "now": the wall clock, or with ``clock="data"`` the newest stored sample time, for
     telemetry on simulated or replayed time (agents with ``--sim-speed``, replays), where the wall clock would
     put every GPU hours before or after its data. ``clock="auto"`` scores on the wall clock until the newest
-    sample is more than ``AUTO_SKEW_S`` away from it, then on the data clock, and logs why.
+    sample is more than ``AUTO_SKEW_S`` away from it, then on the data clock, and logs why. On either clock a
+    round first catches up data that arrived in bulk since the scorer was bound (see :meth:`_catch_up`).
 
     With ``load_model`` (instead of ``model``) the model is loaded on a thread of its own when the service
     starts, so the collector answers while it loads (seconds); rounds begin once it is loaded, the hub then
@@ -242,10 +249,16 @@ class Scorer(PeriodicService["ScoringReads"]):
         self.history = MinuteHistory(history_s)
         self.rounds = 0
         self.scored_at_ms: int | None = None  # the "now" of the last round
-        # per GPU, its newest sample time when the catch-up last scored it (data clock only)
+        # per GPU, its newest sample time when the catch-up last looked at it
         self._caught_up_ms: dict[tuple[str, int], int] = {}
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
+
+    def bind(self, store: ScoringReads) -> None:
+        """Use ``store``; what it already holds counts as scored (by an earlier collector, or not at all), so
+        the catch-up covers only data that arrives from now on, not, after a restart, two days of history."""
+        super().bind(store)
+        self._caught_up_ms = _newest_per_gpu(store)
 
     def start(self, store: ScoringReads) -> Mapping[str, Any]:
         if self._load_model is None:
@@ -290,7 +303,7 @@ class Scorer(PeriodicService["ScoringReads"]):
         if now is None:
             return []
         started = time.perf_counter()
-        if now_ms is None and self._on_data_clock:
+        if now_ms is None:
             self._catch_up(now)
         gpus = score_gpus(self.bound_store, self.model, now, self.history)
         if self.calibrator is not None:
@@ -311,11 +324,12 @@ class Scorer(PeriodicService["ScoringReads"]):
         return gpus
 
     def _catch_up(self, now_ms: int) -> None:
-        """On the data clock, data can arrive far faster than rounds run (a recording streamed into the
-        collector, agents on --sim-speed): a round would jump from before a GPU's risk rose to after it failed,
-        and no alert would ever fire. So the steps of the model that each GPU's newly arrived samples cover (at
-        most ``CATCH_UP_S`` of data time) are scored first, in one vectorised pass, and the alerts see each step
-        as they would live, as ``replay --offline`` does.
+        """Data can arrive far faster than rounds run: a recording streamed into the collector, agents on
+        --sim-speed, an agent's spool of hours drained after an outage of the collector or the network. A round
+        would jump from before a GPU's risk rose to after it failed, and no alert would ever fire. So the steps
+        of the model that each GPU's newly arrived samples cover (at most ``CATCH_UP_S`` of data time) are
+        scored first, in one vectorised pass, and the alerts see each step as they would live, as
+        ``replay --offline`` does. Data that keeps up with the rounds costs nothing here.
 
         What is new is judged per GPU, by its newest sample against the one seen at its last catch-up, not by
         the newest time in the store: one node's recording may arrive after another's has already carried the
@@ -323,8 +337,7 @@ class Scorer(PeriodicService["ScoringReads"]):
         store = self._store
         if self.hub is None or self.model is None or store is None:
             return  # nothing scored (the model may still be loading): the next round starts from the same place
-        newest = {(g["node"], int(g["index"])): int(g["last_sample_ms"]) for g in store.gpus()
-                  if g.get("last_sample_ms") is not None}
+        newest = _newest_per_gpu(store)
         floor = now_ms - int(CATCH_UP_S * 1000)
         keeps_up_ms = max(self.model.step_s * 1000, int(self.interval_s * 1000))
         # the GPUs whose new data this round's live score at ``now_ms`` does not cover (more of it than a step,
