@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pynvml as N
 
 from gpuwatch.agent.kubelet import PodOwner
-from gpuwatch.agent.nvml import GPM_MIN_SPACING_S, GpuDevice
+from gpuwatch.agent.nvml import GPM_MIN_SPACING_S, GpuDevice, mig_devices
 from gpuwatch.agent.processes import EventPacing
 from gpuwatch.core import events as ev
 from gpuwatch.core.events import Event
@@ -52,22 +52,15 @@ class MigSampler:
 
     def refresh(self) -> None:
         found: dict[str, MigInstance] = {}
-        for dev in self.devices:
-            if dev.lost:
+        for dev, handle, uuid in mig_devices(self.devices):
+            known = self.instances.get(uuid)
+            if known is not None:
+                found[uuid] = known
                 continue
             try:
-                count = N.nvmlDeviceGetMaxMigDeviceCount(dev.handle)
-            except N.NVMLError:  # no MIG on this GPU or driver
+                found[uuid] = MigInstance(uuid, dev.index, N.nvmlDeviceGetGpuInstanceId(handle), handle)
+            except N.NVMLError:  # gone between the two calls
                 continue
-            for i in range(count):
-                try:
-                    handle = N.nvmlDeviceGetMigDeviceHandleByIndex(dev.handle, i)
-                    uuid = N.nvmlDeviceGetUUID(handle)
-                    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-                    known = self.instances.get(uuid)
-                    found[uuid] = known or MigInstance(uuid, dev.index, N.nvmlDeviceGetGpuInstanceId(handle), handle)
-                except N.NVMLError:  # an empty slot
-                    continue
         for uuid, gone in self.instances.items():
             if uuid not in found:
                 _free(gone)

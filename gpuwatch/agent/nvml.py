@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import pynvml as N
@@ -261,21 +261,7 @@ class NvmlSampler:
 
     def mig_parents(self) -> dict[str, int]:
         """MIG instance UUID -> its GPU's index, so a pod holding a MIG instance is matched to the GPU."""
-        parents: dict[str, int] = {}
-        for dev in self.devices:
-            if dev.lost:
-                continue
-            try:
-                count = N.nvmlDeviceGetMaxMigDeviceCount(dev.handle)
-            except N.NVMLError:  # no MIG on this GPU or driver
-                continue
-            for i in range(count):
-                try:
-                    mig = N.nvmlDeviceGetMigDeviceHandleByIndex(dev.handle, i)
-                    parents[_text(N.nvmlDeviceGetUUID(mig))] = dev.index
-                except N.NVMLError:  # an empty slot
-                    continue
-        return parents
+        return {uuid: dev.index for dev, _, uuid in mig_devices(self.devices)}
 
     def _fast(self, dev: GpuDevice, out: dict[str, float]) -> None:
         util = self._call(dev, "nvmlDeviceGetUtilizationRates", N.nvmlDeviceGetUtilizationRates)
@@ -406,6 +392,24 @@ class NvmlSampler:
 
 def _memory_info(handle):
     return N.nvmlDeviceGetMemoryInfo(handle, version=N.nvmlMemory_v2)
+
+
+def mig_devices(devices: Iterable[GpuDevice]) -> Iterator[tuple[GpuDevice, object, str]]:
+    """Every MIG instance of ``devices`` that still answer: (its GPU, its NVML handle, its UUID)."""
+    for dev in devices:
+        if dev.lost:
+            continue
+        try:
+            count = N.nvmlDeviceGetMaxMigDeviceCount(dev.handle)
+        except N.NVMLError:  # no MIG on this GPU or driver
+            continue
+        for i in range(count):
+            try:
+                handle = N.nvmlDeviceGetMigDeviceHandleByIndex(dev.handle, i)
+                uuid = _text(N.nvmlDeviceGetUUID(handle))
+            except N.NVMLError:  # an empty slot
+                continue
+            yield dev, handle, uuid
 
 
 def _text(value: str | bytes) -> str:
