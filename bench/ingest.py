@@ -5,14 +5,17 @@ batches of GPUS GPUs x TICKS ticks with every GPU and host field of gpuwatch.cor
 clock starts so the collector, not the senders, is the bottleneck. Prints metric values per second acked
 (= stored: acks come after commit), batches/s, the collector's CPU seconds per batch (user + sys of its
 process: a measure of its own cost that other load on the machine inflates far less than wall time), the
-senders' own CPU per batch (what the load generator takes from the same cores), and checks the row counts
-in the store at the end, with the store's bytes on disk per value stored (DuckDB: the file after a checkpoint;
-ClickHouse: the active parts after merging).
+senders' own CPU per batch (what the load generator takes from the same cores), the collector's CPU once the
+engine has also done the work it defers (DuckDB's checkpoint, ClickHouse's merges: "settled"), and checks the
+row counts in the store at the end, with the store's bytes on disk per value stored (DuckDB: the file after a
+checkpoint; ClickHouse: the active parts after merging). ``--values random`` (default) sends uniform floats no
+codec compresses; ``--values nvml`` integer readings that move by small steps, as NVML's do.
 Target on a 2-core machine: >= 500,000 metric values/s. Then runs bench/agent_cost.py if it exists.
 ``--store duckdb|chdb`` picks the engine; ``--compare ROUNDS`` runs both engines alternately, each run in a
 process of its own (one chdb engine per process), and prints them side by side.
 
-    python bench/ingest.py [--senders 4] [--batches 600] [--store duckdb|chdb] [--compare 3] [--collector HOST:PORT]
+    python bench/ingest.py [--senders 4] [--batches 600] [--store duckdb|chdb] [--compare 3] [--values random|nvml]
+                           [--collector HOST:PORT]
 """
 from __future__ import annotations
 
@@ -38,7 +41,20 @@ from gpuwatch.v1 import telemetry_pb2 as pb
 T0_MS = 1_700_000_000_000
 
 
-def build_batches(agent: int, count: int, gpus: int, ticks: int) -> list[bytes]:
+def field_values(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """Values for ``shape`` (ticks, ..., fields). ``random``: uniform full-precision floats, which no codec
+    compresses (a worst case for the engines' compression CPU). ``nvml``: what NVML reports, integer readings
+    (degrees, MHz, W, %, counters) that move by small steps from tick to tick, a third of the fields constant
+    (clocks held, memory total, link widths)."""
+    if kind == "random":
+        return rng.uniform(0, 1000, size=shape)
+    walk = np.cumsum(rng.integers(-1, 2, size=shape), axis=0) + rng.integers(0, 1000, size=shape[1:])
+    held = rng.random(shape[-1]) < 1 / 3
+    walk[..., held] = walk[:1, ..., held]
+    return walk.astype(float)
+
+
+def build_batches(agent: int, count: int, gpus: int, ticks: int, values: str = "random") -> list[bytes]:
     """``count`` distinct serialized batches of one agent (node "bench-<agent>"), one tick per second."""
     rng = np.random.default_rng(agent)
     node = pb.NodeIdentity(node=f"bench-{agent}", agent_version="bench")
@@ -46,8 +62,8 @@ def build_batches(agent: int, count: int, gpus: int, ticks: int) -> list[bytes]:
                             architecture="hopper", gpm_supported=True, memory_total_bytes=80 << 30)
                  for i in range(gpus)]
     builder = BatchBuilder(node, f"bench-agent-{agent}", inventory)
-    gpu_values = rng.uniform(0, 1000, size=(count * ticks, gpus, len(fields.GPU_FIELD_NAMES)))
-    host_values = rng.uniform(0, 1000, size=(count * ticks, len(fields.HOST_FIELD_NAMES)))
+    gpu_values = field_values(rng, (count * ticks, gpus, len(fields.GPU_FIELD_NAMES)), values)
+    host_values = field_values(rng, (count * ticks, len(fields.HOST_FIELD_NAMES)), values)
     out = []
     for seq in range(1, count + 1):
         for tick in range((seq - 1) * ticks, seq * ticks):
@@ -63,7 +79,7 @@ def build_batches(agent: int, count: int, gpus: int, ticks: int) -> list[bytes]:
 def sender(agent: int, address: str, args: argparse.Namespace, ready: mp.Barrier, results: mp.Queue) -> None:
     from gpuwatch.collector import client
 
-    batches = build_batches(agent, args.batches, args.gpus, args.ticks)
+    batches = build_batches(agent, args.batches, args.gpus, args.ticks, args.values)
     ch = client.channel(address, timeout=30)
     ready.wait()
     start, cpu = time.perf_counter(), _cpu_seconds()
@@ -105,6 +121,19 @@ def disk_bytes(store: Any) -> int:
     return os.path.getsize(store.path)
 
 
+def settle(store: Any) -> None:
+    """Let the engine finish the work it deferred, so that its CPU is counted too: DuckDB's checkpoint (its
+    compression), ClickHouse's merges of the parts the run made (until none has run for 1.5 s)."""
+    if not store.path.startswith("chdb://"):
+        store.run_write(lambda con: con.execute("CHECKPOINT"))
+        return
+    deadline, quiet = time.monotonic() + 300, 0
+    while quiet < 3 and time.monotonic() < deadline:
+        running = int(store.query_df("SELECT count() AS n FROM system.merges")["n"].iloc[0])
+        quiet = quiet + 1 if running == 0 else 0
+        time.sleep(0.5)
+
+
 def compare(args: argparse.Namespace) -> int:
     """Both engines, alternately, each run in a fresh process; the side-by-side ranges at the end."""
     results: dict[str, list[dict[str, float]]] = {"duckdb": [], "chdb": []}
@@ -112,7 +141,8 @@ def compare(args: argparse.Namespace) -> int:
         for engine in results:
             out = subprocess.run([sys.executable, __file__, "--store", engine, "--no-agent-cost",
                                   "--senders", str(args.senders), "--batches", str(args.batches),
-                                  "--gpus", str(args.gpus), "--ticks", str(args.ticks), "--window", str(args.window)],
+                                  "--gpus", str(args.gpus), "--ticks", str(args.ticks), "--window", str(args.window),
+                                  "--values", args.values],
                                  capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
@@ -120,12 +150,12 @@ def compare(args: argparse.Namespace) -> int:
                 return 1
             print(line, flush=True)
             results[engine].append({k: float(v) for k, v in (w.split("=") for w in line.split()[2:])})
-    print(f"{'':24}{'DuckDB':>20}{'chdb':>20}{'chdb / DuckDB':>16}")
-    for key in ("cpu_s_per_M_values", "bytes_per_value", "values_per_s"):
+    print(f"{'':28}{'DuckDB':>20}{'chdb':>20}{'chdb / DuckDB':>16}")
+    for key in ("cpu_s_per_M_values", "settled_cpu_s_per_M_values", "bytes_per_value", "values_per_s"):
         low = {e: min(r[key] for r in rs) for e, rs in results.items()}
         high = {e: max(r[key] for r in rs) for e, rs in results.items()}
         ratio = sorted(c / d for c in (r[key] for r in results["chdb"]) for d in (r[key] for r in results["duckdb"]))
-        print(f"{key:24}{low['duckdb']:>9.3g} – {high['duckdb']:<8.3g}{low['chdb']:>9.3g} – {high['chdb']:<8.3g}"
+        print(f"{key:28}{low['duckdb']:>9.3g} – {high['duckdb']:<8.3g}{low['chdb']:>9.3g} – {high['chdb']:<8.3g}"
               f"{ratio[len(ratio) // 2]:>12.2f}x (median)")
     return 0
 
@@ -137,6 +167,9 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--ticks", type=int, default=5, help="ticks (rows per GPU) per batch")
     parser.add_argument("--window", type=int, default=64, help="unacked batches in flight per stream")
+    parser.add_argument("--values", choices=("random", "nvml"), default="random",
+                        help="random: uniform floats no codec compresses (the worst case); nvml: integer readings "
+                             "moving by small steps, as NVML reports them")
     parser.add_argument("--collector", help="an already running collector (default: start one in this process)")
     parser.add_argument("--no-agent-cost", action="store_true", help="skip bench/agent_cost.py at the end")
     parser.add_argument("--store", choices=("duckdb", "chdb"), default="duckdb", help="the collector's engine")
@@ -192,12 +225,16 @@ def main() -> int:
         busiest = [(name, seconds) for name, seconds in threads.most_common(6) if seconds > 0]
         print("  by thread, ms per batch: " + ", ".join(f"{name} {seconds / batches * 1000:.3f}"
                                                       for name, seconds in busiest))
+        settle(server.store)
+        settled = _cpu_seconds() - cpu_before
+        print(f"collector CPU once the engine settled (checkpoint or merges done): {settled:.2f} s")
         stored_gpu, stored_host = server.store.count("gpu_samples"), server.store.count("host_samples")
         ok = (stored_gpu, stored_host) == (gpu_rows, host_rows)
         print(f"stored: gpu_samples {stored_gpu} (expected {gpu_rows}), host_samples {stored_host} "
               f"(expected {host_rows}) -> {'OK' if ok else 'MISMATCH'}")
         disk = disk_bytes(server.store)
-        print(f"RESULT {args.store} cpu_s_per_M_values={cpu / values * 1e6:.3f} bytes_per_value={disk / values:.2f} "
+        print(f"RESULT {args.store} cpu_s_per_M_values={cpu / values * 1e6:.3f} "
+              f"settled_cpu_s_per_M_values={settled / values * 1e6:.3f} bytes_per_value={disk / values:.2f} "
               f"values_per_s={values / elapsed:.0f} load={os.getloadavg()[0]:.1f}", flush=True)
         server.stop()
         if not ok:

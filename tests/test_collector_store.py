@@ -129,6 +129,63 @@ def test_an_ingested_table_from_before_fingerprints_is_migrated(tmp_path):
         store.close()
 
 
+def test_clickhouse_tables_from_before_get_the_merge_settings_and_rows_stored_twice_read_once(tmp_path):
+    """Every MergeTree table, also one created before the settings existed, merges with the store's
+    merge_selector_base. Inserts no longer fold rows of one key within their block (optimize_on_insert=0):
+    the same rows sent by two agents, likely in one group, still read once (final reads fold them)."""
+    from gpuwatch.collector.store.clickhouse import MERGE_SETTINGS
+
+    url = store_url("chdb", tmp_path, "merge")
+    store = open_store(url)
+    store._command("ALTER TABLE gpu_samples RESET SETTING merge_selector_base")  # as a table from before
+    store.close()
+    store = open_store(url)
+    try:
+        engines = store.query_df("SELECT name, engine_full FROM system.tables WHERE database = 'gpuwatch' "
+                                 "AND engine LIKE '%MergeTree'")
+        assert len(engines) == len(store.query_df("SELECT name FROM system.tables WHERE database = 'gpuwatch'"))
+        for name, value in MERGE_SETTINGS.items():
+            assert all(f"{name} = {value}" in e for e in engines["engine_full"]), engines
+        first, same_rows = make_batch(1, agent="a"), make_batch(1, agent="b")  # two agents, one node's rows
+        for future in [store.submit(first), store.submit(same_rows)]:
+            assert not future.result().duplicate
+        assert store.count("gpu_samples") == ROWS_PER_BATCH
+    finally:
+        store.close()
+
+
+def test_a_chdb_store_alone_looks_up_only_possible_resends_and_one_shared_in_the_process_every_batch(
+        tmp_path, monkeypatch):
+    """A chdb directory is locked against other processes: alone, a store is its only writer and, as DuckDB,
+    looks up in ``ingested`` only batches at or below an agent's last sequence. Two stores of one process on
+    one directory (how the tests run several collectors) look up every batch, until both are closed."""
+    from gpuwatch.collector.store.clickhouse import ClickHouseStore
+
+    asked: list[tuple[str, int]] = []
+    real = ClickHouseStore._stored_keys
+    monkeypatch.setattr(ClickHouseStore, "_stored_keys", lambda self, keys: asked.extend(keys) or real(self, keys))
+    url = store_url("chdb", tmp_path, "alone")
+    first = open_store(url)
+    try:
+        assert not first.write(make_batch(1)).duplicate and not first.write(make_batch(2)).duplicate
+        assert asked == []
+        assert first.write(make_batch(2)).duplicate and asked == [("agent-1", 2)]  # a resend: looked up
+        second = open_store(url)
+        try:
+            assert second.write(make_batch(3)).sequence == 3 and asked[-1] == ("agent-1", 3)
+        finally:
+            second.close()
+        assert first.write(make_batch(3)).duplicate  # stored by the other store: still looked up
+    finally:
+        first.close()
+    reopened = open_store(url)
+    try:
+        asked.clear()
+        assert not reopened.write(make_batch(4)).duplicate and asked == []
+    finally:
+        reopened.close()
+
+
 def test_spans_are_stored_columnar(store):
     from gpuwatch.v1 import telemetry_pb2 as pb
     batch = make_batch(1)
@@ -181,11 +238,12 @@ def test_cluster_schema_parses(tmp_path):
     needs a cluster with ZooKeeper/Keeper, which these tests do not have."""
     import clickhouse_connect
 
-    from gpuwatch.collector.store.clickhouse import create_statements
+    from gpuwatch.collector.store.clickhouse import MERGE_SETTINGS, create_statements
 
     client = clickhouse_connect.get_client(dsn=f"chdb://{tmp_path / 'ddl'}")
     try:
-        statements = create_statements("gpuwatch", 30, cluster="prod")
+        statements = create_statements("gpuwatch", 30, cluster="prod", merge_settings=MERGE_SETTINGS)
+        assert sum("_local ON CLUSTER prod MODIFY SETTING" in s for s in statements) == len(TABLES)
         assert sum("Distributed(prod" in s for s in statements) == len(TABLES)
         for statement in statements:
             client.query(f"EXPLAIN AST {statement}")

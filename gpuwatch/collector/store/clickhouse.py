@@ -24,8 +24,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import clickhouse_connect
@@ -129,13 +130,22 @@ MIGRATIONS: list[tuple[str, str, str]] = [
     ("ingested", "fingerprint", "Nullable(String)"),
 ]
 
+# Table settings applied to every MergeTree table, new or existing, where the server knows them. Each insert is
+# a part that background merges rewrite; merge_selector_base sets how many parts of similar size one merge
+# takes (the write amplification): 10 instead of the engine's 5 halved the collector's merge CPU at the same
+# ingest (docs/scale.md, "The ClickHouse path's cost") while a day's partition still settles to a few parts.
+# Older servers lack the setting: they keep their default.
+MERGE_SETTINGS: dict[str, int] = {"merge_selector_base": 10}
+
 _ENGINE = re.compile(r"^(Replacing)?\{engine\}(?:\(([\w, ]+)\))?(.*)$", re.S)
 
 
-def create_statements(database: str, ttl_days: float | None, cluster: str | None = None) -> list[str]:
+def create_statements(database: str, ttl_days: float | None, cluster: str | None = None,
+                      merge_settings: Mapping[str, int] | None = None) -> list[str]:
     """Every CREATE statement of the schema: local MergeTree tables, or with ``cluster`` Replicated tables on
     every node of the cluster (``<table>_local``) behind Distributed tables, sharded by node (samples,
-    events, inventory) or job (spans), so that one GPU's or one job's rows meet on one shard."""
+    events, inventory) or job (spans), so that one GPU's or one job's rows meet on one shard. Then the
+    migrations, and ``merge_settings`` set on every MergeTree table (those that exist from before too)."""
     on_cluster = f" ON CLUSTER {cluster}" if cluster else ""
     statements = [f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}"]
     for table, (columns, engine) in _ddl(ttl_days).items():
@@ -157,6 +167,11 @@ def create_statements(database: str, ttl_days: float | None, cluster: str | None
     for table, column, kind in MIGRATIONS:
         for target in ([f"{table}_local", table] if cluster else [table]):
             statements.append(f"ALTER TABLE {database}.{target}{on_cluster} ADD COLUMN IF NOT EXISTS {column} {kind}")
+    if merge_settings:
+        values = ", ".join(f"{name} = {value}" for name, value in merge_settings.items())
+        local = "_local" if cluster else ""
+        statements += [f"ALTER TABLE {database}.{table}{local}{on_cluster} MODIFY SETTING {values}"
+                       for table in _ddl(ttl_days)]
     return statements
 
 
@@ -165,7 +180,12 @@ class ClickHouseStore(EngineStore):
 
     dialect = CLICKHOUSE
 
-    single_writer = False  # other collectors may store batches of the same agents
+    # chdb directories open in this process, with how many stores each, and those opened by two stores at once
+    # since they were last closed by all: the engine locks its directory against other processes, so only
+    # stores in one process can share one (tests run several collectors so)
+    _open_chdb: ClassVar[Counter[str]] = Counter()
+    _shared_chdb: ClassVar[set[str]] = set()
+    _open_chdb_lock: ClassVar[threading.Lock] = threading.Lock()
     linger_s = 0.2  # every insert makes a part that merges rewrite: fewer, larger ones (writer.py)
 
     def __init__(self, url: str, *, clickhouse_cluster: str | None = None, **options: Any) -> None:
@@ -173,7 +193,10 @@ class ClickHouseStore(EngineStore):
         opts = StoreOptions(**options)
         self.path = url
         self._connect_args, self.database = _connection(url)
-        self._settings = {"final": 1, "max_memory_usage": _bytes(opts.memory_limit),
+        self._chdb_dir = os.path.realpath(url.removeprefix("chdb://")) if url.startswith("chdb://") else None
+        # optimize_on_insert=0: an insert does not fold rows of one key within its block (a third of the
+        # insert's CPU); merges and the final reads fold them, as they fold a resend's rows across parts
+        self._settings = {"final": 1, "max_memory_usage": _bytes(opts.memory_limit), "optimize_on_insert": 0,
                           # a cluster's Distributed inserts land before they are acknowledged
                           **({"insert_distributed_sync": 1} if clickhouse_cluster else {})}
         self._local = threading.local()
@@ -184,7 +207,10 @@ class ClickHouseStore(EngineStore):
             if url.startswith("chdb://"):
                 _private_directory(url.removeprefix("chdb://"))
             admin = clickhouse_connect.get_client(**self._connect_args)
-            for statement in create_statements(self.database, opts.retention_days, clickhouse_cluster):
+            known = admin.query("SELECT name FROM system.merge_tree_settings WHERE has({names:Array(String)}, name)",
+                                parameters={"names": list(MERGE_SETTINGS)}).result_rows
+            merge_settings = {name: MERGE_SETTINGS[name] for (name,) in known}
+            for statement in create_statements(self.database, opts.retention_days, clickhouse_cluster, merge_settings):
                 admin.command(statement)
         except Exception as exc:  # connection refused, authentication, a chdb directory it cannot use
             cause = _chdb_failure_cause(url.removeprefix("chdb://")) if url.startswith("chdb://") else ""
@@ -198,6 +224,20 @@ class ClickHouseStore(EngineStore):
         self._owner_table = owner_tables.ClickHouseOwners(self._query)
         last = self._query("SELECT agent_id, last_sequence FROM agents")
         super().__init__({r.agent_id: int(r.last_sequence) for r in last.itertuples()}, opts)
+        if self._chdb_dir is not None:
+            with self._open_chdb_lock:
+                self._open_chdb[self._chdb_dir] += 1
+                if self._open_chdb[self._chdb_dir] > 1:
+                    self._shared_chdb.add(self._chdb_dir)
+
+    def sole_writer(self) -> bool:
+        """A ClickHouse server may have other collectors storing batches of the same agents: every batch is
+        looked up in ``ingested``. A chdb directory has no other writer unless this process opened it twice;
+        then, as on DuckDB, only a batch at or below an agent's last stored sequence can be a resend (looking
+        up every batch cost the chdb path a seventh of its CPU, more as ``ingested`` grows). Once shared, a
+        directory stays so until all its stores are closed: another store's batches are not in this one's
+        last sequences."""
+        return self._chdb_dir is not None and self._chdb_dir not in self._shared_chdb
 
     def _report_detached_parts(self) -> None:
         """Log every part the engine set aside (a part found broken at start is moved to
@@ -318,6 +358,11 @@ class ClickHouseStore(EngineStore):
         return self._client()
 
     def _close_engine(self) -> None:
+        if self._chdb_dir is not None:
+            with self._open_chdb_lock:
+                self._open_chdb[self._chdb_dir] -= 1
+                if not self._open_chdb[self._chdb_dir]:
+                    self._shared_chdb.discard(self._chdb_dir)
         self._writer_client.close()
         with self._clients_lock:
             for client in self._clients:

@@ -95,9 +95,6 @@ class GroupWriter:
     ``_task_argument`` (what :meth:`run_write` functions get) and ``_close_engine``; ``_failure_hint`` may add
     the likely cause of a failed write (a full disk) to its log line."""
 
-    #: Whether only sequences at or below the agent's last one seen here can be stored already. True for a
-    #: store with one collector; False where other collectors write to the same store (ClickHouse).
-    single_writer = True
     #: Engine errors that mean a batch holds something the engine cannot keep (a value out of its range), as
     #: opposed to the engine failing (a full disk): the server refuses such a batch for good.
     unstorable_errors: tuple[type[BaseException], ...] = ()
@@ -154,6 +151,12 @@ class GroupWriter:
         pending = _Pending(batch if isinstance(batch, ColumnarBatch) else from_message(batch))
         self._queue.put(pending)
         return pending.future
+
+    def sole_writer(self) -> bool:
+        """Whether this store is the only one writing to its database, so that only sequences at or below an
+        agent's last one seen here can be stored already (the others need no lookup). False where other
+        collectors write to the same database (a ClickHouse server)."""
+        return True
 
     def write(self, batch: ColumnarBatch | pb.TelemetryBatch, timeout: float | None = None) -> WriteResult:
         """Store one batch and wait for its commit (tests, simple tools)."""
@@ -284,8 +287,9 @@ class GroupWriter:
         A stored (agent, sequence) whose fingerprint differs from the batch's is not a resend but another
         agent's batch under the same id (a copied spool or VM image): it gets :class:`AgentIdConflict`, so the
         server refuses it instead of acknowledging data it did not store."""
-        maybe_stored = [p for p in group if not self.single_writer
-                        or p.batch.sequence <= self._last_sequence.get(p.batch.agent_id, 0)]
+        sole = self.sole_writer()
+        maybe_stored = [p for p in group
+                        if not sole or p.batch.sequence <= self._last_sequence.get(p.batch.agent_id, 0)]
         stored = self._stored_keys([(p.batch.agent_id, p.batch.sequence) for p in maybe_stored])
         results: list[WriteResult | AgentIdConflict] = []
         fresh = []
