@@ -14,11 +14,17 @@ waited-for children, or the sampled sum, the larger). Load average is printed be
 may be shared, and CPU time moves far less with load than wall time does.
 
     python bench/analyze_scale.py [--ranks 8,64,256,1024] [--trace FILE] [--sets DIR] [--old-tree DIR]
+                                  [--hta-ranks 8,64 | --no-hta] [--hta-venv DIR] [--hta-timeout S]
 
 `--old-tree DIR` also runs the gpuwatch of an older tree (e.g. a `git worktree` of the commit before a change)
 on each set, beside this one. Sets are kept in `--sets` (default: a temporary folder, removed at the end);
-a set already there with the right number of ranks is reused. HTA is not run here: bench/analyze.py compares
-with it on the 8-rank set, and it needs far more memory than this machine has from 64 ranks up (its issue #250).
+a set already there with the right number of ranks is reused.
+
+HTA 0.5.0's temporal breakdown runs on the same set folders for the rank counts in `--hta-ranks` (default 8
+and 64; `--no-hta` skips it), measured the same way, in a row beside gpuwatch's with HTA/gpuwatch ratios of CPU
+and peak memory. It comes from bench/analyze.py's venv (`--hta-venv`, installed on first use). Its memory grows
+with the rank count far faster than gpuwatch's, so larger counts are opt-in; a failure or a run past
+`--hta-timeout` (default 1,200 s) is printed in its row and the run goes on.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analyze import MEASURE  # noqa: E402  (the wrapper that samples the process tree; shared with bench/analyze.py)
+from analyze import HTA_SCRIPT, MEASURE, VENV, hta_python  # noqa: E402  (shared with bench/analyze.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINETO = os.path.join(ROOT, "..", "shared", "data", "kineto")
@@ -79,13 +85,38 @@ def measure(tree: str, folder: str) -> dict:
     return result
 
 
+def measure_hta(python: str, folder: str, timeout: float) -> dict | str:
+    """HTA's temporal breakdown of `folder` through the sampling wrapper; a one-line reason when it fails."""
+    command = [python, "-c", HTA_SCRIPT, folder]
+    try:
+        done = subprocess.run([sys.executable, "-c", MEASURE, *command], capture_output=True, text=True,
+                              cwd=tempfile.gettempdir(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    if done.returncode != 0:
+        return f"the wrapper failed (rc {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+    result: dict = json.loads(done.stdout)
+    if result["rc"] != 0:
+        why = "killed (out of memory?)" if result["rc"] in (-9, 137) else f"rc {result['rc']}"
+        last = done.stderr.strip().splitlines()[-1:] or [""]
+        return f"failed, {why}, after {result['wall_s']:.0f} s, peak {result['peak_mb']:.0f} MB: {last[0][:120]}"
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="8,64,256,1024", help="rank counts, comma-separated")
     parser.add_argument("--trace", default=DEFAULT_TRACE, help="the real trace each rank is a copy of")
     parser.add_argument("--sets", help="keep the rank sets here (reused when present)")
     parser.add_argument("--old-tree", metavar="DIR", help="also run the gpuwatch of this tree")
+    parser.add_argument("--hta-ranks", default="8,64", help="rank counts HTA 0.5.0 runs on, comma-separated")
+    parser.add_argument("--no-hta", action="store_true", help="do not run HTA")
+    parser.add_argument("--hta-venv", default=os.environ.get("GPUWATCH_HTA_VENV", VENV),
+                        help="venv with HolisticTraceAnalysis 0.5.0 (created on first use)")
+    parser.add_argument("--hta-timeout", type=float, default=1200.0, help="seconds HTA may run per set")
     args = parser.parse_args()
+    hta_ranks = set() if args.no_hta else {int(r) for r in args.hta_ranks.split(",") if r}
+    python = hta_python(bool(hta_ranks), args.hta_venv)
     sets = args.sets or tempfile.mkdtemp(prefix="gw-bench-scale-")
     trees = {"this tree": ROOT, **({"old tree": os.path.abspath(args.old_tree)} if args.old_tree else {})}
     print(f"{'ranks':>6} {'MB in':>8} {'tree':>10} {'wall s':>8} {'CPU s':>8} {'CPU s/rank':>10} {'peak MB':>8} "
@@ -102,11 +133,24 @@ def main() -> None:
                 before = os.getloadavg()[0]
                 r = measure(tree, folder)
                 outputs[name] = r["stdout"]
+                if name == "this tree":
+                    gw = r
                 print(f"{ranks:>6} {size:>8.0f} {name:>10} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} "
                       f"{r['cpu_s'] / ranks:>10.3f} {r['peak_mb']:>8.0f} {r['peak_mb'] / ranks:>8.2f}  "
                       f"{before:.1f}/{os.getloadavg()[0]:.1f}", flush=True)
             if len(set(outputs.values())) > 1:
                 print(f"       the trees' --json documents differ at {ranks} ranks")
+            if python and ranks in hta_ranks:
+                before = os.getloadavg()[0]
+                h = measure_hta(python, folder, args.hta_timeout)
+                if isinstance(h, str):
+                    print(f"{ranks:>6} {size:>8.0f} {'HTA 0.5.0':>10}  {h}", flush=True)
+                    continue
+                print(f"{ranks:>6} {size:>8.0f} {'HTA 0.5.0':>10} {h['wall_s']:>8.1f} {h['cpu_s']:>8.1f} "
+                      f"{h['cpu_s'] / ranks:>10.3f} {h['peak_mb']:>8.0f} {h['peak_mb'] / ranks:>8.2f}  "
+                      f"{before:.1f}/{os.getloadavg()[0]:.1f}", flush=True)
+                print(f"       HTA/gpuwatch at {ranks} ranks: CPU {h['cpu_s'] / gw['cpu_s']:.1f}x, "
+                      f"peak memory {h['peak_mb'] / gw['peak_mb']:.1f}x", flush=True)
     finally:
         if not args.sets:
             shutil.rmtree(sets)
