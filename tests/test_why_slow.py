@@ -106,6 +106,16 @@ def test_change_point_finds_the_onset_and_ignores_noise():
     assert shift is not None and abs(shift.index - 140) <= 2 and 1.25 < shift.ratio < 1.35
 
 
+def test_change_point_onset_is_not_pulled_early_by_hiccups_just_before_the_change():
+    """A loaded host lengthens a few intervals at the old level (12 ms to 100-400 ms) just before a data
+    loader turns a second slower: each interval sides with the level it is nearer to, so the onset stays."""
+    work = np.full(30, 0.012)
+    work[17:20] = [0.1, 0.4, 0.25]
+    work[20:] = 1.012
+    shift = upward_shift(work)
+    assert shift is not None and shift.index == 20 and shift.before == 0.012 and shift.after == 1.012
+
+
 @pytest.mark.parametrize("kind", STORE_KINDS)
 def test_jobs_monitor_names_the_cause_live_on_both_engines(kind, tmp_path):
     store = open_store(store_url(kind, tmp_path))

@@ -2,8 +2,11 @@
 
 A slow-but-alive GPU shows as a step change, not a spike: from some moment on, every interval of that rank
 takes longer. CUSUM of the deviations from the series' median is lowest where the level rises (Page's
-change-point estimate), which gives the onset; a robust two-window test then keeps the change only when it
-is material against the series' own noise: the median after exceeds the median before by ``z_min`` times the
+change-point estimate), which gives a first onset. CUSUM sides every interval above the series' median with
+the new level, so a few noisy intervals just before a change (a loaded host's hiccups) pull it early; the
+onset is therefore refitted as the split of least absolute deviation from the two levels, where each interval
+sides with the level it is nearer to. A robust two-window test then keeps the change only when it is
+material against the series' own noise: the median after exceeds the median before by ``z_min`` times the
 spread of single intervals before (1.4826 x MAD, a robust standard deviation). Every number is relative to
 the series itself, so the same test serves a 50 ms and a 5 s step.
 """
@@ -18,6 +21,8 @@ MAD_TO_SIGMA = 1.4826
 Z_MIN = 4.0
 #: each side of a change holds at least this many intervals (fewer cannot give a median worth trusting)
 MIN_SIDE = 5
+#: at most this many refits of the onset to the two levels (they stop once the onset stays put)
+REFITS = 3
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,21 @@ def upward_shift(values: np.ndarray, *, z_min: float = Z_MIN, min_side: int = MI
     if n < 2 * min_side:
         return None
     cusum = np.cumsum(x - np.median(x))
-    k = int(np.argmin(cusum[min_side - 1:n - min_side])) + min_side  # first index of the new level
+    k = _split(cusum, min_side)
+    for _ in range(REFITS):
+        refit = _split(np.cumsum(np.abs(x - np.median(x[:k])) - np.abs(x - np.median(x[k:]))), min_side)
+        if refit == k:
+            break
+        k = refit
     before, after = x[:k], x[k:]
     level, new_level = float(np.median(before)), float(np.median(after))
     # a series without noise (simulated, or integer-valued) still needs a unit to measure a change in
     spread = max(robust_sigma(before), 1e-6 * abs(level), 1e-12)
     z = (new_level - level) / spread
     return Shift(k, level, new_level, z) if z >= z_min else None
+
+
+def _split(prefix_cost: np.ndarray, min_side: int) -> int:
+    """The first index of the new level: where the cost of the intervals up to it, summed, is lowest,
+    leaving ``min_side`` intervals on either side."""
+    return int(np.argmin(prefix_cost[min_side - 1:len(prefix_cost) - min_side])) + min_side
