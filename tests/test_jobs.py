@@ -22,6 +22,7 @@ from gpuwatch.core.settings import local_collector
 from gpuwatch.v1 import query_pb2 as q
 from gpuwatch.v1 import telemetry_pb2 as pb
 from gpuwatch.collector.store import open_store
+from gpuwatch.simulator.job import SimJob
 from helpers import (KINETO_SAMPLED, SPAN_FIELDS, STEP_US, STORE_KINDS, WORLD, alertmanager_alerts, data_parallel_job,
                      make_batch, poll, span_row, store_url, write_spans)
 
@@ -199,5 +200,39 @@ def test_steps_and_per_step_breakdowns_outlive_the_raw_span_window(kind, tmp_pat
         assert doc["history"]["steps"] == 20 and doc["history"]["ranks"] == WORLD
         assert doc["history"]["breakdown_us"]["comm_wait"] > 0  # rank 1's peers wait for it in every step
         assert max(r["window_us"] for r in doc["ranks"]) <= 6 * STEP_US  # the live part: the raw window only
+    finally:
+        store.close()
+
+
+class _SteadyStraggler(SimJob):
+    """A simulated job whose last rank computes a steady 12 % longer than its peers: a straggler by the spec's
+    10 % busy-time rule, but only just."""
+
+    def slow_factor(self, t_s: float) -> float:
+        return 1.12
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_a_window_that_begins_inside_a_step_judges_every_rank_over_the_same_whole_steps(kind, tmp_path):
+    """The window's start falls between the peers' and the slow rank's last all_reduce of a step: cut span by
+    span, the slow rank counted one step more (its collective alone), its busy time per step fell below the
+    10 % rule and it was no straggler."""
+    store = open_store(store_url(kind, tmp_path))
+    try:
+        clock = [time.time() - 30.0]
+        job = _SteadyStraggler("edge-job", "node-0", lambda: clock[0], ranks=4, step_s=1.0)
+        clock[0] += 25.0
+        table = job.spans()
+        builder = BatchBuilder(pb.NodeIdentity(node="node-0"), "agent-spans")
+        builder.add_spans(table)
+        store.write(builder.build(1))
+        rows = [dict(zip(SPAN_FIELDS, values)) for values in zip(*(getattr(table, f) for f in SPAN_FIELDS))]
+        last_of_step = [r for r in rows if r["kind"] == "collective" and r["step"] == 10 and r["seq"] % 3 == 2]
+        peers, slow = (max(r["start_us"] for r in last_of_step if (r["rank"] == 3) == late) for late in (False, True))
+        window_s = 10.0
+        now = (peers + slow) / 2 + window_s * 1e6  # the window opens between the two arrivals
+        flags = _monitor(store, window_s=window_s, hang_threshold_s=600).check_once(now)
+        (straggler,) = flags["edge-job"]["stragglers"]
+        assert straggler["rank"] == 3 and straggler["busy_ratio"] == pytest.approx(1.12, abs=1e-3)
     finally:
         store.close()

@@ -144,6 +144,19 @@ def analyse_spans(rows: pd.DataFrame, job_id: str, per_step: bool = False) -> An
         return None
 
 
+def whole_steps_since(rows: pd.DataFrame, since_us: float) -> pd.DataFrame:
+    """A job's ``rows`` of the whole steps that began at or after ``since_us``, every rank's spans of each
+    (and the rows of no step that began then). Whole: where the job marks its steps' ends, a step no rank has
+    marked yet (the one running now) waits for the next round. Cut span by span instead, a rank could count a
+    step with only part of its work in the window, a collective begun after the cut or a chunk still running,
+    and its busy time per step, which decides a straggler, would drop by up to a step's share."""
+    known = rows["step"] >= 0
+    began = rows["start_us"].where(known).groupby(rows["step"].where(known)).transform("min")
+    marked = rows.loc[rows["kind"] == "step", "step"]
+    ended = rows["step"].isin(marked) if len(marked) else known
+    return rows[(known & ended & (began >= since_us)) | (~known & (rows["start_us"] >= since_us))]
+
+
 class JobsMonitor(PeriodicService["JobsStore"]):
     """Collector service: every ``interval_s``, breakdown, stragglers and hangs of every running job."""
 
@@ -218,7 +231,8 @@ class JobsMonitor(PeriodicService["JobsStore"]):
     def _job_flags(self, job_id: str, rows: pd.DataFrame, new_rows: pd.DataFrame, now_us: float,
                    hang: dict | None) -> dict[str, Any]:
         """Flags from the window's rows; lost GPU seconds grow by the rows ingested since the last round."""
-        doc = analyse_spans(rows[rows["start_us"] >= now_us - self.window_s * 1e6], job_id)
+        window = whole_steps_since(rows, now_us - self.window_s * 1e6)
+        doc = analyse_spans(window, job_id)
         fresh = analyse_spans(new_rows, job_id, per_step=True) if len(new_rows) else None
         if fresh:  # the per-step aggregates that outlive the raw spans
             steps = breakdown_rows(fresh)
@@ -232,7 +246,6 @@ class JobsMonitor(PeriodicService["JobsStore"]):
         flagged = {(job_id, s["rank"]) for s in stragglers}
         for key in [k for k in self._since if k[0] == job_id and k not in flagged]:
             del self._since[key]
-        window = rows[rows["start_us"] >= now_us - self.window_s * 1e6]
         return {
             "slow_ranks": self._slow_ranks(job_id, window, [d.rank for d in doc.delayed] if doc else []),
             "breakdown": doc.job.breakdown_fraction if doc else {},
