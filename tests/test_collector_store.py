@@ -319,6 +319,16 @@ def test_queries_written_once_answer_on_both_engines(store):
                                                                               ["node-2", "node-1"])
     assert store.stopped_agents().empty
     assert store.newest_sample_ms() == newest_ms
+    # each GPU's newest sample, reading only some nodes' samples after a time: what a scoring round reads
+    assert store.newest_samples() == {(n, i): newest_ms if n == "node-1" else newest_ms - 1000 * TICKS
+                                      for n in ("node-1", "node-2") for i in (0, 1)}
+    assert store.newest_samples(newest_ms - 1000, ["node-1", "node-2"]) == {("node-1", 0): newest_ms,
+                                                                            ("node-1", 1): newest_ms}
+    assert store.newest_samples(newest_ms) == {} and store.newest_samples(None, []) == {}
+    assert store.gpu_uuids() == {(n, i): f"GPU-{n}-{i}" for n in ("node-1", "node-2") for i in (0, 1)}
+    stored_at = {n["node"]: n["last_seen_ms"] for n in store.nodes()}  # the agents' last batches, wall clock
+    for since in sorted(stored_at.values()) + [max(stored_at.values()) + 1]:
+        assert store.nodes_heard_since(since) == sorted(n for n, at in stored_at.items() if at >= since)
     (job,) = store.sample_jobs()
     assert (job["job_id"], list(job["nodes"]), job["gpus"], job["ranks"]) == ("job-7", ["node-1", "node-2"], 2, 1)
     assert store.span_job_ids() == [] and store.traced_jobs() == []

@@ -286,12 +286,18 @@ def test_a_node_whose_data_arrives_after_the_data_clock_passed_its_times_is_stil
 
 def test_a_restarted_scorer_catches_up_only_data_that_arrives_after_it_started(store, model, monkeypatch):
     """What the store held when the scorer was bound was scored by the collector before (or never will be live):
-    re-scoring up to two days of it step by step at every restart would cost a fleet's history per restart."""
+    re-scoring up to two days of it step by step at every restart would cost a fleet's history per restart.
+    And to find new data a round reads only the samples after the newest it saw of the nodes whose agents sent
+    batches since its last look; it read the inventory with every GPU's sample count, newest sample and owner,
+    a scan of the whole raw tier (two days of the fleet's samples), twice a round."""
     import gpuwatch.collector.scoring as scoring
 
-    histories = []
-    real_history = scoring.score_history
+    histories, reads = [], []
+    real_history, newest_samples = scoring.score_history, store.newest_samples
     monkeypatch.setattr(scoring, "score_history", lambda *a, **k: histories.append(a[2:4]) or real_history(*a, **k))
+    monkeypatch.setattr(store, "newest_samples",
+                        lambda after=None, nodes=None: reads.append((after, nodes)) or newest_samples(after, nodes))
+    monkeypatch.setattr(store, "gpus", lambda *a, **k: pytest.fail("a scoring round read every stored sample"))
     hub = AlertHub(model.alert_policy())
     hub.start(store)
     try:
@@ -305,5 +311,8 @@ def test_a_restarted_scorer_catches_up_only_data_that_arrives_after_it_started(s
             store.write(batch)
         scorer.score_once()
         assert histories == [(newest, store.newest_sample_ms() - 1)]  # the 3 h that came at once, step by step
+        node = str(later["node"].iloc[0])
+        assert reads == [(None, None), (newest, [node]), (newest, [node])]  # bound: all, once; rounds: the new
     finally:
         hub.stop()
+

@@ -160,7 +160,7 @@ def _scored_rows(store: Inventory, model: FailureModel | None, feats: pd.DataFra
     health = rules.states(feats)
     risks = model.risk(feats) if model else [None] * len(feats)
     signals = model.top_signals(feats, TOP_SIGNALS) if model else [[] for _ in range(len(feats))]
-    uuids = {(g["node"], g["index"]): g["uuid"] or "" for g in store.gpus()}
+    uuids = store.gpu_uuids()
     jobs, ranks = owners["job_id"].to_numpy(), owners["rank"].to_numpy()
     out = []
     for i, (node, gpu) in enumerate(zip(feats["node"], feats["gpu_index"].astype(int))):
@@ -199,12 +199,10 @@ WALL, DATA, AUTO = "wall", "data", "auto"
 AUTO_SKEW_S = 900.0
 #: On the data clock, the most data time one round scores step by step when data arrived faster than rounds.
 CATCH_UP_S = 2 * 86_400.0
-
-
-def _newest_per_gpu(store: Inventory) -> dict[tuple[str, int], int]:
-    """Each stored GPU's newest sample time (epoch ms), by (node, GPU index)."""
-    return {(g["node"], int(g["index"])): int(g["last_sample_ms"]) for g in store.gpus()
-            if g.get("last_sample_ms") is not None}
+#: A node counts as heard from when its agent's batch was stored this long before the last catch-up asked:
+#: room for the time between a batch's arrival and its samples becoming readable, and for clock skew between
+#: the collectors that share a store.
+HEARD_MARGIN_S = 300.0
 
 
 def newest_sample_ms(store: SampleQueries) -> int | None:
@@ -249,8 +247,11 @@ class Scorer(PeriodicService["ScoringReads"]):
         self.history = MinuteHistory(history_s)
         self.rounds = 0
         self.scored_at_ms: int | None = None  # the "now" of the last round
-        # per GPU, its newest sample time when the catch-up last looked at it
+        # per GPU, its newest sample time when the catch-up last looked at it; per node, the newest of its GPUs'
+        # (or, for a node without samples, the data time of that look): its new samples lie after it
         self._caught_up_ms: dict[tuple[str, int], int] = {}
+        self._node_seen_ms: dict[str, int] = {}
+        self._heard_ms = 0  # the wall clock (epoch ms) when the catch-up last asked which agents sent batches
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -258,7 +259,11 @@ class Scorer(PeriodicService["ScoringReads"]):
         """Use ``store``; what it already holds counts as scored (by an earlier collector, or not at all), so
         the catch-up covers only data that arrives from now on, not, after a restart, two days of history."""
         super().bind(store)
-        self._caught_up_ms = _newest_per_gpu(store)
+        self._heard_ms = int(time.time() * 1000)
+        self._caught_up_ms = store.newest_samples()
+        self._node_seen_ms = {}
+        for (node, _), t in self._caught_up_ms.items():
+            self._node_seen_ms[node] = max(t, self._node_seen_ms.get(node, t))
 
     def start(self, store: ScoringReads) -> Mapping[str, Any]:
         if self._load_model is None:
@@ -333,12 +338,22 @@ class Scorer(PeriodicService["ScoringReads"]):
 
         What is new is judged per GPU, by its newest sample against the one seen at its last catch-up, not by
         the newest time in the store: one node's recording may arrive after another's has already carried the
-        data clock past all of its times."""
+        data clock past all of its times. Only the nodes whose agents sent batches since the last look are
+        read, and of them only the samples after the oldest of their nodes' newest seen: a round reads about
+        one round of samples, not the whole raw tier."""
         store = self._store
         if self.hub is None or self.model is None or store is None:
             return  # nothing scored (the model may still be loading): the next round starts from the same place
-        newest = _newest_per_gpu(store)
+        asked_ms = int(time.time() * 1000)
+        heard = store.nodes_heard_since(self._heard_ms - int(HEARD_MARGIN_S * 1000))
+        self._heard_ms = asked_ms
         floor = now_ms - int(CATCH_UP_S * 1000)
+        after = max(floor, min((self._node_seen_ms.get(node, floor) for node in heard), default=floor))
+        newest = store.newest_samples(after, heard)
+        for (node, _), t in newest.items():
+            self._node_seen_ms[node] = max(t, self._node_seen_ms.get(node, t))
+        for node in heard:  # no GPU samples in two days of data: it has nothing to catch up before now
+            self._node_seen_ms.setdefault(node, now_ms)
         keeps_up_ms = max(self.model.step_s * 1000, int(self.interval_s * 1000))
         # the GPUs whose new data this round's live score at ``now_ms`` does not cover (more of it than a step,
         # or behind the data clock), and where their new data starts

@@ -74,6 +74,22 @@ class SqlQueries:
             WHERE {node_param} IS NULL OR g.node = {node_param} ORDER BY g.node, g."index"{d.join_nulls}""",
             {"node": node})
 
+    def gpu_uuids(self) -> dict[tuple[str, int], str]:
+        """Each inventoried GPU's UUID ("" if unknown) by (node, index), from the inventory alone: unlike
+        :meth:`gpus`, no sample is read."""
+        uuid = self.dialect.arg_max("uuid", "last_seen")
+        df = self.query_df(f'SELECT node, "index" AS gpu_index, {uuid} AS uuid FROM gpus GROUP BY node, "index"')
+        return {(str(n), int(i)): u if isinstance(u, str) else ""
+                for n, i, u in zip(df["node"], df["gpu_index"], df["uuid"])}
+
+    def nodes_heard_since(self, since_ms: int) -> list[str]:
+        """The nodes whose agent's latest batch was stored at or after ``since_ms`` (epoch ms, the storing
+        collector's wall clock)."""
+        d = self.dialect
+        df = self.query_df(f"SELECT DISTINCT node FROM agents WHERE {d.since('last_seen', 'since')} ORDER BY node",
+                           {"since": d.time(since_ms)})
+        return [str(n) for n in df["node"]]
+
     def agent_health(self) -> list[dict[str, Any]]:
         """Per node: batches its agent dropped from a full spool (``spool_dropped`` events) and last batch (ms)."""
         d = self.dialect
@@ -297,6 +313,19 @@ class SqlQueries:
             SELECT node, ts, {', '.join(fields.HOST_FIELD_NAMES)} FROM host_samples
             WHERE {d.since('ts', 'since')} AND {d.in_list('node', 'nodes')}
             ORDER BY node, ts""", {"since": d.time(since_ms), "nodes": d.list_value(nodes)})
+
+    def newest_samples(self, after_ms: int | None = None, nodes: Sequence[str] | None = None
+                       ) -> dict[tuple[str, int], int]:
+        """Each GPU's newest sample time (epoch ms) by (node, GPU index), reading only the samples after
+        ``after_ms`` (None: all) of ``nodes`` (None: every node); a GPU without such samples is left out."""
+        if nodes is not None and not nodes:
+            return {}
+        d = self.dialect
+        df = self.query_df(f"""
+            SELECT node, gpu_index, {d.epoch_ms('max(ts)')} AS t FROM gpu_samples
+            WHERE {d.since('ts', 'after', strict=True)} AND {d.in_list('node', 'nodes')}
+            GROUP BY node, gpu_index""", {"after": d.time(after_ms), "nodes": d.list_value(nodes)})
+        return {(str(n), int(i)): int(t) for n, i, t in zip(df["node"], df["gpu_index"], df["t"])}
 
     def newest_sample_ms(self) -> int | None:
         """The time of the newest stored GPU sample (epoch ms), None before the first."""
