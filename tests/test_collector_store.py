@@ -76,6 +76,26 @@ def test_reads_return_what_was_written(store):
         store.series("node-1", 0, "gpu_nonsense")
 
 
+def test_latest_values_follow_what_arrives_reading_only_the_new_samples_and_drop_deleted_gpus(store, monkeypatch):
+    """The latest values were a scan of every raw sample at each read (/metrics reads them every few seconds);
+    now a read merges the samples stored since the last one, and equals a whole read."""
+    store.write(make_batch(1))
+    store.write(make_batch(1, agent="agent-2", node="node-2"))
+    assert store.latest() == store.latest_since(None, None) and len(store.latest()) == 4
+    reads = []
+    latest_since = store.latest_since
+    monkeypatch.setattr(store, "latest_since", lambda after, nodes: reads.append((after, nodes)) or
+                        latest_since(after, nodes))
+    store.write(make_batch(2))
+    assert store.latest() == latest_since(None, None)  # the memory temperature of batch 1's first tick kept
+    first_newest_ms = T0_MS + 1000 * (TICKS + TICKS - 1)
+    assert reads == [(first_newest_ms, ["node-1", "node-2"])]  # the new samples of the nodes that sent
+    last_old_ms = T0_MS + 1000 * (1 * TICKS + TICKS - 1)
+    store.write(make_batch(1000))
+    store.apply_retention(now_ms=last_old_ms + RETENTION_DAYS * 86_400_000 + 1)  # node-2's samples all expire
+    assert store.latest() == latest_since(None, None) and {r["node"] for r in store.latest()} == {"node-1"}
+
+
 def test_retention_deletes_only_rows_older_than_the_window(store):
     store.write(make_batch(1))
     store.write(make_batch(1000))

@@ -28,6 +28,7 @@ from gpuwatch.collector.alert_hub import AlertHub
 from gpuwatch.collector.alerts import RiskObservation
 from gpuwatch.collector.failed import Failure, failed_gpus, failure_timeline
 from gpuwatch.collector.periodic import PeriodicService
+from gpuwatch.collector.store.arrivals import SampleArrivals
 from gpuwatch.collector.store.base import EventQueries, IngestStats, Inventory, SampleQueries
 from gpuwatch.collector.store.dialect import ms_to_datetime
 from gpuwatch.models import features as feature_module
@@ -199,10 +200,6 @@ WALL, DATA, AUTO = "wall", "data", "auto"
 AUTO_SKEW_S = 900.0
 #: On the data clock, the most data time one round scores step by step when data arrived faster than rounds.
 CATCH_UP_S = 2 * 86_400.0
-#: A node counts as heard from when its agent's batch was stored this long before the last catch-up asked:
-#: room for the time between a batch's arrival and its samples becoming readable, and for clock skew between
-#: the collectors that share a store.
-HEARD_MARGIN_S = 300.0
 
 
 def newest_sample_ms(store: SampleQueries) -> int | None:
@@ -247,11 +244,9 @@ class Scorer(PeriodicService["ScoringReads"]):
         self.history = MinuteHistory(history_s)
         self.rounds = 0
         self.scored_at_ms: int | None = None  # the "now" of the last round
-        # per GPU, its newest sample time when the catch-up last looked at it; per node, the newest of its GPUs'
-        # (or, for a node without samples, the data time of that look): its new samples lie after it
+        # per GPU, its newest sample time when the catch-up last looked at it
         self._caught_up_ms: dict[tuple[str, int], int] = {}
-        self._node_seen_ms: dict[str, int] = {}
-        self._heard_ms = 0  # the wall clock (epoch ms) when the catch-up last asked which agents sent batches
+        self._arrivals = SampleArrivals()
         self._latest: dict[tuple[str, int], dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -259,11 +254,10 @@ class Scorer(PeriodicService["ScoringReads"]):
         """Use ``store``; what it already holds counts as scored (by an earlier collector, or not at all), so
         the catch-up covers only data that arrives from now on, not, after a restart, two days of history."""
         super().bind(store)
-        self._heard_ms = int(time.time() * 1000)
-        self._caught_up_ms = store.newest_samples()
-        self._node_seen_ms = {}
-        for (node, _), t in self._caught_up_ms.items():
-            self._node_seen_ms[node] = max(t, self._node_seen_ms.get(node, t))
+        self._arrivals = SampleArrivals()
+        after, nodes = self._arrivals.where(store)
+        self._caught_up_ms = store.newest_samples(after, nodes)
+        self._arrivals.saw(self._caught_up_ms, nodes)
 
     def start(self, store: ScoringReads) -> Mapping[str, Any]:
         if self._load_model is None:
@@ -338,22 +332,15 @@ class Scorer(PeriodicService["ScoringReads"]):
 
         What is new is judged per GPU, by its newest sample against the one seen at its last catch-up, not by
         the newest time in the store: one node's recording may arrive after another's has already carried the
-        data clock past all of its times. Only the nodes whose agents sent batches since the last look are
-        read, and of them only the samples after the oldest of their nodes' newest seen: a round reads about
-        one round of samples, not the whole raw tier."""
+        data clock past all of its times. Only what arrived since the last look is read
+        (:mod:`~gpuwatch.collector.store.arrivals`): about one round of samples, not the whole raw tier."""
         store = self._store
         if self.hub is None or self.model is None or store is None:
             return  # nothing scored (the model may still be loading): the next round starts from the same place
-        asked_ms = int(time.time() * 1000)
-        heard = store.nodes_heard_since(self._heard_ms - int(HEARD_MARGIN_S * 1000))
-        self._heard_ms = asked_ms
         floor = now_ms - int(CATCH_UP_S * 1000)
-        after = max(floor, min((self._node_seen_ms.get(node, floor) for node in heard), default=floor))
-        newest = store.newest_samples(after, heard)
-        for (node, _), t in newest.items():
-            self._node_seen_ms[node] = max(t, self._node_seen_ms.get(node, t))
-        for node in heard:  # no GPU samples in two days of data: it has nothing to catch up before now
-            self._node_seen_ms.setdefault(node, now_ms)
+        after, nodes = self._arrivals.where(store, floor)
+        newest = store.newest_samples(after, nodes)
+        self._arrivals.saw(newest, nodes)
         keeps_up_ms = max(self.model.step_s * 1000, int(self.interval_s * 1000))
         # the GPUs whose new data this round's live score at ``now_ms`` does not cover (more of it than a step,
         # or behind the data clock), and where their new data starts

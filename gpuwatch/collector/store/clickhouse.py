@@ -353,6 +353,8 @@ class ClickHouseStore(EngineStore):
             self._expire_tiers(None)
         if trim and self.span_retention_s:
             self._trim(self.span_retention_s)
+        if retention:
+            self.latest_values.forget()  # a GPU whose samples were deleted leaves the latest values
 
     def _task_argument(self) -> Any:
         return self._client()
@@ -448,7 +450,7 @@ class ClickHouseStore(EngineStore):
                  ms_to_datetime(cutoff).isoformat(), deleted)
         return deleted
 
-    def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
+    def _delete_expired(self, now_ms: int | None, timeout: float | None) -> dict[str, int]:
         """Delete rows older than ``retention_days`` before ``now_ms`` at once (the TTL does it on merges), and
         raw GPU samples past ``raw_retention_s`` once rolled up."""
         tiered = self.run_write(lambda _: self._expire_tiers(now_ms), timeout) if self.raw_retention_s else {}

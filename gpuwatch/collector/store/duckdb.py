@@ -158,7 +158,7 @@ class DuckDBStore(EngineStore):
         super().__init__(dict(self._con.execute("SELECT agent_id, last_sequence FROM agents").fetchall()), opts)
 
     # ----------------------------------------------------------------------------------------- writes
-    def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
+    def _delete_expired(self, now_ms: int | None, timeout: float | None) -> dict[str, int]:
         """Delete rows older than ``retention_days`` before ``now_ms``, and raw GPU samples past
         ``raw_retention_s`` once rolled up; return rows deleted per table."""
         tiered = self.run_write(lambda con: self._expire_tiers(now_ms), timeout) if self.raw_retention_s else {}
@@ -237,6 +237,8 @@ class DuckDBStore(EngineStore):
             _delete_before(self._con, ms_to_datetime(self._retention_cutoff_ms()))
         if trim and self.span_retention_s:
             _trim_spans(self._con, self.span_retention_s)
+        if retention:
+            self.latest_values.forget()  # a GPU whose samples were deleted leaves the latest values
 
     def _task_argument(self) -> duckdb.DuckDBPyConnection:
         return self._con

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from gpuwatch.collector.store import owner_tables, rollups
 from gpuwatch.collector.store.base import DEFAULT_SPAN_TRIM_INTERVAL_S
 from gpuwatch.collector.store.inventory import InventoryCache
+from gpuwatch.collector.store.latest_values import LatestValues
 from gpuwatch.collector.store.queries import SqlQueries
 from gpuwatch.collector.store.writer import GroupWriter
 from gpuwatch.core.settings import DEFAULT_MEMORY_LIMIT, DEFAULT_SPAN_RETENTION_S
@@ -42,7 +43,19 @@ class EngineStore(SqlQueries, GroupWriter):
         self._dirty = rollups.DirtyMinutes()
         self._owners_pending = owner_tables.PendingOwners()
         self._inventory = InventoryCache()
+        self.latest_values = LatestValues()
         super().__init__(
             last_sequence, retention_days=options.retention_days, span_retention_s=options.span_retention_s,
             retention_interval_s=options.retention_interval_s, span_trim_interval_s=options.span_trim_interval_s,
             max_group_batches=options.max_group_batches, max_queued_batches=options.max_queued_batches)
+
+    def apply_retention(self, now_ms: int | None = None, timeout: float | None = None) -> dict[str, int]:
+        """Delete rows older than ``retention_days`` before ``now_ms``, and raw GPU samples past
+        ``raw_retention_s`` once rolled up; return rows deleted per table."""
+        try:
+            return self._delete_expired(now_ms, timeout)
+        finally:
+            self.latest_values.forget()  # a GPU whose samples are all gone leaves the latest values
+
+    def _delete_expired(self, now_ms: int | None, timeout: float | None) -> dict[str, int]:
+        raise NotImplementedError

@@ -15,6 +15,7 @@ import pandas as pd
 
 from gpuwatch.collector.store import rollups
 from gpuwatch.collector.store.dialect import Dialect
+from gpuwatch.collector.store.latest_values import LatestValues
 from gpuwatch.core import events as event_kinds
 from gpuwatch.core import fields
 from gpuwatch.core.errors import NotFound, UserError
@@ -29,6 +30,7 @@ class SqlQueries:
     """The read queries both engines answer with the same SQL, spelled by ``dialect``."""
 
     dialect: ClassVar[Dialect]
+    latest_values: LatestValues  # the engine's, made when it opens
 
     def query_df(self, sql: str, params: dict[str, Any] | None = None) -> pd.DataFrame:
         raise NotImplementedError
@@ -104,13 +106,20 @@ class SqlQueries:
 
     def latest(self, node: str | None = None, gpu_index: int | None = None) -> list[dict[str, Any]]:
         """Per GPU: the time of its last sample and the last non-NULL value of every field (None if never)."""
+        return [row for row in self.latest_values.rows(self)
+                if (node is None or row["node"] == node) and (gpu_index is None or row["gpu_index"] == gpu_index)]
+
+    def latest_since(self, after_ms: int | None, nodes: Sequence[str] | None) -> list[dict[str, Any]]:
+        """:meth:`latest` of the samples after ``after_ms`` (None: all) of ``nodes`` (None: every node) alone."""
+        if nodes is not None and not nodes:
+            return []
         d = self.dialect
         values = ", ".join(f"{d.last(name, 'ts')} AS {name}" for name in fields.GPU_FIELD_NAMES)
-        node_param, gpu_param = d.param("node", "Nullable(String)"), d.param("gpu", "Nullable(Int32)")
         return self._records(f"""
             SELECT node, gpu_index, {d.epoch_ms('max(ts)')} AS ts_ms, {values} FROM gpu_samples
-            WHERE ({node_param} IS NULL OR node = {node_param}) AND ({gpu_param} IS NULL OR gpu_index = {gpu_param})
-            GROUP BY node, gpu_index ORDER BY node, gpu_index""", {"node": node, "gpu": gpu_index})
+            WHERE {d.since('ts', 'after', strict=True)} AND {d.in_list('node', 'nodes')}
+            GROUP BY node, gpu_index ORDER BY node, gpu_index""",
+            {"after": d.time(after_ms), "nodes": d.list_value(nodes)})
 
     def _check_gpu(self, node: str, gpu_index: int | None = None) -> None:
         """NotFound naming a node (or GPU) the store has never heard of, so an empty answer is never a typo."""
