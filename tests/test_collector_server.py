@@ -246,10 +246,12 @@ def test_a_stream_silent_past_the_idle_limit_is_closed_and_its_batches_were_acke
 
 
 def test_a_client_gone_while_its_batches_wait_for_the_commit_stops_no_one(collector, channel):
-    gate = threading.Event()
-    blocker = threading.Thread(target=collector.store.run_write, args=(lambda con: gate.wait(120),))
+    gate, busy = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=collector.store.run_write, args=(lambda con: busy.set() or gate.wait(120),))
     blocker.start()  # the writer is busy: batches that arrive now wait for their commit
     try:
+        # in its task, not yet taking it: batches queued meanwhile would be taken along and never counted queued
+        poll(busy.is_set, 60, "the writer to run the blocking task")
         call = channel.stream_stream("/gpuwatch.v1.Ingest/Stream", request_serializer=bytes,
                                      response_deserializer=pb.BatchAck.FromString)(
             iter([make_batch(s, agent="leaver").SerializeToString() for s in (1, 2, 3)]))
