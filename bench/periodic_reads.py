@@ -5,10 +5,11 @@ side by side.
   sample and owner (``gpus()``: a scan of every raw sample), read twice a round. Now: the nodes whose agents
   sent batches since the last look (``nodes_heard_since``, the small agents table), the newest sample per GPU
   of those nodes after what the round saw a round ago (``newest_samples``), and the UUIDs from the inventory
-  alone (``gpu_uuids``).
+  alone (``gpu_identities``).
 - The latest values (/metrics every few seconds, the Latest query). Before: the last non-NULL value of every
   field per GPU over every raw sample (``latest_since(None, None)``, the old query). Now: ``latest()``, which
-  merges the samples that arrived since its previous read (none here: the cost of looking).
+  merges the samples that arrived since its previous read (none here: the cost of looking). And the whole
+  /metrics snapshot as it is built now (before, it read both ``gpus()`` and the old latest values).
 
 The samples are generated in the store by SQL (utilisation only, the other fields NULL): ``--gpus`` GPUs, 8 per
 node, at 1 Hz for ``--hours`` ending now, in time order as agents deliver them. Each engine runs in a process
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpuwatch.collector.snapshot import build_snapshot
 from gpuwatch.collector.store import open_store
 
 ROUND_S = 60  # the default scoring interval: a round's new data
@@ -89,13 +91,13 @@ def measure(engine: str, gpus: int, hours: float) -> dict[str, Any]:
 
             def look() -> object:
                 nodes = store.nodes_heard_since(int(time.time() * 1000) - 300_000)
-                return store.newest_samples(seen_ms, nodes), store.gpu_uuids()
+                return store.newest_samples(seen_ms, nodes), store.gpu_identities()
 
             store.latest()  # the first read is whole; the next ones merge what arrived since
             return {"engine": engine, "rows": gpus * int(hours * 3600), "fill_s": round(filled, 1),
                     "look_before": timed(lambda: (store.gpus(), store.gpus())), "look_now": timed(look),
                     "latest_before": timed(lambda: store.latest_since(None, None)),
-                    "latest_now": timed(store.latest)}
+                    "latest_now": timed(store.latest), "render_now": timed(lambda: build_snapshot(store))}
         finally:
             store.close()
 
@@ -112,7 +114,7 @@ def main() -> None:
         return
     print(f"{args.gpus} GPUs x {args.hours:g} h of raw samples at 1 Hz; median wall s / CPU s of each read")
     print(f"{'engine':<8}{'rows':>13}  {'scoring round look: before':>27}{'now':>16}  "
-          f"{'latest values: before':>22}{'now':>16}")
+          f"{'latest values: before':>22}{'now':>16}  {'/metrics snapshot now':>22}")
     for engine in args.engines.split(","):
         run = subprocess.run([sys.executable, __file__, "--one", engine, "--gpus", str(args.gpus),
                               "--hours", str(args.hours)], capture_output=True, text=True)
@@ -120,8 +122,9 @@ def main() -> None:
             sys.exit(f"periodic_reads: {engine} failed: {run.stderr.strip().splitlines()[-1]}")
         r = json.loads(run.stdout.strip().splitlines()[-1])
         cells = [f"{r[k]['wall_s']:.3f} / {r[k]['cpu_s']:.3f}"
-                 for k in ("look_before", "look_now", "latest_before", "latest_now")]
-        print(f"{engine:<8}{r['rows']:>13,}  {cells[0]:>27}{cells[1]:>16}  {cells[2]:>22}{cells[3]:>16}")
+                 for k in ("look_before", "look_now", "latest_before", "latest_now", "render_now")]
+        print(f"{engine:<8}{r['rows']:>13,}  {cells[0]:>27}{cells[1]:>16}  {cells[2]:>22}{cells[3]:>16}"
+              f"  {cells[4]:>22}")
 
 if __name__ == "__main__":
     main()

@@ -90,6 +90,15 @@ def test_latest_values_follow_what_arrives_reading_only_the_new_samples_and_drop
     assert store.latest() == latest_since(None, None)  # the memory temperature of batch 1's first tick kept
     first_newest_ms = T0_MS + 1000 * (TICKS + TICKS - 1)
     assert reads == [(first_newest_ms, ["node-1", "node-2"])]  # the new samples of the nodes that sent
+    owners = {(g["node"], g["index"]): (g["job_id"], g["rank"]) for g in store.gpus()}
+    assert {(r["node"], r["gpu_index"]): (r["job_id"], r["rank"]) for r in store.latest()} == owners
+    from gpuwatch.collector.snapshot import build_snapshot  # /metrics: identities and owners without gpus()
+
+    monkeypatch.setattr(store, "gpus", lambda *a, **k: pytest.fail("/metrics read every stored sample"))
+    snapshot = build_snapshot(store)["gpus"]
+    shown = {(g["node"], g["gpu"]): (g["job_id"] or None, None if g["rank"] < 0 else g["rank"]) for g in snapshot}
+    assert shown == owners
+    assert {g["gpu_uuid"] for g in snapshot} == {f"GPU-{n}-{i}" for n, i in owners}
     last_old_ms = T0_MS + 1000 * (1 * TICKS + TICKS - 1)
     store.write(make_batch(1000))
     store.apply_retention(now_ms=last_old_ms + RETENTION_DAYS * 86_400_000 + 1)  # node-2's samples all expire
@@ -345,7 +354,8 @@ def test_queries_written_once_answer_on_both_engines(store):
     assert store.newest_samples(newest_ms - 1000, ["node-1", "node-2"]) == {("node-1", 0): newest_ms,
                                                                             ("node-1", 1): newest_ms}
     assert store.newest_samples(newest_ms) == {} and store.newest_samples(None, []) == {}
-    assert store.gpu_uuids() == {(n, i): f"GPU-{n}-{i}" for n in ("node-1", "node-2") for i in (0, 1)}
+    assert store.gpu_identities() == {(n, i): {"uuid": f"GPU-{n}-{i}", "name": "H100"}
+                                      for n in ("node-1", "node-2") for i in (0, 1)}
     stored_at = {n["node"]: n["last_seen_ms"] for n in store.nodes()}  # the agents' last batches, wall clock
     for since in sorted(stored_at.values()) + [max(stored_at.values()) + 1]:
         assert store.nodes_heard_since(since) == sorted(n for n, at in stored_at.items() if at >= since)

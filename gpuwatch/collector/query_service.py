@@ -53,7 +53,7 @@ def list_gpus(request: q.ListGpusRequest, store: Store) -> q.ListGpusResponse:
 
 def latest(request: q.LatestRequest, store: Store) -> q.LatestResponse:
     rows = store.latest(request.node or None, None if request.gpu_index < 0 else request.gpu_index)
-    identity = {"node", "gpu_index", "ts_ms"}
+    identity = {"node", "gpu_index", "ts_ms", "job_id", "rank"}
     return q.LatestResponse(rows=[
         q.LatestRow(node=r["node"], gpu_index=r["gpu_index"], ts_ms=r["ts_ms"],
                     values={k: v for k, v in r.items() if k not in identity and v is not None})

@@ -161,13 +161,13 @@ def _scored_rows(store: Inventory, model: FailureModel | None, feats: pd.DataFra
     health = rules.states(feats)
     risks = model.risk(feats) if model else [None] * len(feats)
     signals = model.top_signals(feats, TOP_SIGNALS) if model else [[] for _ in range(len(feats))]
-    uuids = store.gpu_uuids()
+    identities = store.gpu_identities()
     jobs, ranks = owners["job_id"].to_numpy(), owners["rank"].to_numpy()
     out = []
     for i, (node, gpu) in enumerate(zip(feats["node"], feats["gpu_index"].astype(int))):
         key = (node, int(gpu))
         row = {
-            "node": node, "gpu_index": key[1], "gpu_uuid": uuids.get(key) or f"{node}/{key[1]}",
+            "node": node, "gpu_index": key[1], "gpu_uuid": identities.get(key, {}).get("uuid") or f"{node}/{key[1]}",
             "job_id": jobs[i] if isinstance(jobs[i], str) and jobs[i] else None,
             "rank": int(ranks[i]) if pd.notna(ranks[i]) else None,
             "risk": None if (risk := risks[i]) is None else float(risk), "signals": signals[i],

@@ -30,7 +30,7 @@ class MetricsReads(IngestStats, Inventory, SampleQueries, EventQueries, Protocol
 
 def build_snapshot(store: MetricsReads, scorer: Scorer | None = None, jobs: JobsMonitor | None = None) -> Snapshot:
     """One consistent-enough view for one scrape (each part is read once)."""
-    inventory = {(g["node"], g["index"]): g for g in store.gpus()}
+    identities = store.gpu_identities()
     xids: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
     for row in store.xid_counts():
         xids[(row["node"], row["gpu_index"])][int(row["code"])] = int(row["n"])
@@ -39,12 +39,12 @@ def build_snapshot(store: MetricsReads, scorer: Scorer | None = None, jobs: Jobs
     gpus: list[GpuSnapshot] = []
     for row in store.latest():
         key = (row["node"], row["gpu_index"])
-        info, score = inventory.get(key, {}), scores.get(key, {})
-        gpu: GpuSnapshot = {"node": key[0], "gpu": key[1], "gpu_uuid": info.get("uuid") or "",
-               "model": info.get("name") or "",
+        identity, score = identities.get(key, {}), scores.get(key, {})
+        gpu: GpuSnapshot = {"node": key[0], "gpu": key[1], "gpu_uuid": identity.get("uuid") or "",
+               "model": identity.get("name") or "",
                "values": {name: row[name] for name in fields.GPU_FIELD_NAMES if row.get(name) is not None},
-               "xid_counts": xids.get(key, {}), "job_id": info.get("job_id") or "",
-               "rank": -1 if info.get("rank") is None else info["rank"]}
+               "xid_counts": xids.get(key, {}), "job_id": row.get("job_id") or "",
+               "rank": -1 if row.get("rank") is None else int(row["rank"])}
         owner = owner_columns(owners.get(key))
         gpu["namespace"], gpu["pod"], gpu["container"] = owner["namespace"], owner["pod"], owner["container"]
         if score.get("failed"):  # it has failed: the model's score of its last hours (idle, ~0) is not its risk

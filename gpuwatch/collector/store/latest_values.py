@@ -47,8 +47,8 @@ class LatestValues:
             for row in fresh:
                 key = (row["node"], row["gpu_index"])
                 kept = self._rows.get(key)
-                self._rows[key] = row if kept is None else {
+                self._rows[key] = row if kept is None else {  # the owner of its newest samples, whoever it is
                     **kept, **{name: value for name, value in row.items() if value is not None},
-                    "ts_ms": max(row["ts_ms"], kept["ts_ms"])}
+                    "ts_ms": max(row["ts_ms"], kept["ts_ms"]), "job_id": row["job_id"], "rank": row["rank"]}
             self._arrivals.saw({(r["node"], r["gpu_index"]): r["ts_ms"] for r in fresh}, nodes)
             return [dict(self._rows[key]) for key in sorted(self._rows)]

@@ -76,13 +76,14 @@ class SqlQueries:
             WHERE {node_param} IS NULL OR g.node = {node_param} ORDER BY g.node, g."index"{d.join_nulls}""",
             {"node": node})
 
-    def gpu_uuids(self) -> dict[tuple[str, int], str]:
-        """Each inventoried GPU's UUID ("" if unknown) by (node, index), from the inventory alone: unlike
-        :meth:`gpus`, no sample is read."""
-        uuid = self.dialect.arg_max("uuid", "last_seen")
-        df = self.query_df(f'SELECT node, "index" AS gpu_index, {uuid} AS uuid FROM gpus GROUP BY node, "index"')
-        return {(str(n), int(i)): u if isinstance(u, str) else ""
-                for n, i, u in zip(df["node"], df["gpu_index"], df["uuid"])}
+    def gpu_identities(self) -> dict[tuple[str, int], dict[str, str]]:
+        """Each inventoried GPU's ``uuid`` and ``name`` ("" if unknown) by (node, index), from the inventory
+        alone: unlike :meth:`gpus`, no sample is read."""
+        d = self.dialect
+        df = self.query_df(f'''SELECT node, "index" AS gpu_index, {d.arg_max("uuid", "last_seen")} AS uuid,
+                                      {d.arg_max("name", "last_seen")} AS name FROM gpus GROUP BY node, "index"''')
+        return {(str(n), int(i)): {"uuid": u if isinstance(u, str) else "", "name": m if isinstance(m, str) else ""}
+                for n, i, u, m in zip(df["node"], df["gpu_index"], df["uuid"], df["name"])}
 
     def nodes_heard_since(self, since_ms: int) -> list[str]:
         """The nodes whose agent's latest batch was stored at or after ``since_ms`` (epoch ms, the storing
@@ -105,7 +106,8 @@ class SqlQueries:
             GROUP BY a.node ORDER BY a.node{d.join_nulls}""")
 
     def latest(self, node: str | None = None, gpu_index: int | None = None) -> list[dict[str, Any]]:
-        """Per GPU: the time of its last sample and the last non-NULL value of every field (None if never)."""
+        """Per GPU: the time of its last sample, the job and rank of its newest samples, and the last non-NULL
+        value of every field (None if never)."""
         return [row for row in self.latest_values.rows(self)
                 if (node is None or row["node"] == node) and (gpu_index is None or row["gpu_index"] == gpu_index)]
 
@@ -116,7 +118,8 @@ class SqlQueries:
         d = self.dialect
         values = ", ".join(f"{d.last(name, 'ts')} AS {name}" for name in fields.GPU_FIELD_NAMES)
         return self._records(f"""
-            SELECT node, gpu_index, {d.epoch_ms('max(ts)')} AS ts_ms, {values} FROM gpu_samples
+            SELECT node, gpu_index, {d.epoch_ms('max(ts)')} AS ts_ms, {d.arg_max('job_id', 'ts')} AS job_id,
+                   {d.arg_max('rank', 'ts')} AS rank, {values} FROM gpu_samples
             WHERE {d.since('ts', 'after', strict=True)} AND {d.in_list('node', 'nodes')}
             GROUP BY node, gpu_index ORDER BY node, gpu_index""",
             {"after": d.time(after_ms), "nodes": d.list_value(nodes)})
