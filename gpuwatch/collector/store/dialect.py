@@ -33,6 +33,9 @@ class Dialect:
     name = "duckdb"
     #: Appended to a query with outer joins, so that a missing right side reads as NULL (not a default value).
     join_nulls = ""
+    #: Appended to a read whose answer rows stored twice cannot change (a newest time, whether any row exists):
+    #: ClickHouse then reads without folding them, and answers it from its parts' metadata.
+    unfolded = ""
 
     def param(self, name: str, ch_type: str) -> str:
         """The placeholder of parameter ``name`` (``ch_type``: its ClickHouse type)."""
@@ -128,6 +131,7 @@ class Dialect:
 class ClickHouseDialect(Dialect):
     name = "clickhouse"
     join_nulls = " SETTINGS join_use_nulls = 1"
+    unfolded = " SETTINGS final = 0"
 
     def param(self, name: str, ch_type: str) -> str:
         return f"{{{name}:{ch_type}}}"

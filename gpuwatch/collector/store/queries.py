@@ -341,7 +341,8 @@ class SqlQueries:
 
     def newest_sample_ms(self) -> int | None:
         """The time of the newest stored GPU sample (epoch ms), None before the first."""
-        df = self.query_df(f"SELECT {self.dialect.epoch_ms('max(ts)')} AS t, count(*) AS n FROM gpu_samples")
+        d = self.dialect
+        df = self.query_df(f"SELECT {d.epoch_ms('max(ts)')} AS t, count(*) AS n FROM gpu_samples{d.unfolded}")
         return int(df["t"].iloc[0]) if int(df["n"].iloc[0]) else None
 
     def sample_jobs(self) -> list[dict[str, Any]]:
