@@ -255,9 +255,7 @@ class Scorer(PeriodicService["ScoringReads"]):
         the catch-up covers only data that arrives from now on, not, after a restart, two days of history."""
         super().bind(store)
         self._arrivals = SampleArrivals()
-        after, nodes = self._arrivals.where(store)
-        self._caught_up_ms = store.newest_samples(after, nodes)
-        self._arrivals.saw(self._caught_up_ms, nodes)
+        self._caught_up_ms = self._newly_stored(store)
 
     def start(self, store: ScoringReads) -> Mapping[str, Any]:
         if self._load_model is None:
@@ -338,9 +336,7 @@ class Scorer(PeriodicService["ScoringReads"]):
         if self.hub is None or self.model is None or store is None:
             return  # nothing scored (the model may still be loading): the next round starts from the same place
         floor = now_ms - int(CATCH_UP_S * 1000)
-        after, nodes = self._arrivals.where(store, floor)
-        newest = store.newest_samples(after, nodes)
-        self._arrivals.saw(newest, nodes)
+        newest = self._newly_stored(store, floor)
         keeps_up_ms = max(self.model.step_s * 1000, int(self.interval_s * 1000))
         # the GPUs whose new data this round's live score at ``now_ms`` does not cover (more of it than a step,
         # or behind the data clock), and where their new data starts
@@ -359,6 +355,13 @@ class Scorer(PeriodicService["ScoringReads"]):
             (t, [observation(g, t) for g in gpus if g["risk"] is not None
                  and t > since.get((g["node"], g["gpu_index"]), now_ms)])
             for t, gpus in score_history(store, self.model, start, end))
+
+    def _newly_stored(self, store: ScoringReads, floor_ms: int | None = None) -> dict[tuple[str, int], int]:
+        """The newest sample time of each GPU with samples stored since the last look (the first: all of them)."""
+        after, nodes = self._arrivals.where(store, floor_ms)
+        newest = store.newest_samples(after, nodes)
+        self._arrivals.saw(newest, nodes)
+        return newest
 
     def _tell_faults(self, now_ms: int) -> None:
         """Fatal XIDs since the last round: the GPUs' recent scores were true alarms, not false ones."""

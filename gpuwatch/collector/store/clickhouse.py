@@ -345,7 +345,7 @@ class ClickHouseStore(EngineStore):
             GROUP BY agent_id, sequence SETTINGS final = 0""", parameters={"keys": [(a, int(s)) for a, s in keys]})
         return {(r["agent_id"], int(r["sequence"])): r["fingerprint"] for r in rows.to_pylist()}
 
-    def _housekeeping(self, retention: bool, trim: bool) -> None:
+    def _clean_up(self, retention: bool, trim: bool) -> None:
         # retention is the tables' TTL; only the raw spans' window is trimmed here, and GPU samples tiered
         self._build_rollups()
         self._build_owner_intervals()
@@ -353,8 +353,6 @@ class ClickHouseStore(EngineStore):
             self._expire_tiers(None)
         if trim and self.span_retention_s:
             self._trim(self.span_retention_s)
-        if retention:
-            self.latest_values.forget()  # a GPU whose samples were deleted leaves the latest values
 
     def _task_argument(self) -> Any:
         return self._client()

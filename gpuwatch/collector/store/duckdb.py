@@ -228,7 +228,7 @@ class DuckDBStore(EngineStore):
             return 0
         return self.run_write(lambda con: _trim_spans(con, retention), timeout)
 
-    def _housekeeping(self, retention: bool, trim: bool) -> None:
+    def _clean_up(self, retention: bool, trim: bool) -> None:
         self._build_rollups()
         self._build_owner_intervals()
         if retention and self.raw_retention_s:
@@ -237,8 +237,6 @@ class DuckDBStore(EngineStore):
             _delete_before(self._con, ms_to_datetime(self._retention_cutoff_ms()))
         if trim and self.span_retention_s:
             _trim_spans(self._con, self.span_retention_s)
-        if retention:
-            self.latest_values.forget()  # a GPU whose samples were deleted leaves the latest values
 
     def _task_argument(self) -> duckdb.DuckDBPyConnection:
         return self._con

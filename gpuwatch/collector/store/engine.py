@@ -59,3 +59,14 @@ class EngineStore(SqlQueries, GroupWriter):
 
     def _delete_expired(self, now_ms: int | None, timeout: float | None) -> dict[str, int]:
         raise NotImplementedError
+
+    def _housekeeping(self, retention: bool, trim: bool) -> None:
+        try:
+            self._clean_up(retention, trim)
+        finally:
+            if retention:
+                self.latest_values.forget()
+
+    def _clean_up(self, retention: bool, trim: bool) -> None:
+        """The engine's housekeeping: rollups, owner intervals, retention (when ``retention``), span trimming."""
+        raise NotImplementedError

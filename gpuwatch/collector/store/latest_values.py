@@ -43,7 +43,7 @@ class LatestValues:
             if self._read_whole_at is None or time.monotonic() - self._read_whole_at > REBUILD_S:
                 self._rows, self._arrivals, self._read_whole_at = {}, SampleArrivals(), time.monotonic()
             after, nodes = self._arrivals.where(store)
-            fresh = store.latest_since(after, nodes) if nodes is None or nodes else []
+            fresh = store.latest_since(after, nodes)
             for row in fresh:
                 key = (row["node"], row["gpu_index"])
                 kept = self._rows.get(key)
